@@ -1,0 +1,27 @@
+"""`python -m bench <name> [args]`: each benchmark is a module `bench.<name>` with `main(argv)`."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+BENCHMARKS = {
+    "micro": "hash + match + insert cost per block and index bytes per block, 1e4..1e6 blocks",
+    "ttft": "TTFT per tier as a ratio to the ideal suffix-only prefill",
+    "io": "tier bandwidth as a ratio to a baseline moving the same bytes",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in BENCHMARKS:
+        print("usage: python -m bench {" + ",".join(BENCHMARKS) + "} [args]\n")
+        for name, text in BENCHMARKS.items():
+            print(f"  {name:8s} {text}")
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    module = importlib.import_module(f"bench.{argv[0]}")
+    return int(module.main(argv[1:]) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

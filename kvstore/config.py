@@ -1,0 +1,113 @@
+"""CacheConfig: the one frozen configuration of the cache layer, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from hashing.namespace import validate_salt
+
+POLICY_NAMES = ("lru", "lfu", "slru", "s3fifo")
+CODEC_NAMES = ("none", "fp16", "bf16", "lz4", "zstd")
+WRITE_POLICIES = ("write-through", "write-back", "selective", "off")
+
+
+class ConfigError(ValueError):
+    """A configuration field is invalid; `field` names it."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+def _positive(name: str, value: float | int | None, allow_none: bool = True) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise ConfigError(name, f"must be a positive number, got {value!r}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Configuration of `PrefixCache` and its tiers. All sizes are per process."""
+
+    block_size: int = 16
+    device: str = "auto"  # "auto" (cuda if available, else cpu), "cpu", "cuda", "cuda:N"
+    device_cache_gb: float | None = None  # pool size in bytes; used when device_blocks is None
+    device_blocks: int | None = None  # pool size in blocks; wins over device_cache_gb
+    eviction_policy: str = "lru"
+    secret: str = ""  # verification-digest key (deployment secret); empty = fixed default
+    tenant_salt: str = ""
+    key_bytes: int = 16  # test hook: < 16 truncates lookup keys to force collisions
+    # --- spill tiers (all off by default) ---
+    memory_cache_gb: float = 0.0  # host-RAM tier; 0 = off
+    lmdb_dir: str | None = None
+    lmdb_map_size_gb: float = 4.0
+    redis_url: str | None = None  # redis://, rediss:// or redis+cluster://
+    redis_ttl_s: int | None = None
+    lookup_deadline_ms: float = 200.0  # one deadline per tier lookup
+    breaker_failures: int = 3  # consecutive failures that open a tier's circuit breaker
+    breaker_cooldown_s: float = 5.0
+    codec: str = "none"
+    chunk_blocks: int = 1  # blocks per stored entry
+    redis_write_policy: str = "write-through"
+    lmdb_write_policy: str = "write-back"
+    memory_write_policy: str = "write-back"
+    selective_min_hits: int = 2
+    write_queue_blocks: int = 4096  # bound of the background write queue
+    flush_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 4096:
+            raise ConfigError("block_size", f"must be an int in [1, 4096], got {self.block_size!r}")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ConfigError("device", f"must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        _positive("device_cache_gb", self.device_cache_gb)
+        if self.device_blocks is not None and (
+            not isinstance(self.device_blocks, int) or self.device_blocks < 1
+        ):
+            raise ConfigError("device_blocks", f"must be an int >= 1, got {self.device_blocks!r}")
+        self._check_choices()
+        self._check_numbers()
+        try:
+            validate_salt(self.tenant_salt)
+        except ValueError as e:
+            raise ConfigError("tenant_salt", str(e)) from None
+
+    def _check_choices(self) -> None:
+        if self.eviction_policy not in POLICY_NAMES:
+            raise ConfigError("eviction_policy", f"must be one of {POLICY_NAMES}")
+        if self.codec not in CODEC_NAMES:
+            raise ConfigError("codec", f"must be one of {CODEC_NAMES}, got {self.codec!r}")
+        for name in ("redis_write_policy", "lmdb_write_policy", "memory_write_policy"):
+            if getattr(self, name) not in WRITE_POLICIES:
+                raise ConfigError(name, f"must be one of {WRITE_POLICIES}")
+        if self.redis_url is not None and not self.redis_url.startswith(
+            ("redis://", "rediss://", "redis+cluster://", "unix://")
+        ):
+            raise ConfigError("redis_url", "must start with redis://, rediss://, redis+cluster://")
+
+    def _check_numbers(self) -> None:
+        if not isinstance(self.key_bytes, int) or not 1 <= self.key_bytes <= 16:
+            raise ConfigError("key_bytes", f"must be an int in [1, 16], got {self.key_bytes!r}")
+        if self.memory_cache_gb < 0:
+            raise ConfigError("memory_cache_gb", "must be >= 0")
+        for name in ("lmdb_map_size_gb", "lookup_deadline_ms", "breaker_cooldown_s"):
+            _positive(name, getattr(self, name), allow_none=False)
+        for name in ("breaker_failures", "chunk_blocks", "selective_min_hits"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(name, f"must be an int >= 1, got {value!r}")
+        if self.redis_ttl_s is not None and self.redis_ttl_s < 1:
+            raise ConfigError("redis_ttl_s", "must be >= 1 second or None")
+        _positive("write_queue_blocks", self.write_queue_blocks, allow_none=False)
+        _positive("flush_timeout_s", self.flush_timeout_s, allow_none=False)
+
+    @property
+    def secret_bytes(self) -> bytes:
+        from hashing import DEFAULT_SECRET
+
+        return self.secret.encode() if self.secret else DEFAULT_SECRET
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
