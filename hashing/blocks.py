@@ -81,7 +81,7 @@ class BlockHasher:
         parent: BlockHash | None = None,
         start_block: int = 0,
     ) -> list[BlockHash]:
-        """Lookup keys of every full block from `start_block` on (parent = key of the block before)."""
+        """Lookup keys of the full blocks from `start_block` on (`parent`: key before them)."""
         tokens = as_token_array(token_ids)
         views = self._block_views(tokens, start_block)
         key = self.root if parent is None else parent

@@ -50,7 +50,7 @@ class CacheConfig:
     codec: str = "none"
     chunk_blocks: int = 1  # blocks per stored entry
     redis_write_policy: str = "write-through"
-    lmdb_write_policy: str = "write-back"
+    lmdb_write_policy: str = "write-through"
     memory_write_policy: str = "write-back"
     selective_min_hits: int = 2
     write_queue_blocks: int = 4096  # bound of the background write queue

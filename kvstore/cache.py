@@ -1,0 +1,292 @@
+"""PrefixCache: the embeddable facade over the radix index, the device block pool and the tiers.
+
+Protocol for a caller (an engine, or another serving stack):
+    hit = cache.lookup(token_ids)      # locks the hit's blocks
+    kv = cache.load(hit)               # per-layer K/V of kv.num_tokens cached tokens
+    ... prefill token_ids[kv.num_tokens:], decode ...
+    cache.store(token_ids, layers)     # new full blocks
+    cache.release(hit)                 # unlock
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from hashing import BlockHash, BlockHasher, Namespace, as_token_array
+from kvstore.config import CacheConfig, ConfigError
+from kvstore.index import RadixIndex, TreeNode
+from kvstore.metrics import CacheMetrics
+from kvstore.policy import make_policy
+from kvstore.pool import BlockPool, LayerKV, PoolExhausted
+from kvstore.stores import SpillStore, make_stores
+from kvstore.tiers import Segment, Tiers
+
+
+class KVPrefix(NamedTuple):
+    num_tokens: int
+    layers: list[LayerKV]  # per layer (K, V): [1, kv_heads, num_tokens, head_dim]
+
+
+@dataclass
+class CacheHit:
+    """A locked cached prefix of a prompt. Release it with `PrefixCache.release`."""
+
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    block_ids: list[int]
+    tier_tokens: dict[str, int] = field(default_factory=dict)  # cached tokens by source tier
+    node: TreeNode | None = None
+    released: bool = False
+
+
+class PrefixCache:
+    """Prefix-caching KV store for one namespace (model, KV format, tenant)."""
+
+    def __init__(
+        self,
+        config: CacheConfig,
+        namespace: Namespace,
+        stores: Sequence[SpillStore] | None = None,
+    ):
+        """`stores` overrides the spill tiers the config names (fastest first)."""
+        if namespace.block_size != config.block_size:
+            raise ConfigError(
+                "block_size",
+                f"namespace block_size {namespace.block_size} != config {config.block_size}",
+            )
+        self.config = config
+        self.namespace = namespace
+        self.block_size = config.block_size
+        self.hasher = BlockHasher(namespace, config.secret_bytes, config.key_bytes)
+        self.pool = BlockPool.from_config(config, namespace)
+        self.index = RadixIndex(
+            config.block_size, make_policy(config.eviction_policy, self.pool.num_blocks)
+        )
+        self.metrics = CacheMetrics()
+        if stores is None and _has_tiers(config):
+            stores = make_stores(config, namespace)
+        self.tiers = Tiers(config, self.hasher, self.metrics, stores) if stores else None
+        self._lock = threading.RLock()
+
+    @property
+    def device(self) -> torch.device:
+        return self.pool.device
+
+    def lookup(self, token_ids: Sequence[int] | np.ndarray) -> CacheHit:
+        """Find and lock the longest cached whole-block prefix of token_ids[:-1].
+
+        Blocks the device pool misses are asked of the spill tiers (fastest first), verified
+        and promoted into the pool; `num_cached_tokens` counts only verified blocks.
+        """
+        tokens = as_token_array(token_ids)
+        max_blocks = max(len(tokens) - 1, 0) // self.block_size  # the last token is always computed
+        keys = self.hasher.hash_blocks(tokens[: max_blocks * self.block_size])
+        with self._lock:
+            match = self.index.match_prefix(keys, tokens)
+            self.index.lock(match.last_node)
+        num_device = match.num_blocks * self.block_size
+        hit = CacheHit(
+            len(tokens),
+            num_device,
+            match.block_ids,
+            {"device": num_device} if num_device else {},
+            match.last_node,
+        )
+        if self.tiers:
+            self._write_selective(keys, tokens, hit)
+            if match.num_blocks < len(keys):
+                self._promote(hit, keys, tokens, self.tiers.fetch(keys, tokens, match.num_blocks))
+        self.metrics.record_lookup(len(tokens), hit.tier_tokens)
+        return hit
+
+    def _promote(
+        self, hit: CacheHit, keys: list[BlockHash], tokens: np.ndarray, segments: list[Segment]
+    ) -> None:
+        """Copy verified tier blocks into the pool, index them, and move the hit's lock."""
+        blocks = [block for segment in segments for block in segment.blocks]
+        if not blocks:
+            return
+        with self._lock:
+            new_ids = self._allocate(len(blocks))
+            self.pool.write_blocks(new_ids, blocks[: len(new_ids)])
+            n = len(hit.block_ids) + len(new_ids)
+            self.pool.free(self.index.insert(keys[:n], tokens, hit.block_ids + new_ids))
+            match = self.index.match_prefix(keys[:n], tokens)
+            self.index.lock(match.last_node)
+            self.index.unlock(hit.node)
+        hit.node, hit.block_ids = match.last_node, match.block_ids
+        hit.num_cached_tokens = match.num_blocks * self.block_size
+        left = len(new_ids)
+        for segment in segments:
+            taken = min(left, len(segment.blocks))
+            if taken:
+                hit.tier_tokens[segment.tier] = taken * self.block_size
+            left -= taken
+        self.metrics.inc("promoted_blocks_total", len(new_ids))
+
+    def _write_selective(self, keys: list[BlockHash], tokens: np.ndarray, hit: CacheHit) -> None:
+        """Selective write-through: write device blocks once they have been hit N times."""
+        targets = self.tiers.targets("selective")
+        reached = self.tiers.count_hits(keys[: len(hit.block_ids)]) if targets else 0
+        if reached:
+            kv = self.pool.read_blocks(hit.block_ids[:reached])  # hit is locked: ids are stable
+            self.tiers.submit(targets, keys[:reached], tokens, 0, kv)
+
+    def load(self, hit: CacheHit) -> KVPrefix:
+        """Per-layer K/V of the hit, gathered from the device pool into contiguous tensors."""
+        if hit.released:
+            raise ValueError("load() of a released CacheHit")
+        if not hit.block_ids:
+            return KVPrefix(0, [])
+        return KVPrefix(hit.num_cached_tokens, self.pool.gather(hit.block_ids))
+
+    def release(self, hit: CacheHit) -> None:
+        """Unlock the hit's blocks. Idempotent."""
+        with self._lock:
+            if not hit.released and hit.node is not None:
+                self.index.unlock(hit.node)
+            hit.released = True
+
+    def store(self, token_ids: Sequence[int] | np.ndarray, layers: Sequence[LayerKV]) -> int:
+        """Cache the full blocks of token_ids[:T] not cached yet (T = tokens the K/V cover).
+
+        Returns the number of new blocks. When the pool is full of locked blocks, stores a
+        shorter prefix (possibly nothing) rather than failing.
+        """
+        tokens = as_token_array(token_ids)
+        num_tokens = min(len(tokens), int(layers[0][0].shape[2])) if layers else 0
+        keys = self.hasher.hash_blocks(tokens[:num_tokens])
+        with self._lock:
+            match = self.index.match_prefix(keys, tokens)
+            self.index.lock(match.last_node)
+            try:
+                new_ids = self._allocate(len(keys) - match.num_blocks)
+                if new_ids:
+                    self.pool.scatter(
+                        new_ids, layers, start_token=match.num_blocks * self.block_size
+                    )
+                    n = match.num_blocks + len(new_ids)
+                    redundant = self.index.insert(keys[:n], tokens, match.block_ids + new_ids)
+                    self.pool.free(redundant)
+                    if self.tiers:  # write-through: an independent copy, taken while owned
+                        kv = self.pool.read_blocks(new_ids)
+                        targets = self.tiers.targets("write-through")
+                        self.tiers.submit(targets, keys[:n], tokens, match.num_blocks, kv)
+            finally:
+                self.index.unlock(match.last_node)
+        self.metrics.inc("stored_blocks_total", len(new_ids))
+        return len(new_ids)
+
+    def _allocate(self, n: int) -> list[int]:
+        """Up to n free blocks, evicting unlocked leaves as needed (caller holds the lock)."""
+        short = n - self.pool.num_free_blocks
+        if short > 0:
+            self._evict(short)
+        try:
+            return self.pool.allocate(n)
+        except PoolExhausted:
+            return self.pool.allocate(self.pool.num_free_blocks)
+
+    def _evict(self, n: int) -> list[int]:
+        """Evict up to n unlocked blocks and free them (caller holds the lock)."""
+        if n > 0:
+            write_back = self.tiers and self.tiers.targets("write-back")
+            evicted = self.index.evict(n, self._write_back if write_back else None)
+            self.pool.free(evicted)
+            self.metrics.inc("evicted_blocks_total", len(evicted))
+            return evicted
+        return []
+
+    def _write_back(self, node: TreeNode, start: int, block_ids: list[int]) -> None:
+        """Eviction callback: queue blocks [start:] of `node` for the write-back tiers."""
+        keys = self.index.path_keys(node)
+        tokens = self.index.path_token_ids(node)
+        first = len(keys) - node.num_blocks + start
+        kv = self.pool.read_blocks(block_ids)
+        self.tiers.submit(self.tiers.targets("write-back"), keys, tokens, first, kv)
+
+    def evict_device(self) -> int:
+        """Evict every unlocked block from the device pool (write-back tiers get them)."""
+        with self._lock:
+            return len(self._evict(self.index.num_evictable_blocks))
+
+    def load_into(self, hit: CacheHit, dst: torch.Tensor, block_table: Sequence[int]) -> int:
+        """Copy the hit's blocks into a caller's paged buffer, block i to dst[block_table[i]].
+
+        `dst` has the pool's block layout [num_dst_blocks, layers, 2, kv_heads, block_size,
+        head_dim] and dtype; returns the number of tokens copied.
+        """
+        if hit.released:
+            raise ValueError("load_into() of a released CacheHit")
+        n = len(hit.block_ids)
+        if len(block_table) < n:
+            raise ValueError(f"block_table has {len(block_table)} entries, the hit needs {n}")
+        if dst.shape[1:] != self.pool.kv.shape[1:] or dst.dtype != self.pool.dtype:
+            raise ValueError(
+                f"dst must be [N, {', '.join(map(str, self.pool.kv.shape[1:]))}] {self.pool.dtype}"
+            )
+        table = torch.as_tensor(list(block_table[:n]), dtype=torch.long, device=dst.device)
+        dst.index_copy_(0, table, self.pool.read_blocks(hit.block_ids).to(dst.device))
+        return n * self.block_size
+
+    def check_integrity(self) -> None:
+        """Index invariants plus pool accounting: free + cached + held = total."""
+        with self._lock:
+            self.index.check_integrity()
+            cached = self.index.all_block_ids()
+            free = self.pool.free_block_ids()
+            if set(cached) & set(free):
+                raise AssertionError("a block is both cached and free")
+            if len(set(free)) != len(free) or any(self.pool.ref_cnt[free] != 0):
+                raise AssertionError("free list holds a duplicate or a referenced block")
+            held = int(np.count_nonzero(self.pool.ref_cnt)) - len(cached)
+            if len(free) + len(cached) + held != self.pool.num_blocks or held < 0:
+                raise AssertionError("free + cached + held != total blocks")
+
+    def stats(self) -> dict:
+        with self._lock:
+            device = {
+                "blocks_total": self.pool.num_blocks,
+                "blocks_free": self.pool.num_free_blocks,
+                "blocks_cached": self.index.num_cached_blocks,
+                "blocks_evictable": self.index.num_evictable_blocks,
+            }
+        tiers = self.tiers.stats() if self.tiers else {}
+        return {
+            "namespace": self.namespace.id,
+            "device": device,
+            "tiers": tiers,
+            **self.metrics.snapshot(),
+        }
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for queued tier writes; False if the timeout ran out first."""
+        if not self.tiers:
+            return True
+        return self.tiers.writer.flush(self.config.flush_timeout_s if timeout is None else timeout)
+
+    def close(self) -> None:
+        """Flush pending tier writes (bounded by flush_timeout_s) and close the stores."""
+        if self.tiers is not None:
+            self.tiers.close()
+
+    def __enter__(self) -> PrefixCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _has_tiers(config: CacheConfig) -> bool:
+    return config.memory_cache_gb > 0 or bool(config.lmdb_dir) or bool(config.redis_url)
+
+
+def block_keys(cache: PrefixCache, token_ids: Sequence[int] | np.ndarray) -> list[BlockHash]:
+    """Lookup keys of every full block of token_ids (for diagnostics and tests)."""
+    return cache.hasher.hash_blocks(as_token_array(token_ids))

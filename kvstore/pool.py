@@ -1,0 +1,135 @@
+"""BlockPool: one preallocated paged KV tensor on the device, a free list and ref counts."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from hashing import Namespace
+from kvstore.config import CacheConfig
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+LayerKV = tuple[torch.Tensor, torch.Tensor]  # K, V: [1, kv_heads, tokens, head_dim]
+
+
+class PoolExhausted(RuntimeError):
+    """Not enough free blocks; the caller should evict first."""
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available")
+    return torch.device(name)
+
+
+def bytes_per_block(namespace: Namespace) -> int:
+    ns = namespace
+    itemsize = torch.empty((), dtype=DTYPES[ns.kv_dtype]).element_size()
+    return ns.num_layers * 2 * ns.num_kv_heads * ns.block_size * ns.head_dim * itemsize
+
+
+def pool_blocks(config: CacheConfig, namespace: Namespace) -> int:
+    """Pool size in blocks: `device_blocks`, else `device_cache_gb` (default 1 GiB) in bytes."""
+    if config.device_blocks is not None:
+        return config.device_blocks
+    gb = 1.0 if config.device_cache_gb is None else config.device_cache_gb
+    return max(1, int(gb * 2**30) // bytes_per_block(namespace))
+
+
+class BlockPool:
+    """Paged KV storage. A block's ref_cnt counts its owners (the index, queued writes, ...);
+    a block is on the free list iff its ref_cnt is 0."""
+
+    def __init__(self, num_blocks: int, namespace: Namespace, device: torch.device):
+        ns = namespace
+        self.num_blocks = num_blocks
+        self.block_size = ns.block_size
+        self.device = device
+        self.dtype = DTYPES[ns.kv_dtype]
+        # [num_blocks, layers, 2, kv_heads, block_size, head_dim]; torch.empty commits no pages
+        shape = (num_blocks, ns.num_layers, 2, ns.num_kv_heads, ns.block_size, ns.head_dim)
+        self.kv = torch.empty(shape, dtype=self.dtype, device=device)
+        self.ref_cnt = np.zeros(num_blocks, dtype=np.int32)
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # stack: pops 0, 1, 2...
+
+    @classmethod
+    def from_config(cls, config: CacheConfig, namespace: Namespace) -> BlockPool:
+        return cls(pool_blocks(config, namespace), namespace, resolve_device(config.device))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        """Take `n` free blocks, each with ref_cnt 1 (owned by the caller)."""
+        if n > len(self._free):
+            raise PoolExhausted(f"need {n} blocks, {len(self._free)} free")
+        ids = [self._free.pop() for _ in range(n)]
+        self.ref_cnt[ids] = 1
+        return ids
+
+    def incref(self, block_ids: Sequence[int]) -> None:
+        for block_id in block_ids:
+            if self.ref_cnt[block_id] <= 0:
+                raise ValueError(f"incref of free block {block_id}")
+            self.ref_cnt[block_id] += 1
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference from each block; blocks reaching 0 return to the free list."""
+        for block_id in block_ids:
+            if self.ref_cnt[block_id] <= 0:
+                raise ValueError(f"double free of block {block_id}")
+            self.ref_cnt[block_id] -= 1
+            if self.ref_cnt[block_id] == 0:
+                self._free.append(block_id)
+
+    def _ids(self, block_ids: Sequence[int]) -> torch.Tensor:
+        return torch.as_tensor(block_ids, dtype=torch.long, device=self.device)
+
+    def gather(self, block_ids: Sequence[int]) -> list[LayerKV]:
+        """Per-layer (K, V) of the blocks in order, each [1, kv_heads, n * block_size, head_dim]."""
+        n = len(block_ids)
+        layers, _, heads, bs, dim = self.kv.shape[1:]
+        # one copy: index the block axis of a [layers, 2, heads, blocks, bs, dim] view
+        out = torch.index_select(self.kv.permute(1, 2, 3, 0, 4, 5), 3, self._ids(block_ids))
+        out = out.view(layers, 2, heads, n * bs, dim)
+        return [(out[i, 0].unsqueeze(0), out[i, 1].unsqueeze(0)) for i in range(layers)]
+
+    def scatter(
+        self, block_ids: Sequence[int], kv: Sequence[LayerKV], start_token: int = 0
+    ) -> None:
+        """Write tokens [start_token, start_token + n * block_size) of per-layer K/V into blocks."""
+        n, bs = len(block_ids), self.block_size
+        if n == 0:
+            return
+        end = start_token + n * bs
+        # [layers, 2, heads, n * bs, dim] -> [n, layers, 2, heads, bs, dim]
+        stacked = torch.stack(
+            [torch.stack((k[0, :, start_token:end], v[0, :, start_token:end])) for k, v in kv]
+        )
+        if stacked.shape[3] != n * bs:
+            raise ValueError(f"kv covers {stacked.shape[3] + start_token} tokens, need {end}")
+        layers, _, heads, _, dim = stacked.shape
+        blocks = stacked.view(layers, 2, heads, n, bs, dim).permute(3, 0, 1, 2, 4, 5)
+        self.kv.index_copy_(0, self._ids(block_ids), blocks.to(self.dtype))
+
+    def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """Independent copy of whole blocks: [n, layers, 2, kv_heads, block_size, head_dim]."""
+        return self.kv.index_select(0, self._ids(block_ids))
+
+    def write_blocks(
+        self, block_ids: Sequence[int], blocks: torch.Tensor | Sequence[torch.Tensor]
+    ) -> None:
+        """Inverse of read_blocks; `blocks` may also be a list of [layers, 2, heads, bs, dim]."""
+        if isinstance(blocks, torch.Tensor):
+            self.kv.index_copy_(0, self._ids(block_ids), blocks.to(self.device, self.dtype))
+            return
+        for block_id, block in zip(block_ids, blocks, strict=True):
+            self.kv[block_id].copy_(block)
+
+    def free_block_ids(self) -> list[int]:
+        return list(self._free)
