@@ -82,7 +82,7 @@ class CacheConfig:
             if getattr(self, name) not in WRITE_POLICIES:
                 raise ConfigError(name, f"must be one of {WRITE_POLICIES}")
         if self.redis_url is not None and not self.redis_url.startswith(
-            ("redis://", "rediss://", "redis+cluster://", "unix://")
+            ("redis://", "rediss://", "redis+cluster://", "rediss+cluster://", "unix://")
         ):
             raise ConfigError("redis_url", "must start with redis://, rediss://, redis+cluster://")
 

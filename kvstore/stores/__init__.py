@@ -1,0 +1,47 @@
+"""Spill tiers below the device pool: host memory, LMDB and Redis, behind `SpillStore`."""
+
+from __future__ import annotations
+
+import os
+
+from hashing import Namespace
+from kvstore.config import CacheConfig
+from kvstore.stores.base import SpillStore, StoreStats
+from kvstore.stores.breaker import CircuitBreaker
+from kvstore.stores.lmdb import LmdbStore
+from kvstore.stores.memory import MemoryStore
+from kvstore.stores.redis import RedisStore
+
+__all__ = [
+    "CircuitBreaker",
+    "LmdbStore",
+    "MemoryStore",
+    "RedisStore",
+    "SpillStore",
+    "StoreStats",
+    "make_stores",
+]
+
+GIB = 2**30
+
+
+def make_stores(config: CacheConfig, namespace: Namespace) -> list[SpillStore]:
+    """The configured spill tiers, fastest first: memory, lmdb, redis (each only if set)."""
+    stores: list[SpillStore] = []
+    if config.memory_cache_gb > 0:
+        stores.append(MemoryStore(max(1, int(config.memory_cache_gb * GIB))))
+    if config.lmdb_dir is not None:
+        map_size = int(config.lmdb_map_size_gb * GIB)
+        stores.append(LmdbStore(os.path.expanduser(config.lmdb_dir), map_size))
+    if config.redis_url is not None:
+        breaker = CircuitBreaker(config.breaker_failures, config.breaker_cooldown_s)
+        stores.append(
+            RedisStore(
+                config.redis_url,
+                namespace.id,
+                ttl_s=config.redis_ttl_s,
+                deadline_ms=config.lookup_deadline_ms,
+                breaker=breaker,
+            )
+        )
+    return stores

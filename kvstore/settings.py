@@ -1,0 +1,114 @@
+"""Build a CacheConfig from a TOML file, KVSTORE_* environment variables and CLI flags.
+
+Precedence, lowest first: defaults < TOML file (`[cache]` table or top level) < environment
+(`KVSTORE_<FIELD>`, e.g. KVSTORE_REDIS_URL) < command-line flags (`--<field-with-dashes>`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from kvstore.config import CacheConfig, ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+ENV_PREFIX = "KVSTORE_"
+_HINTS = typing.get_type_hints(CacheConfig)
+_HIDDEN = {"key_bytes"}  # test hooks: not exposed as flags
+
+
+def _base_type(name: str) -> type:
+    """int, float, str or bool for a field, unwrapping `X | None`."""
+    hint = _HINTS[name]
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    return hint
+
+
+def _coerce(name: str, raw: Any) -> Any:
+    if raw is None or (isinstance(raw, str) and raw.lower() in ("", "none")):
+        return None
+    kind = _base_type(name)
+    try:
+        if kind is bool:
+            return raw if isinstance(raw, bool) else str(raw).lower() in ("1", "true", "yes", "on")
+        return raw if isinstance(raw, kind) and not isinstance(raw, bool) else kind(raw)
+    except (TypeError, ValueError):
+        raise ConfigError(name, f"expected {kind.__name__}, got {raw!r}") from None
+
+
+def from_toml(path: str | Path) -> dict[str, Any]:
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError("config", f"cannot read TOML file {path}: {e}") from None
+    table = data.get("cache", data)
+    unknown = set(table) - set(_HINTS)
+    if unknown:
+        raise ConfigError(sorted(unknown)[0], f"unknown setting in {path}")
+    return {k: _coerce(k, v) for k, v in table.items()}
+
+
+def from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    out = {}
+    for name in _HINTS:
+        raw = env.get(ENV_PREFIX + name.upper())
+        if raw is not None:
+            out[name] = _coerce(name, raw)
+    return out
+
+
+def load_config(
+    toml_path: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> CacheConfig:
+    """Merge the sources (see module doc) and validate; raises ConfigError naming the field."""
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    path = toml_path or env.get(ENV_PREFIX + "CONFIG")
+    if path:
+        values.update(from_toml(path))
+    values.update(from_env(env))
+    values.update({k: _coerce(k, v) for k, v in (overrides or {}).items() if v is not None})
+    return CacheConfig(**values)
+
+
+def add_cache_args(parser: argparse.ArgumentParser) -> None:
+    """One `--field-name` flag per CacheConfig field (default None = not given)."""
+    group = parser.add_argument_group("cache", "CacheConfig fields (also KVSTORE_<FIELD>, TOML)")
+    group.add_argument("--config", dest="cache_config_file", metavar="TOML", default=None)
+    for f in fields(CacheConfig):
+        if f.name in _HIDDEN:
+            continue
+        kind = _base_type(f.name)
+        group.add_argument(
+            "--" + f.name.replace("_", "-"),
+            dest=f"cache_{f.name}",
+            type=str if kind is bool else kind,
+            default=None,
+            metavar=kind.__name__.upper(),
+            help=f"default: {f.default!r}",
+        )
+
+
+def config_from_args(args: argparse.Namespace, **extra: Any) -> CacheConfig:
+    """CacheConfig from parsed `add_cache_args` flags over env and TOML; `extra` wins last."""
+    overrides = {
+        f.name: getattr(args, f"cache_{f.name}")
+        for f in fields(CacheConfig)
+        if getattr(args, f"cache_{f.name}", None) is not None
+    }
+    overrides.update(extra)
+    return load_config(getattr(args, "cache_config_file", None), overrides=overrides)

@@ -1,0 +1,150 @@
+"""The spill-store contract: a batch key-value store of encoded block entries.
+
+Keys are 16-byte block hashes (lookup keys); values are entries made by `kvstore.codec`.
+Every method is one round trip (or one transaction) per call, whatever the batch size, and
+none raises on a backend failure: a failing tier reads as misses and drops writes, and
+counts them in `stats()`.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    """A snapshot of one store's counters (per process) and size.
+
+    hits/misses count keys of `get_many`/`get_prefix` (a prefix read counts the keys after
+    the first gap as misses). `entries`/`bytes` are None when the backend cannot tell cheaply.
+    """
+
+    name: str
+    entries: int | None
+    bytes: int | None
+    capacity_bytes: int | None
+    hits: int
+    misses: int
+    writes: int
+    evictions: int
+    verify_failures: int
+    dropped_writes: int
+    errors: int
+    breaker_state: str | None = None  # "closed", "open", "half_open"; None without a breaker
+
+
+class Counters:
+    """Thread-safe counters shared by the stores' `stats()`."""
+
+    FIELDS = (
+        "hits",
+        "misses",
+        "writes",
+        "evictions",
+        "verify_failures",
+        "dropped_writes",
+        "errors",
+    )
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values = dict.fromkeys(self.FIELDS, 0)
+
+    def add(self, **deltas: int) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                self._values[name] += delta
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._values)
+
+    def count_reads(self, values: Sequence[bytes | None], requested: int) -> None:
+        found = sum(v is not None for v in values)
+        self.add(hits=found, misses=requested - found)
+
+
+class SpillStore(ABC):
+    """A spill tier below the device pool. Implementations are thread-safe."""
+
+    name: str
+
+    @abstractmethod
+    def count_prefix(self, keys: Sequence[bytes]) -> int:
+        """Number of leading `keys` present (stops at the first absent key); one round trip.
+
+        A positive answer is a promise only: the entries may be evicted or fail verification
+        before they are fetched.
+        """
+
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """The stored value of every key, None where absent; one round trip."""
+        values = self._fetch(keys)
+        self._counters.count_reads(values, len(keys))
+        return values
+
+    def get_prefix(self, keys: Sequence[bytes]) -> list[bytes]:
+        """Values of the longest present prefix of `keys`: a whole lookup in one round trip."""
+        values = self._fetch(keys)
+        n = next((i for i, v in enumerate(values) if v is None), len(values))
+        self._counters.add(hits=n, misses=len(keys) - n)
+        return values[:n]  # type: ignore[return-value]
+
+    @abstractmethod
+    def _fetch(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """get_many without the counting (implementations: one round trip / transaction)."""
+
+    @abstractmethod
+    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> int:
+        """Store (key, value) pairs, skipping keys already present; returns how many were written.
+
+        Writes the store cannot take (full, unreachable) are dropped and counted, never raised.
+        """
+
+    @abstractmethod
+    def delete(self, keys: Sequence[bytes]) -> int:
+        """Remove these keys; returns how many were present."""
+
+    def reject(self, keys: Sequence[bytes]) -> int:
+        """Entries that failed verification: count them as verify failures and delete them."""
+        self._counters.add(verify_failures=len(keys))
+        return self.delete(keys) if keys else 0
+
+    @abstractmethod
+    def stats(self) -> StoreStats:
+        """Counters and size of this store."""
+
+    @abstractmethod
+    def clear(self) -> int:
+        """Remove every entry of this store; returns how many were removed (None-free count)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release connections/handles. Idempotent."""
+
+    _counters: Counters
+
+    def __enter__(self) -> SpillStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _stats(
+        self,
+        entries: int | None,
+        nbytes: int | None,
+        capacity: int | None,
+        breaker_state: str | None = None,
+    ) -> StoreStats:
+        return StoreStats(
+            self.name,
+            entries,
+            nbytes,
+            capacity,
+            **self._counters.snapshot(),
+            breaker_state=breaker_state,
+        )

@@ -1,0 +1,97 @@
+"""MemoryStore: encoded entries in host RAM, bounded by bytes, LRU or FIFO eviction."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from kvstore.stores.base import Counters, SpillStore, StoreStats
+
+MEMORY_POLICIES = ("lru", "fifo")
+
+
+class MemoryStore(SpillStore):
+    """Host-RAM tier. Values are immutable `bytes` copies, independent of the caller's buffers.
+
+    Capacity counts value bytes. "lru" refreshes an entry on every hit; "fifo" never does.
+    """
+
+    name = "memory"
+
+    def __init__(self, capacity_bytes: int, policy: str = "lru"):
+        if not isinstance(capacity_bytes, int) or capacity_bytes < 1:
+            raise ValueError(f"capacity_bytes must be an int >= 1, got {capacity_bytes!r}")
+        if policy not in MEMORY_POLICIES:
+            raise ValueError(f"policy must be one of {MEMORY_POLICIES}, got {policy!r}")
+        self.capacity_bytes = capacity_bytes
+        self.policy = policy
+        self._entries: OrderedDict[bytes, bytes] = OrderedDict()  # oldest / least recent first
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self._counters = Counters()
+
+    def count_prefix(self, keys: Sequence[bytes]) -> int:
+        with self._lock:
+            for i, key in enumerate(keys):
+                if key not in self._entries:
+                    return i
+            return len(keys)
+
+    def _fetch(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        with self._lock:
+            values = [self._entries.get(key) for key in keys]
+            if self.policy == "lru":
+                for key, value in zip(keys, values, strict=True):
+                    if value is not None:
+                        self._entries.move_to_end(key)
+        return values
+
+    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> int:
+        written = dropped = evicted = 0
+        with self._lock:
+            for key, value in items:
+                if key in self._entries:
+                    continue
+                if len(value) > self.capacity_bytes:
+                    dropped += 1
+                    continue
+                evicted += self._make_room(len(value))
+                self._entries[bytes(key)] = bytes(value)
+                self._bytes += len(value)
+                written += 1
+        self._counters.add(writes=written, dropped_writes=dropped, evictions=evicted)
+        return written
+
+    def _make_room(self, nbytes: int) -> int:
+        evicted = 0
+        while self._bytes + nbytes > self.capacity_bytes:
+            _, old = self._entries.popitem(last=False)
+            self._bytes -= len(old)
+            evicted += 1
+        return evicted
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        removed = 0
+        with self._lock:
+            for key in keys:
+                value = self._entries.pop(key, None)
+                if value is not None:
+                    self._bytes -= len(value)
+                    removed += 1
+        return removed
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            entries, nbytes = len(self._entries), self._bytes
+        return self._stats(entries, nbytes, self.capacity_bytes)
+
+    def clear(self) -> int:
+        with self._lock:
+            removed = len(self._entries)
+            self._entries.clear()
+            self._bytes = 0
+        return removed
+
+    def close(self) -> None:
+        self.clear()

@@ -1,0 +1,231 @@
+"""RedisStore: a shared spill tier on Redis (single server, TLS, ACL users, or Redis Cluster).
+
+Keys are `kvs:<namespace id>:<block key hex>`; values are encoded entries. Every call is one
+round trip: MGET (or one pipeline of GETs grouped per cluster node), a pipeline of EXISTS,
+a pipeline of SET NX [EX ttl]. redis-py's retries are off and socket timeouts equal the
+lookup deadline; a circuit breaker stops calling a failing server. Any failure reads as
+misses or dropped writes and is counted, never raised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import redis
+from redis.backoff import NoBackoff
+from redis.cluster import RedisCluster
+from redis.exceptions import RedisClusterException, RedisError
+from redis.retry import Retry
+
+from kvstore.stores.base import Counters, SpillStore, StoreStats
+from kvstore.stores.breaker import CircuitBreaker
+
+T = TypeVar("T")
+CLUSTER_SCHEMES = {"redis+cluster://": "redis://", "rediss+cluster://": "rediss://"}
+SCHEMES = ("redis://", "rediss://", "unix://", *CLUSTER_SCHEMES)
+# Errors that mean "the server is unreachable or broken": they feed the circuit breaker.
+_FAILURES = (RedisError, RedisClusterException, OSError)
+_CONNECTION_FAILURES = (redis.ConnectionError, redis.TimeoutError, OSError)
+_GLOB_CHARS = "*?[]\\"
+
+
+class _Failed(Exception):
+    """A call did not reach the server (breaker open or backend failure)."""
+
+
+def _no_retry() -> Retry:
+    return Retry(NoBackoff(), 0)
+
+
+class RedisStore(SpillStore):
+    """Spill tier on Redis. `url`: redis://[user:password@]host:port/db, rediss://... (TLS;
+    ssl_ca_certs, ssl_certfile, ssl_keyfile, ssl_cert_reqs as query parameters or kwargs),
+    unix:///path, or redis+cluster://host:port (rediss+cluster:// with TLS).
+
+    `deadline_ms` bounds each socket operation (connect, send, receive) of a call.
+    """
+
+    name = "redis"
+
+    def __init__(
+        self,
+        url: str,
+        namespace_id: str,
+        ttl_s: int | None = None,
+        deadline_ms: float = 200.0,
+        breaker: CircuitBreaker | None = None,
+        **connection_kwargs: Any,
+    ):
+        if not url.startswith(SCHEMES):
+            raise ValueError(f"redis url must start with one of {SCHEMES}, got {url!r}")
+        if not namespace_id or not namespace_id.isprintable() or " " in namespace_id:
+            raise ValueError(f"namespace_id must be printable without spaces, got {namespace_id!r}")
+        if ttl_s is not None and (not isinstance(ttl_s, int) or ttl_s < 1):
+            raise ValueError(f"ttl_s must be an int >= 1 or None, got {ttl_s!r}")
+        if deadline_ms <= 0:
+            raise ValueError(f"deadline_ms must be > 0, got {deadline_ms!r}")
+        self.url, self.ttl_s, self.deadline_ms = url, ttl_s, deadline_ms
+        self.cluster = url.startswith(tuple(CLUSTER_SCHEMES))
+        self.prefix = f"kvs:{namespace_id}:".encode()
+        self.breaker = breaker if breaker is not None else CircuitBreaker()
+        timeout = deadline_ms / 1000.0
+        self._kwargs = {
+            "socket_timeout": timeout,
+            "socket_connect_timeout": timeout,
+            "health_check_interval": 0,
+            **connection_kwargs,
+        }
+        self._counters = Counters()
+        self._lock = threading.Lock()
+        self._client: redis.Redis | RedisCluster | None = None
+
+    # --------------------------------------------------------------- plumbing
+
+    def _connect(self) -> redis.Redis | RedisCluster:
+        with self._lock:
+            if self._client is None:
+                if self.cluster:
+                    scheme = next(s for s in CLUSTER_SCHEMES if self.url.startswith(s))
+                    url = CLUSTER_SCHEMES[scheme] + self.url[len(scheme) :]
+                    self._client = RedisCluster.from_url(url, retry=_no_retry(), **self._kwargs)
+                else:
+                    self._client = redis.Redis.from_url(self.url, retry=_no_retry(), **self._kwargs)
+            return self._client
+
+    def _reset_connections(self) -> None:
+        """After a connection failure, drop pooled connections (and cluster topology)."""
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            with contextlib.suppress(*_FAILURES):
+                client.close()
+
+    def _call(self, op: Callable[[redis.Redis | RedisCluster], T]) -> T:
+        """Run `op` under the breaker; raises `_Failed` if it did not (or could not) run."""
+        if not self.breaker.allow():
+            raise _Failed
+        try:
+            result = op(self._connect())
+        except _FAILURES as e:
+            self.breaker.record_failure()
+            self._counters.add(errors=1)
+            if isinstance(e, _CONNECTION_FAILURES) or self.cluster:
+                self._reset_connections()
+            raise _Failed from e
+        except BaseException:
+            self.breaker.record_failure()  # never leave a half-open probe outstanding
+            raise
+        self.breaker.record_success()
+        return result
+
+    def _pipeline(self, commands: Callable[[Any], None]) -> list[Any]:
+        def run(client: redis.Redis | RedisCluster) -> list[Any]:
+            pipe = client.pipeline(transaction=False)
+            commands(pipe)
+            results = pipe.execute(raise_on_error=False)
+            if any(isinstance(r, _CONNECTION_FAILURES) for r in results):
+                raise next(r for r in results if isinstance(r, _CONNECTION_FAILURES))
+            return results
+
+        return self._call(run)
+
+    def _rkey(self, key: bytes) -> bytes:
+        return self.prefix + key.hex().encode()
+
+    # --------------------------------------------------------------- reads
+
+    def count_prefix(self, keys: Sequence[bytes]) -> int:
+        if not keys:
+            return 0
+        try:
+            found = self._pipeline(lambda pipe: [pipe.exists(self._rkey(k)) for k in keys])
+        except _Failed:
+            return 0
+        for i, n in enumerate(found):
+            if n != 1:
+                return i
+        return len(keys)
+
+    def _fetch(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        values: list[bytes | None] = [None] * len(keys)
+        if keys:
+            rkeys = [self._rkey(k) for k in keys]
+            try:
+                if self.cluster:  # GETs pipelined per node: one MGET across slots is CROSSSLOT
+                    got = self._pipeline(lambda pipe: [pipe.get(k) for k in rkeys])
+                else:
+                    got = self._call(lambda client: client.mget(rkeys))
+                values = [v if isinstance(v, bytes) else None for v in got]
+            except _Failed:
+                pass
+        return values
+
+    # --------------------------------------------------------------- writes
+
+    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> int:
+        if not items:
+            return 0
+
+        def commands(pipe: Any) -> None:
+            for key, value in items:
+                pipe.set(self._rkey(key), value, nx=True, ex=self.ttl_s)
+
+        try:
+            results = self._pipeline(commands)
+        except _Failed:
+            self._counters.add(dropped_writes=len(items))
+            return 0
+        written = sum(r is True for r in results)
+        failed = sum(isinstance(r, Exception) for r in results)  # e.g. OOM under maxmemory
+        self._counters.add(writes=written, dropped_writes=failed, errors=min(failed, 1))
+        return written
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        if not keys:
+            return 0
+        try:
+            results = self._pipeline(lambda pipe: [pipe.delete(self._rkey(k)) for k in keys])
+        except _Failed:
+            return 0
+        return sum(r for r in results if isinstance(r, int))
+
+    # --------------------------------------------------------------- admin
+
+    def stats(self) -> StoreStats:
+        return self._stats(None, None, None, breaker_state=self.breaker.state)
+
+    def clear(self) -> int:
+        """Delete this namespace's keys (SCAN + UNLINK, every node of a cluster)."""
+        pattern = _glob_escape(self.prefix) + b"*"
+
+        def scan_and_unlink(client: redis.Redis | RedisCluster) -> int:
+            removed = 0
+            batch: list[bytes] = []
+            for key in client.scan_iter(match=pattern, count=1000):
+                batch.append(key)
+                if len(batch) == 1000:
+                    removed += _unlink(client, batch)
+                    batch = []
+            return removed + (_unlink(client, batch) if batch else 0)
+
+        try:
+            return self._call(scan_and_unlink)
+        except _Failed:
+            return 0
+
+    def close(self) -> None:
+        self._reset_connections()
+
+
+def _glob_escape(raw: bytes) -> bytes:
+    return b"".join(b"\\" + bytes([c]) if chr(c) in _GLOB_CHARS else bytes([c]) for c in raw)
+
+
+def _unlink(client: redis.Redis | RedisCluster, keys: list[bytes]) -> int:
+    pipe = client.pipeline(transaction=False)
+    for key in keys:
+        pipe.unlink(key)
+    return sum(r for r in pipe.execute(raise_on_error=False) if isinstance(r, int))

@@ -1,0 +1,63 @@
+"""CircuitBreaker state machine, driven by an explicit clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstore.stores import CircuitBreaker
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_breaker_opens_after_consecutive_failures_only() -> None:
+    breaker = CircuitBreaker(failures=3, cooldown_s=5.0, clock=Clock())
+    breaker.record_failure()
+    breaker.record_failure()
+    breaker.record_success()  # resets the run
+    breaker.record_failure()
+    breaker.record_failure()
+    assert breaker.state == "closed" and breaker.allow()
+    breaker.record_failure()
+    assert breaker.state == "open" and not breaker.allow()
+    assert breaker.times_opened == 1
+
+
+def test_breaker_half_opens_after_cooldown_and_lets_one_probe_through() -> None:
+    clock = Clock()
+    breaker = CircuitBreaker(failures=1, cooldown_s=5.0, clock=clock)
+    breaker.record_failure()
+    clock.now += 4.9
+    assert not breaker.allow()
+    clock.now += 0.1
+    assert breaker.state == "half_open"
+    assert breaker.allow()
+    assert not breaker.allow()  # one probe at a time
+    breaker.record_success()
+    assert breaker.state == "closed" and breaker.allow() and breaker.allow()
+
+
+def test_failed_probe_reopens_for_another_cooldown() -> None:
+    clock = Clock()
+    breaker = CircuitBreaker(failures=2, cooldown_s=1.0, clock=clock)
+    breaker.record_failure()
+    breaker.record_failure()
+    clock.now += 1.0
+    assert breaker.allow()
+    breaker.record_failure()
+    assert breaker.state == "open" and not breaker.allow()
+    assert breaker.times_opened == 2
+    clock.now += 1.0
+    assert breaker.allow()
+
+
+def test_breaker_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="failures"):
+        CircuitBreaker(failures=0)
+    with pytest.raises(ValueError, match="cooldown_s"):
+        CircuitBreaker(cooldown_s=0)
