@@ -10,6 +10,7 @@ Protocol for a caller (an engine, or another serving stack):
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -60,6 +61,7 @@ class PrefixCache:
                 "block_size",
                 f"namespace block_size {namespace.block_size} != config {config.block_size}",
             )
+        namespace = _reconcile(namespace, config)
         self.config = config
         self.namespace = namespace
         self.block_size = config.block_size
@@ -135,8 +137,8 @@ class PrefixCache:
         targets = self.tiers.targets("selective")
         reached = self.tiers.count_hits(keys[: len(hit.block_ids)]) if targets else 0
         if reached:
-            kv = self.pool.read_blocks(hit.block_ids[:reached])  # hit is locked: ids are stable
-            self.tiers.submit(targets, keys[:reached], tokens, 0, kv)
+            ids = hit.block_ids[:reached]  # hit is locked: ids are stable
+            self.tiers.submit_from_pool(targets, keys[:reached], tokens, 0, ids, self.pool)
 
     def load(self, hit: CacheHit) -> KVPrefix:
         """Per-layer K/V of the hit, gathered from the device pool into contiguous tensors."""
@@ -175,9 +177,11 @@ class PrefixCache:
                     redundant = self.index.insert(keys[:n], tokens, match.block_ids + new_ids)
                     self.pool.free(redundant)
                     if self.tiers:  # write-through: an independent copy, taken while owned
-                        kv = self.pool.read_blocks(new_ids)
                         targets = self.tiers.targets("write-through")
-                        self.tiers.submit(targets, keys[:n], tokens, match.num_blocks, kv)
+                        ids = match.block_ids + new_ids
+                        self.tiers.submit_from_pool(
+                            targets, keys[:n], tokens, match.num_blocks, ids, self.pool
+                        )
             finally:
                 self.index.unlock(match.last_node)
         self.metrics.inc("stored_blocks_total", len(new_ids))
@@ -204,12 +208,15 @@ class PrefixCache:
         return []
 
     def _write_back(self, node: TreeNode, start: int, block_ids: list[int]) -> None:
-        """Eviction callback: queue blocks [start:] of `node` for the write-back tiers."""
+        """Eviction callback: queue blocks [start:] of `node` for the write-back tiers
+        (a chunk may need blocks of ancestors: they are still cached, parents go last)."""
         keys = self.index.path_keys(node)
         tokens = self.index.path_token_ids(node)
         first = len(keys) - node.num_blocks + start
-        kv = self.pool.read_blocks(block_ids)
-        self.tiers.submit(self.tiers.targets("write-back"), keys, tokens, first, kv)
+        ids = self.index.path_block_ids(node)
+        self.tiers.submit_from_pool(
+            self.tiers.targets("write-back"), keys, tokens, first, ids, self.pool
+        )
 
     def evict_device(self) -> int:
         """Evict every unlocked block from the device pool (write-back tiers get them)."""
@@ -281,6 +288,19 @@ class PrefixCache:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _reconcile(namespace: Namespace, config: CacheConfig) -> Namespace:
+    """The config's codec and tenant salt are part of the namespace: apply them, or refuse
+    a namespace that already names different ones."""
+    for name in ("codec", "tenant_salt"):
+        ns_value, cfg_value = getattr(namespace, name), getattr(config, name)
+        default = "none" if name == "codec" else ""
+        if ns_value != cfg_value and ns_value != default and cfg_value != default:
+            raise ConfigError(name, f"namespace has {ns_value!r}, config has {cfg_value!r}")
+        if cfg_value != default:
+            namespace = dataclasses.replace(namespace, **{name: cfg_value})
+    return namespace
 
 
 def _has_tiers(config: CacheConfig) -> bool:

@@ -148,3 +148,16 @@ def test_bad_token_ids_raise_a_typed_error():
         cache.lookup([1, -2, 3])
     with pytest.raises(InvalidTokens):
         cache.lookup([[1, 2], [3, 4]])
+
+
+def test_config_codec_and_salt_join_the_namespace_so_they_never_share_blocks():
+    ns = Namespace("fp", "float32", LAYERS, HEADS, DIM, BS)
+    plain = PrefixCache(CacheConfig(block_size=BS, device_blocks=4), ns)
+    salted = PrefixCache(CacheConfig(block_size=BS, device_blocks=4, tenant_salt="t1"), ns)
+    zstd = PrefixCache(CacheConfig(block_size=BS, device_blocks=4, codec="zstd"), ns)
+    roots = {c.hasher.root for c in (plain, salted, zstd)}
+    assert len(roots) == 3
+    assert (salted.namespace.tenant_salt, zstd.namespace.codec) == ("t1", "zstd")
+    with pytest.raises(ConfigError, match="tenant_salt"):
+        PrefixCache(CacheConfig(block_size=BS, device_blocks=4, tenant_salt="a"),
+                    ns.with_salt("b"))  # fmt: skip

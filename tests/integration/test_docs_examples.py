@@ -1,0 +1,22 @@
+"""The examples in docs/ run as written."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def python_blocks(markdown: Path) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", markdown.read_text(), flags=re.S)
+
+
+def test_embedding_example_runs_and_prints_the_documented_hits(tmp_path):
+    blocks = [b for b in python_blocks(ROOT / "docs" / "EMBEDDING.md") if "load_into" in b]
+    assert len(blocks) == 1
+    script = tmp_path / "embed.py"
+    script.write_text(blocks[0])
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["prompt 51 tokens, cached 0", "prompt 50 tokens, cached 48"]
