@@ -1,0 +1,445 @@
+"""RadixIndex: longest-prefix match over chained block hashes, with locks and leaf eviction.
+
+The tree is path-compressed: a node holds a run of consecutive blocks, stored compactly as one
+bytes object of keys (16 bytes a block), one bytes object of token ids (little-endian uint32,
+block_size a block) and one int64 array of block ids. A node's children are keyed by their
+first block key. Matching compares keys and token ids run by run with bytes slices, so a hit
+costs a few C-level comparisons per node, not a Python loop per block or token.
+
+Invariants (checked by `check_integrity`):
+- every non-root node holds >= 1 block; `start` = blocks before it on its path;
+- `ref_cnt` = direct locks on the node + sum of its children's `ref_cnt` (locks count on the
+  node and every ancestor), so a locked node's whole path is locked;
+- a node is evictable iff it is not the root, has no children and ref_cnt == 0; only
+  evictable nodes lose blocks, so a parent never goes before its children;
+- a key hit alone is never trusted: a block matches only if its token ids match too.
+
+Not thread-safe: the owner (PrefixCache) serializes calls.
+"""
+
+from __future__ import annotations
+
+import itertools
+from array import array
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from hashing import HASH_BYTES, as_token_array
+from kvstore.policy import IntegrityError, Policy, make_policy
+
+__all__ = ["IntegrityError", "MatchResult", "RadixIndex", "TreeNode"]
+
+EvictCallback = Callable[["TreeNode", int, list[int]], None]
+
+
+class TreeNode:
+    """A run of cached blocks. `ref_cnt` > 0 means locked (in use): never evicted."""
+
+    __slots__ = (
+        "block_ids",
+        "children",
+        "evictable",
+        "id",
+        "keys",
+        "parent",
+        "ref_cnt",
+        "start",
+        "tokens",
+    )
+
+    def __init__(
+        self,
+        node_id: int,
+        parent: TreeNode | None,
+        start: int,
+        keys: bytes,
+        tokens: bytes,
+        block_ids: array,
+    ):
+        self.id = node_id  # the node's key in the eviction policy
+        self.parent = parent  # None for the root and for evicted (detached) nodes
+        self.children: dict[bytes, TreeNode] = {}
+        self.start = start  # number of blocks before this node on its path
+        self.keys = keys  # [num_blocks * 16] block hashes
+        self.tokens = tokens  # [num_blocks * block_size] token ids as LE uint32 bytes
+        self.block_ids = block_ids  # array('q'), [num_blocks]
+        self.ref_cnt = 0
+        self.evictable = False
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids)
+
+    def key(self, i: int) -> bytes:
+        return self.keys[i * HASH_BYTES : (i + 1) * HASH_BYTES]
+
+    def __repr__(self) -> str:
+        return (
+            f"TreeNode(id={self.id}, start={self.start}, n={self.num_blocks}, ref={self.ref_cnt})"
+        )
+
+
+class MatchResult(NamedTuple):
+    num_blocks: int
+    block_ids: list[int]  # in prefix order
+    last_node: TreeNode  # deepest node matched (the root when nothing matched)
+
+
+def _tag(keys: bytes) -> int:
+    """Content fingerprint of a run (its first block key) for policies with ghost history."""
+    return int.from_bytes(keys[:8], "little")
+
+
+def _num_equal(a: bytes, b: bytes, width: int) -> int:
+    """Number of leading equal items (of `width` bytes) of two equally long byte strings."""
+    if a == b:
+        return len(a) // width
+    diff = np.flatnonzero(np.frombuffer(a, np.uint8) != np.frombuffer(b, np.uint8))
+    return int(diff[0]) // width
+
+
+class RadixIndex:
+    """Radix tree over chained block hashes mapping cached prefixes to block ids.
+
+    Matching never splits a node. When a match ends inside a node's run, `last_node` is that
+    node and locking it locks its whole run (a superset of the matched blocks); only `insert`
+    splits runs where prompts diverge.
+    """
+
+    def __init__(self, block_size: int, policy: Policy | str = "lru"):
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        if isinstance(policy, str):
+            policy = make_policy(policy)
+        if not isinstance(policy, Policy):
+            raise TypeError(
+                f"policy must be a Policy or a policy name, got {type(policy).__name__}"
+            )
+        self.block_size = block_size
+        self.policy = policy
+        self.root = TreeNode(0, None, 0, b"", b"", array("q"))
+        self._nodes: dict[int, TreeNode] = {}  # node id -> node, root excluded
+        self._next_id = itertools.count(1)
+        self._num_cached = 0
+        self._num_evictable = 0  # blocks in nodes with ref_cnt == 0
+        self._token_bytes = 4 * block_size
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self._num_cached
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        return self._num_evictable
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self._nodes)
+
+    # --- lookup and insert -----------------------------------------------------------------
+    def _prepare(self, keys: Sequence[bytes], token_ids: np.ndarray) -> tuple[int, bytes, bytes]:
+        n = len(keys)
+        joined = b"".join(keys)
+        if len(joined) != HASH_BYTES * n:
+            raise ValueError(f"every key must be a {HASH_BYTES}-byte block hash")
+        tokens = as_token_array(token_ids)
+        if len(tokens) < n * self.block_size:
+            raise ValueError(
+                f"token_ids has {len(tokens)} tokens; {n} blocks need {n * self.block_size}"
+            )
+        return n, joined, tokens[: n * self.block_size].tobytes()
+
+    def _num_matching(self, node: TreeNode, keys: bytes, tokens: bytes, pos: int, n: int) -> int:
+        """How many blocks of `node`'s run equal blocks pos.. of the query (keys and tokens)."""
+        m = len(node.block_ids)
+        size = min(m, n - pos)
+        kw, tw = HASH_BYTES, self._token_bytes
+        qk = keys[pos * kw : (pos + size) * kw]
+        qt = tokens[pos * tw : (pos + size) * tw]
+        nk = node.keys if size == m else node.keys[: size * kw]
+        nt = node.tokens if size == m else node.tokens[: size * tw]
+        if qk == nk and qt == nt:
+            return size
+        return min(_num_equal(qk, nk, kw), _num_equal(qt, nt, tw))
+
+    def match_prefix(self, keys: Sequence[bytes], token_ids: np.ndarray) -> MatchResult:
+        """Longest cached prefix of the blocks `keys` (token ids cover at least those blocks).
+
+        Records a hit on every matched node. Never splits: see the class docstring.
+        """
+        n, joined, tokens = self._prepare(keys, token_ids)
+        node, pos, ids = self.root, 0, []
+        while pos < n:
+            child = node.children.get(keys[pos])
+            if child is None:
+                break
+            k = self._num_matching(child, joined, tokens, pos, n)
+            if k == 0:  # a key hit with different tokens is a miss
+                break
+            ids += child.block_ids[:k].tolist()
+            self.policy.access(child.id)
+            node, pos = child, pos + k
+            if k < child.num_blocks:
+                break
+        return MatchResult(pos, ids, node)
+
+    def insert(
+        self, keys: Sequence[bytes], token_ids: np.ndarray, block_ids: Sequence[int]
+    ) -> list[int]:
+        """Cache blocks 0..n-1 of a prompt (from the root); returns the caller's block ids the
+        index did not keep, for the caller to free.
+
+        Positions already cached keep the index's block: the caller's id there is returned
+        unless it is that same id. If a block's key hits a cached block with different token
+        ids (a lookup-key collision), that block and the rest cannot be stored and their ids
+        are returned too.
+        """
+        n, joined, tokens = self._prepare(keys, token_ids)
+        ids = [int(b) for b in block_ids]
+        if len(ids) != n:
+            raise ValueError(f"got {len(ids)} block ids for {n} keys; pass one per key")
+        node, pos, unkept = self.root, 0, []
+        while pos < n:
+            child = node.children.get(keys[pos])
+            if child is None:
+                self._add_leaf(node, joined, tokens, ids, pos, n)
+                break
+            k = self._num_matching(child, joined, tokens, pos, n)
+            held = child.block_ids
+            unkept += [b for a, b in zip(held[:k], ids[pos : pos + k], strict=True) if a != b]
+            if k:
+                self.policy.touch(child.id)
+            if k == child.num_blocks:
+                node, pos = child, pos + k
+            elif pos + k == n:  # the prompt ends inside this run
+                break
+            elif child.key(k) == keys[pos + k]:  # same key, other tokens: cannot branch
+                unkept += ids[pos + k :]
+                break
+            else:
+                parent = self._split(child, k)
+                self._add_leaf(parent, joined, tokens, ids, pos + k, n)
+                break
+        return unkept
+
+    def _add_leaf(
+        self, parent: TreeNode, keys: bytes, tokens: bytes, ids: list[int], pos: int, n: int
+    ) -> None:
+        kw, tw = HASH_BYTES, self._token_bytes
+        leaf = TreeNode(
+            next(self._next_id),
+            parent,
+            parent.start + parent.num_blocks,
+            keys[pos * kw : n * kw],
+            tokens[pos * tw : n * tw],
+            array("q", ids[pos:n]),
+        )
+        parent.children[leaf.key(0)] = leaf
+        self._nodes[leaf.id] = leaf
+        self.policy.insert(leaf.id, n - pos, tag=_tag(leaf.keys))
+        self._num_cached += n - pos
+        self._num_evictable += n - pos
+        self._sync(parent)
+        self._sync(leaf)
+
+    def _split(self, node: TreeNode, k: int) -> TreeNode:
+        """Cut `node` after k blocks; a new parent takes blocks [:k] and node keeps the rest
+        (so handles to `node` stay valid). The new parent inherits node's ref_cnt."""
+        kw, tw = HASH_BYTES, self._token_bytes
+        parent = node.parent
+        assert parent is not None
+        head = TreeNode(
+            next(self._next_id),
+            parent,
+            node.start,
+            node.keys[: k * kw],
+            node.tokens[: k * tw],
+            node.block_ids[:k],
+        )
+        head.ref_cnt = node.ref_cnt
+        head.children[node.key(k)] = node
+        parent.children[head.key(0)] = head
+        node.parent = head
+        node.start += k
+        node.keys, node.tokens = node.keys[k * kw :], node.tokens[k * tw :]
+        node.block_ids = node.block_ids[k:]
+        self._nodes[head.id] = head
+        self.policy.insert(head.id, k, tag=_tag(head.keys), like=node.id)
+        self.policy.resize(node.id, node.num_blocks)
+        return head
+
+    # --- locks -------------------------------------------------------------------------------
+    def _check_attached(self, node: TreeNode) -> None:
+        if node is not self.root and self._nodes.get(node.id) is not node:
+            raise ValueError(f"{node!r} is not in this index (evicted, or from another index)")
+
+    def lock(self, node: TreeNode) -> None:
+        """Protect `node` and its ancestors from eviction (ref_cnt += 1 along the path)."""
+        self._check_attached(node)
+        walk: TreeNode | None = node
+        while walk is not None:
+            if walk.ref_cnt == 0:
+                self._num_evictable -= walk.num_blocks
+            walk.ref_cnt += 1
+            walk = walk.parent
+        self._sync(node)
+
+    def unlock(self, node: TreeNode) -> None:
+        """Undo one `lock(node)`."""
+        self._check_attached(node)
+        if node.ref_cnt <= 0:
+            raise ValueError(f"unlock of {node!r}: it is not locked (ref_cnt would go negative)")
+        walk: TreeNode | None = node
+        while walk is not None:
+            walk.ref_cnt -= 1
+            if walk.ref_cnt == 0:
+                self._num_evictable += walk.num_blocks
+            walk = walk.parent
+        self._sync(node)
+
+    def _sync(self, node: TreeNode) -> None:
+        """Tell the policy when a node's evictability changed."""
+        flag = node.ref_cnt == 0 and not node.children and node is not self.root
+        if flag != node.evictable:
+            node.evictable = flag
+            self.policy.set_evictable(node.id, flag)
+
+    # --- eviction ----------------------------------------------------------------------------
+    def evict(self, num_blocks: int, on_evict: EvictCallback | None = None) -> list[int]:
+        """Free up to `num_blocks` blocks from unlocked leaves in policy order, trimming the
+        last victim's run from its tail if it holds more than needed. Returns the freed ids.
+
+        `on_evict(node, start, block_ids)` runs before blocks [start:] of `node` leave (so a
+        write-back tier can read them and call `path_token_ids`); it must neither modify the
+        index nor raise (blocks evicted earlier in the call would be lost to the caller).
+        """
+        freed: list[int] = []
+        while len(freed) < num_blocks:
+            key = self.policy.victim()
+            if key is None:
+                break
+            node = self._nodes[key]
+            if not node.evictable:
+                raise IntegrityError(f"policy chose {node!r}, which is not an unlocked leaf")
+            start = max(0, node.num_blocks - (num_blocks - len(freed)))
+            ids = node.block_ids[start:].tolist()
+            if on_evict is not None:
+                on_evict(node, start, ids)
+            freed += ids
+            if start == 0:
+                self._remove_leaf(node)
+            else:
+                self._trim(node, start)
+        return freed
+
+    def _remove_leaf(self, node: TreeNode) -> None:
+        parent = node.parent
+        assert parent is not None
+        del parent.children[node.key(0)]
+        del self._nodes[node.id]
+        self.policy.remove(node.id, tag=_tag(node.keys))
+        self._num_cached -= node.num_blocks
+        self._num_evictable -= node.num_blocks
+        node.parent = None
+        self._sync(parent)
+
+    def _trim(self, node: TreeNode, start: int) -> None:
+        dropped = node.num_blocks - start
+        tag = _tag(node.keys[start * HASH_BYTES :])
+        node.keys = node.keys[: start * HASH_BYTES]
+        node.tokens = node.tokens[: start * self._token_bytes]
+        node.block_ids = node.block_ids[:start]
+        self.policy.resize(node.id, start, tag=tag)
+        self._num_cached -= dropped
+        self._num_evictable -= dropped
+
+    # --- paths -------------------------------------------------------------------------------
+    def _path(self, node: TreeNode) -> list[TreeNode]:
+        path = []
+        while node is not self.root:
+            path.append(node)
+            if node.parent is None:
+                raise ValueError(f"{node!r} is detached from the index")
+            node = node.parent
+        return path[::-1]
+
+    def _path_bytes(self, node: TreeNode, field: str, width: int, upto: int | None) -> bytes:
+        parts = [getattr(n, field) for n in self._path(node)]
+        if parts and upto is not None:
+            parts[-1] = parts[-1][: upto * width]
+        return b"".join(parts)
+
+    def path_keys(self, node: TreeNode, upto: int | None = None) -> list[bytes]:
+        """Block keys from the root through the first `upto` blocks of `node` (default all)."""
+        joined = self._path_bytes(node, "keys", HASH_BYTES, upto)
+        return [joined[i : i + HASH_BYTES] for i in range(0, len(joined), HASH_BYTES)]
+
+    def path_token_ids(self, node: TreeNode, upto: int | None = None) -> np.ndarray:
+        """Token ids (uint32) from the root through the first `upto` blocks of `node`."""
+        joined = self._path_bytes(node, "tokens", self._token_bytes, upto)
+        return np.frombuffer(joined, dtype="<u4").copy()
+
+    def path_block_ids(self, node: TreeNode, upto: int | None = None) -> list[int]:
+        """Block ids from the root through the first `upto` blocks of `node`."""
+        ids: list[int] = []
+        for n in self._path(node)[:-1]:
+            ids += n.block_ids.tolist()
+        return ids + node.block_ids[:upto].tolist()
+
+    def all_block_ids(self) -> list[int]:
+        """Every block id the index holds."""
+        ids: list[int] = []
+        for node in self._nodes.values():
+            ids += node.block_ids.tolist()
+        return ids
+
+    # --- integrity ---------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Raise IntegrityError unless links, counts, locks and the policy are all consistent."""
+        seen: dict[int, TreeNode] = {}
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            self._check_node(node)
+            for first_key, child in node.children.items():
+                if child.parent is not node or child.key(0) != first_key:
+                    raise IntegrityError(f"{child!r} is linked under a wrong parent or key")
+                if child.id in seen:
+                    raise IntegrityError(f"{child!r} is reachable twice")
+                seen[child.id] = child
+                stack.append(child)
+        if seen != self._nodes:
+            raise IntegrityError("the node table does not match the nodes reachable from the root")
+        self._check_counts()
+
+    def _check_node(self, node: TreeNode) -> None:
+        m = node.num_blocks
+        if node is not self.root:
+            parent = node.parent
+            assert parent is not None
+            if m < 1 or node.start != parent.start + parent.num_blocks:
+                raise IntegrityError(f"{node!r} is empty or its start is wrong")
+        if len(node.keys) != m * HASH_BYTES or len(node.tokens) != m * self._token_bytes:
+            raise IntegrityError(f"{node!r} keys/tokens do not cover its {m} blocks")
+        children_refs = sum(c.ref_cnt for c in node.children.values())
+        if node.ref_cnt < children_refs or node.ref_cnt < 0:
+            raise IntegrityError(f"{node!r} ref_cnt < its children's sum {children_refs}")
+        flag = node.ref_cnt == 0 and not node.children and node is not self.root
+        if node.evictable != flag:
+            raise IntegrityError(f"{node!r} evictable flag is {node.evictable}, should be {flag}")
+
+    def _check_counts(self) -> None:
+        ids = self.all_block_ids()
+        if len(ids) != self._num_cached:
+            raise IntegrityError(f"num_cached_blocks {self._num_cached} != {len(ids)} held")
+        if len(set(ids)) != len(ids):
+            raise IntegrityError("a block id is held twice")
+        evictable = sum(n.num_blocks for n in self._nodes.values() if n.ref_cnt == 0)
+        if evictable != self._num_evictable:
+            raise IntegrityError(f"num_evictable_blocks {self._num_evictable} != {evictable}")
+        expected = {n.id: (n.num_blocks, n.evictable) for n in self._nodes.values()}
+        if self.policy.entries() != expected:
+            raise IntegrityError("policy entries (sizes / evictable flags) out of sync with nodes")
+        self.policy.check_integrity()
