@@ -1,0 +1,223 @@
+"""TTFT with a cached prefix per tier, as a ratio to the ideal suffix-only prefill.
+
+For each point (prompt of N tokens, P of them cached) three variants run interleaved:
+- nocache: full prefill of the N tokens + first token;
+- ideal: prefill of the N - P suffix on top of an in-memory DynamicCache of the prefix
+  (cloned outside the timed region, since a forward mutates it) + first token;
+- kvstore: the engine's path (lookup, load into a DynamicCache, suffix prefill) + first
+  token, through a PrefixCache holding exactly that prefix in the given tier.
+Times are medians over `--runs` rounds after one warm-up round; ratio_to_ideal is the median
+of the per-round kvstore/ideal ratios (the two run back to back, so load from other
+processes on the machine cancels). The pinned `tiny` model in fp32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+
+import torch
+from transformers import DynamicCache
+
+TIERS = ("device", "memory", "lmdb", "redis")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench ttft", description=__doc__.split("\n")[0])
+    p.add_argument("--tier", default="device", help="comma-separated: device,memory,lmdb,redis")
+    p.add_argument("--prompt-tokens", type=int, default=2048)
+    p.add_argument("--cached", default="1792,2032", help="comma-separated cached-token points")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--runs", type=int, default=9, help="timed rounds per point (median)")
+    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    p.add_argument("--redis-url", default=None)
+    p.add_argument("--lmdb-dir", default=None)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    args.tiers = [t.strip() for t in args.tier.split(",") if t.strip()]
+    args.points = [int(c) for c in args.cached.split(",") if c.strip()]
+    for tier in args.tiers:
+        if tier not in TIERS:
+            p.error(f"--tier: unknown tier {tier!r}; choose from {','.join(TIERS)}")
+    for cached in args.points:
+        if cached % args.block_size or not 0 < cached < args.prompt_tokens:
+            p.error(f"--cached {cached}: must be a multiple of --block-size below --prompt-tokens")
+    return args
+
+
+def full_kv(model, ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-layer (K, V) of a full prefill: [1, kv_heads, len(ids), head_dim]."""
+    past = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([ids]), past_key_values=past)
+    return [(layer.keys, layer.values) for layer in past.layers]
+
+
+def clone_prefix(model, kv: list, cached: int) -> DynamicCache:
+    past = DynamicCache(config=model.config)
+    for layer, (k, v) in zip(past.layers, kv, strict=True):
+        k, v = k[:, :, :cached].clone(), v[:, :, :cached].clone()
+        layer.lazy_initialization(k, v)
+        layer.keys, layer.values = k, v
+    return past
+
+
+def suffix_first_token(model, ids: list[int], past: DynamicCache) -> int:
+    start = past.get_seq_length()
+    positions = torch.arange(start, len(ids)).unsqueeze(0)
+    out = model(
+        input_ids=torch.tensor([ids[start:]]),
+        position_ids=positions,
+        past_key_values=past,
+        logits_to_keep=1,
+    )
+    return int(torch.argmax(out.logits[0, -1]))
+
+
+def cache_config_for(tier: str, args: argparse.Namespace, num_blocks: int, tmp: str):
+    """Only `tier` besides the device pool; write-through so a store reaches it at once."""
+    from kvstore.config import CacheConfig
+
+    base = {"block_size": args.block_size, "device": "cpu", "device_blocks": num_blocks + 8}
+    if tier == "memory":
+        base.update(memory_cache_gb=1.0, memory_write_policy="write-through")
+    elif tier == "lmdb":
+        base.update(lmdb_dir=args.lmdb_dir or tmp, lmdb_write_policy="write-through")
+    elif tier == "redis":
+        if not args.redis_url:
+            raise SystemExit("tier 'redis' needs --redis-url (e.g. redis://127.0.0.1:6379/0)")
+        base.update(redis_url=args.redis_url, redis_write_policy="write-through")
+    return CacheConfig(**base)
+
+
+def hold_only_in_tier(cache, tier: str) -> None:
+    """Drop the device copy so the next lookup must fetch from `tier` (outside timing)."""
+    if tier != "device":
+        cache.flush()
+        cache.evict_device()
+        cache.flush()
+
+
+def round_order(round_: int) -> list[str]:
+    """ideal and kvstore run back to back (their order alternates); nocache goes around them."""
+    pair = ["ideal", "kvstore"] if round_ % 2 == 0 else ["kvstore", "ideal"]
+    return ["nocache", *pair] if round_ % 4 < 2 else [*pair, "nocache"]
+
+
+def timed(fn: Callable[[], int]) -> tuple[float, int]:
+    gc.collect()
+    start = time.perf_counter()
+    token = fn()
+    return time.perf_counter() - start, token
+
+
+def measure_point(lm, ids: list[int], kv: list, tier: str, cached: int, args) -> dict:
+    from engine.engine import Engine
+
+    with tempfile.TemporaryDirectory() as tmp:
+        config = cache_config_for(tier, args, cached // args.block_size, tmp)
+        with Engine(lm, config) as engine:
+            layers = [(k[:, :, :cached], v[:, :, :cached]) for k, v in kv]
+            engine.cache.store(ids[:cached], layers)
+            return measure_variants(engine, ids, kv, tier, cached, args)
+
+
+def measure_variants(engine, ids: list[int], kv: list, tier: str, cached: int, args) -> dict:
+    """Interleaved rounds of the three variants; medians and the paired kvstore/ideal ratio."""
+    model = engine.model.model
+
+    def nocache() -> int:
+        return suffix_first_token(model, ids, DynamicCache(config=model.config))
+
+    def ideal(past: DynamicCache) -> int:
+        return suffix_first_token(model, ids, past)
+
+    def kvstore() -> int:
+        pre = engine.prefill(ids)
+        if pre.cached_tokens != cached:
+            raise RuntimeError(f"{tier}: loaded {pre.cached_tokens} tokens, expected {cached}")
+        return int(torch.argmax(pre.logits))
+
+    times: dict[str, list[float]] = {"nocache": [], "ideal": [], "kvstore": []}
+    tokens = set()
+    with torch.inference_mode():
+        for round_ in range(args.runs + 1):  # round 0 is the warm-up
+            for name in round_order(round_):
+                hold_only_in_tier(engine.cache, tier)  # outside the timed region
+                if name == "ideal":
+                    past = clone_prefix(model, kv, cached)  # outside the timed region
+                    elapsed, token = timed(lambda p=past: ideal(p))
+                else:
+                    elapsed, token = timed(nocache if name == "nocache" else kvstore)
+                tokens.add(token)
+                if round_:
+                    times[name].append(elapsed)
+    return summarize(times, tier, len(ids), cached, len(tokens) == 1)
+
+
+def summarize(times: dict, tier: str, prompt_tokens: int, cached: int, same: bool) -> dict:
+    median = {name: statistics.median(values) for name, values in times.items()}
+    paired = [k / i for k, i in zip(times["kvstore"], times["ideal"], strict=True)]
+    return {
+        "tier": tier,
+        "prompt_tokens": prompt_tokens,
+        "cached_tokens": cached,
+        "ttft_nocache_s": median["nocache"],
+        "ttft_ideal_s": median["ideal"],
+        "ttft_kvstore_s": median["kvstore"],
+        "ratio_to_ideal": statistics.median(paired),
+        "same_first_token": same,
+    }
+
+
+def print_table(points: list[dict], args: argparse.Namespace) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    title = f"TTFT, tiny model fp32, {args.threads} threads, median of {args.runs}"
+    table = Table(title=title)
+    for col in ("tier", "prompt", "cached", "no cache ms", "ideal ms", "kvstore ms", "ratio"):
+        table.add_column(col, justify="right")
+    for p in points:
+        table.add_row(
+            p["tier"],
+            str(p["prompt_tokens"]),
+            str(p["cached_tokens"]),
+            f"{p['ttft_nocache_s'] * 1e3:.1f}",
+            f"{p['ttft_ideal_s'] * 1e3:.1f}",
+            f"{p['ttft_kvstore_s'] * 1e3:.1f}",
+            f"{p['ratio_to_ideal']:.3f}",
+        )
+    Console().print(table)
+
+
+def main(argv: list[str]) -> int:
+    from transformers.utils import logging as hf_logging
+
+    from engine.model import load_model
+
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    hf_logging.disable_progress_bar()
+    lm = load_model("tiny", "float32", "cpu")
+    rng = random.Random(0)
+    ids = [rng.randrange(256) for _ in range(args.prompt_tokens)]
+    kv = full_kv(lm.model, ids)
+    gc.collect()
+    gc.freeze()  # long-lived objects out of the collector, so timed() collects cheaply
+    points = [
+        measure_point(lm, ids, kv, tier, cached, args)
+        for tier in args.tiers
+        for cached in args.points
+    ]
+    if args.json:
+        print(json.dumps({"points": points}))
+    else:
+        print_table(points, args)
+    return 0 if all(p["same_first_token"] for p in points) else 1

@@ -1,0 +1,319 @@
+"""The reference engine: lookup, load the cached prefix, prefill the suffix, decode, store.
+
+One worker thread runs requests one at a time from a thread-safe queue; `run` is the
+synchronous path it uses. The cached prefix's K/V goes into a transformers `DynamicCache`
+and the suffix is prefilled with explicit position ids continuing from the cached length
+(transformers builds an explicit causal mask whenever the query is shorter than the keys).
+"""
+
+from __future__ import annotations
+
+import inspect
+import queue
+import random
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from transformers import DynamicCache
+
+from engine.model import LoadedModel
+from kvstore.cache import KVPrefix, PrefixCache
+from kvstore.config import CacheConfig
+
+Prompt = str | Sequence[int]
+
+
+class InvalidRequestError(ValueError):
+    """A request is malformed; the message says what to fix."""
+
+
+class EngineClosedError(RuntimeError):
+    """The engine was closed; no more requests are accepted."""
+
+
+def _int_tuple(name: str, values: Sequence[int]) -> tuple[int, ...]:
+    out = tuple(values)
+    if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in out):
+        raise InvalidRequestError(f"{name} must be non-negative ints, got {values!r}")
+    return out
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request. temperature 0 = greedy (top_p and seed then unused)."""
+
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()  # stop strings; the text is cut before the first one
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        n = self.max_new_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+            raise InvalidRequestError(f"max_new_tokens must be an int >= 1, got {n!r}")
+        if not isinstance(self.temperature, int | float) or not 0 <= self.temperature <= 100:
+            raise InvalidRequestError(f"temperature must be in [0, 100], got {self.temperature!r}")
+        if not isinstance(self.top_p, int | float) or not 0 < self.top_p <= 1:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int)
+        ):
+            raise InvalidRequestError(f"seed must be an int or None, got {self.seed!r}")
+        object.__setattr__(
+            self, "stop_token_ids", _int_tuple("stop_token_ids", self.stop_token_ids)
+        )
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise InvalidRequestError(f"stop must be non-empty strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", stop)
+
+
+class GenerateResult(NamedTuple):
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens whose KV was loaded from the cache
+    output_token_ids: list[int]
+    text: str
+    ttft_s: float  # lookup + load + suffix prefill + first token
+    finish_reason: str  # "stop" or "length"
+
+
+class Prefill(NamedTuple):
+    logits: torch.Tensor  # [vocab] float32, last prompt position
+    cached_tokens: int
+    past: DynamicCache  # KV of every prompt token
+
+
+class _Sampler:
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        self.generator = torch.Generator()
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        if self.params.temperature == 0:
+            return int(torch.argmax(logits))
+        probs = torch.softmax(logits.float().cpu() / self.params.temperature, dim=-1)
+        if self.params.top_p < 1:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            drop = torch.cumsum(sorted_probs, -1) - sorted_probs > self.params.top_p
+            probs[order[drop]] = 0.0  # the top token always stays
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+def past_from_prefix(config: object, kv: KVPrefix, device: torch.device) -> DynamicCache:
+    """A DynamicCache holding the prefix K/V (no extra copy when already on `device`)."""
+    past = DynamicCache(config=config)
+    if kv.num_tokens == 0:
+        return past
+    if len(kv.layers) != len(past.layers):
+        raise ValueError(f"prefix has {len(kv.layers)} layers, the model {len(past.layers)}")
+    for layer, (k, v) in zip(past.layers, kv.layers, strict=True):
+        k, v = k[:, :, : kv.num_tokens].to(device), v[:, :, : kv.num_tokens].to(device)
+        layer.lazy_initialization(k, v)
+        layer.keys, layer.values = k, v
+    return past
+
+
+class Engine:
+    """Generates with prefix caching through one `PrefixCache` for the model's namespace."""
+
+    def __init__(self, model: LoadedModel, cache_config: CacheConfig, cache_generated: bool = True):
+        self.model = model
+        self.cache_config = cache_config
+        self.cache_generated = cache_generated
+        namespace = model.namespace(
+            cache_config.block_size, cache_config.tenant_salt, cache_config.codec
+        )
+        self.cache = PrefixCache(cache_config, namespace)
+        params = inspect.signature(model.model.forward).parameters
+        self._extra = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+        self._lock = threading.Lock()  # one forward pass at a time
+        self._queue: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
+        self._queue_lock = threading.Lock()
+        self._closed = False
+        self._worker = threading.Thread(target=self._serve, name="kvstore-engine", daemon=True)
+        self._worker.start()
+
+    # --- requests -------------------------------------------------------------------------
+
+    def encode(self, prompt: Prompt, params: SamplingParams) -> list[int]:
+        """Validated token ids of a prompt (text is tokenized with the model's tokenizer)."""
+        if isinstance(prompt, str):
+            ids = self.model.tokenizer(prompt)["input_ids"] if prompt else []
+        elif isinstance(prompt, Sequence | torch.Tensor | np.ndarray):
+            ids = prompt.tolist() if hasattr(prompt, "tolist") else list(prompt)
+            ids = [int(t) if isinstance(t, np.integer) else t for t in ids]
+        else:
+            raise InvalidRequestError(f"a prompt is a str or a list of token ids, got {prompt!r}")
+        if not ids:
+            raise InvalidRequestError("prompt is empty; give at least one token")
+        vocab = self.model.vocab_size
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise InvalidRequestError(f"token ids must be ints in [0, {vocab})")
+        limit = self.model.max_positions
+        if limit is not None and len(ids) + params.max_new_tokens > limit:
+            raise InvalidRequestError(
+                f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds "
+                f"the model's {limit} positions; shorten the prompt or lower max_new_tokens"
+            )
+        return ids
+
+    def submit(self, prompt: Prompt, params: SamplingParams | None = None) -> Future:
+        """Queue one request; the future resolves to a `GenerateResult`."""
+        params = params or SamplingParams()
+        return self._enqueue(self.encode(prompt, params), params)
+
+    def generate(
+        self, prompts: str | Sequence[Prompt], params: SamplingParams | None = None
+    ) -> list[GenerateResult]:
+        """Generate for each prompt (a str or a list of token ids); thread-safe."""
+        params = params or SamplingParams()
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if any(isinstance(p, int) for p in prompts):
+            raise InvalidRequestError("prompts is a list of prompts; wrap token ids in a list")
+        all_ids = [self.encode(prompt, params) for prompt in prompts]  # all valid before queueing
+        futures = [self._enqueue(ids, params) for ids in all_ids]
+        return [f.result() for f in futures]
+
+    def _enqueue(self, ids: list[int], params: SamplingParams) -> Future:
+        future: Future = Future()
+        with self._queue_lock:  # nothing may follow the stop sentinel
+            if self._closed:
+                raise EngineClosedError("engine is closed")
+            self._queue.put((ids, params, future))
+        return future
+
+    def _serve(self) -> None:
+        while (item := self._queue.get()) is not None:
+            ids, params, future = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(self.run(ids, params))
+            except BaseException as e:  # handed to the caller
+                future.set_exception(e)
+
+    # --- the synchronous path ---------------------------------------------------------------
+
+    def run(self, token_ids: list[int], params: SamplingParams) -> GenerateResult:
+        """One request, synchronously (validated token ids)."""
+        sampler = _Sampler(params)
+        with self._lock, torch.inference_mode():
+            start = time.perf_counter()
+            pre = self._prefill(token_ids)
+            output = [sampler(pre.logits)]
+            ttft = time.perf_counter() - start
+            reason, text = self._decode(pre.past, output, params, sampler)
+            self._store(token_ids, output, pre.past)
+        return GenerateResult(len(token_ids), pre.cached_tokens, output, text, ttft, reason)
+
+    def prefill(self, token_ids: list[int]) -> Prefill:
+        """Lookup, load and suffix prefill of validated token ids; stores nothing."""
+        with self._lock, torch.inference_mode():
+            return self._prefill(token_ids)
+
+    def prefill_logits(self, token_ids: Sequence[int]) -> tuple[torch.Tensor, int]:
+        """Last-position logits ([vocab], float32) and cached_tokens; stores the prompt's blocks."""
+        ids = self.encode(list(token_ids), SamplingParams(max_new_tokens=1))
+        pre = self.prefill(ids)
+        with self._lock, torch.inference_mode():
+            self._store(ids, [], pre.past)
+        return pre.logits, pre.cached_tokens
+
+    def _forward(self, ids: list[int], past: DynamicCache) -> torch.Tensor:
+        """Run `ids` on top of `past` (positions continue from its length); last logits."""
+        device, start = self.model.device, past.get_seq_length()
+        input_ids = torch.tensor([ids], dtype=torch.long, device=device)
+        positions = torch.arange(start, start + len(ids), device=device).unsqueeze(0)
+        out = self.model.model(
+            input_ids=input_ids,
+            position_ids=positions,
+            past_key_values=past,
+            use_cache=True,
+            **self._extra,
+        )
+        return out.logits[0, -1].float()
+
+    def _prefill(self, token_ids: list[int]) -> Prefill:
+        hit = self.cache.lookup(token_ids)
+        try:
+            kv = self.cache.load(hit)
+        finally:
+            self.cache.release(hit)
+        past = past_from_prefix(self.model.model.config, kv, self.model.device)
+        logits = self._forward(token_ids[kv.num_tokens :], past)
+        return Prefill(logits, kv.num_tokens, past)
+
+    def _decode(
+        self, past: DynamicCache, output: list[int], params: SamplingParams, sampler: _Sampler
+    ) -> tuple[str, str]:
+        """Extend `output` in place until a stop; returns (finish_reason, text)."""
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids.update(self.model.eos_token_ids)
+        while True:
+            text = self.model.tokenizer.decode(output, skip_special_tokens=True)
+            cut = min((i for s in params.stop if (i := text.find(s)) >= 0), default=None)
+            if cut is not None:
+                return "stop", text[:cut]
+            if output[-1] in stop_ids:
+                return "stop", text
+            if len(output) >= params.max_new_tokens:
+                return "length", text
+            output.append(sampler(self._forward(output[-1:], past)))
+
+    def _store(self, prompt: list[int], output: list[int], past: DynamicCache) -> int:
+        """Store new full blocks: the prompt, plus generated tokens when cache_generated."""
+        ids = prompt + output if self.cache_generated else prompt
+        n = min(len(ids), past.get_seq_length())  # the last generated token has no KV
+        layers = [(layer.keys[:, :, :n], layer.values[:, :, :n]) for layer in past.layers]
+        return self.cache.store(ids[:n], layers)
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        return self.cache.stats()
+
+    def close(self) -> None:
+        """Finish queued requests, stop the worker and close the cache. Idempotent."""
+        with self._queue_lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._queue.put(None)
+        self._worker.join()
+        self.cache.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def reference_generate(
+    model: LoadedModel, token_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = ()
+) -> tuple[list[int], float]:
+    """Greedy tokens without kvstore (full prefill, then a plain decode loop) and its TTFT."""
+    lm, device = model.model, model.device
+    with torch.inference_mode():
+        start = time.perf_counter()
+        past = DynamicCache(config=lm.config)
+        out = lm(input_ids=torch.tensor([list(token_ids)], device=device), past_key_values=past)
+        tokens = [int(torch.argmax(out.logits[0, -1]))]
+        ttft = time.perf_counter() - start
+        while len(tokens) < max_new_tokens and tokens[-1] not in stop_ids:
+            out = lm(input_ids=torch.tensor([tokens[-1:]], device=device), past_key_values=past)
+            tokens.append(int(torch.argmax(out.logits[0, -1])))
+    return tokens, ttft

@@ -1,0 +1,325 @@
+"""Load a causal LM (the pinned `tiny` model or a local directory) and fingerprint its weights.
+
+A model is cacheable only if every layer is full attention whose K and V share one head dim;
+anything else raises `UnsupportedModelError` naming the layer type, never silent wrong KV.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    DynamicCache,
+    LlamaConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+)
+from transformers.cache_utils import DynamicLayer
+
+from hashing import Namespace
+
+TINY_NAME = "tiny"
+TINY_SEED = 0
+BOS, EOS, PAD, END_OF_TURN = "<|bos|>", "<|eos|>", "<|pad|>", "<|end_of_turn|>"
+SPECIAL_TOKENS = (BOS, EOS, PAD, END_OF_TURN)  # ids 256.. after the 256 bytes
+BYTE_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}"
+    "<|end_of_turn|>\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
+)
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+# Config keys that change on save/load but not the computation (dtype is hashed separately).
+_VOLATILE_CONFIG_KEYS = (
+    "_name_or_path",
+    "transformers_version",
+    "architectures",
+    "dtype",
+    "torch_dtype",
+    "_commit_hash",
+    "_attn_implementation_autoset",
+)
+_RECURRENT_CONFIG_KEYS = ("ssm_state_size", "mamba_d_state", "state_size", "layers_block_type")
+
+
+class UnsupportedModelError(ValueError):
+    """The model has layers whose KV cannot be prefix-cached; `layer_type` names the first one."""
+
+    def __init__(self, model_type: str, layer_type: str, detail: str = ""):
+        msg = f"model type {model_type!r} has unsupported layer type {layer_type!r}"
+        hint = "; kvstore caches only models whose every layer is full attention (equal K/V dims)"
+        super().__init__(msg + (f": {detail}" if detail else "") + hint)
+        self.model_type = model_type
+        self.layer_type = layer_type
+
+
+class ModelLoadError(ValueError):
+    """The model name or path cannot be loaded (not `tiny` and not a local model directory)."""
+
+
+def tiny_config() -> LlamaConfig:
+    """The pinned `tiny` model: Llama-style, 8 layers, hidden 512, GQA 8/2, byte vocabulary."""
+    return LlamaConfig(
+        vocab_size=BYTE_VOCAB_SIZE,
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=4096,
+        initializer_range=0.1,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=256,
+        eos_token_id=257,
+        pad_token_id=258,
+    )
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """The GPT-2 byte -> printable character table that the ByteLevel pre-tokenizer uses."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    table, extra = {b: chr(b) for b in printable}, 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level tokenizer: token id = byte value; specials 256..259; a plain chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+
+    vocab = {char: byte for byte, char in _bytes_to_unicode().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, 256)]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        additional_special_tokens=[END_OF_TURN],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def random_model(config: PretrainedConfig, seed: int = TINY_SEED) -> PreTrainedModel:
+    """A causal LM with weights drawn from `seed` (init std = config.initializer_range)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    return model
+
+
+def _text_config(config: PretrainedConfig) -> PretrainedConfig:
+    return config.get_text_config(decoder=True)
+
+
+def check_supported(config: PretrainedConfig) -> None:
+    """Raise `UnsupportedModelError` unless every layer is full attention with equal K/V dims."""
+    cfg = _text_config(config)
+    model_type = getattr(cfg, "model_type", "") or "unknown"
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(model_type, "cross_attention", "encoder-decoder model")
+    for layer_type in getattr(cfg, "layer_types", None) or ():
+        if layer_type != "full_attention":
+            raise UnsupportedModelError(model_type, str(layer_type))
+    if getattr(cfg, "sliding_window", None) is not None and getattr(
+        cfg, "use_sliding_window", True
+    ):
+        raise UnsupportedModelError(model_type, "sliding_attention", f"window {cfg.sliding_window}")
+    if getattr(cfg, "attention_chunk_size", None) is not None:
+        raise UnsupportedModelError(model_type, "chunked_attention")
+    if any(getattr(cfg, key, None) is not None for key in _RECURRENT_CONFIG_KEYS) or any(
+        name in model_type for name in ("mamba", "rwkv", "xlstm", "recurrent")
+    ):
+        raise UnsupportedModelError(model_type, "recurrent")
+    v_dim, qk_dim = getattr(cfg, "v_head_dim", None), getattr(cfg, "qk_head_dim", None)
+    if getattr(cfg, "kv_lora_rank", None) is not None or (v_dim and qk_dim and v_dim != qk_dim):
+        raise UnsupportedModelError(
+            model_type, "multi_latent_attention", "K and V head dims differ"
+        )
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def probe_kv_layout(model: PreTrainedModel) -> KVLayout:
+    """Run one token and read the KV shapes the model really writes (per layer [1, H, 1, D])."""
+    cfg, model_type = model.config, getattr(model.config, "model_type", "unknown")
+    device = next(model.parameters()).device
+    past = DynamicCache(config=cfg)
+    with torch.inference_mode():
+        model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), past_key_values=past)
+    shapes = set()
+    for layer in past.layers:
+        if type(layer) is not DynamicLayer or layer.keys is None:
+            raise UnsupportedModelError(model_type, type(layer).__name__)
+        if layer.keys.shape[-1] != layer.values.shape[-1]:
+            raise UnsupportedModelError(model_type, "multi_latent_attention", "K/V dims differ")
+        shapes.add(tuple(layer.keys.shape))
+    if len(shapes) != 1:
+        raise UnsupportedModelError(model_type, "heterogeneous_attention", f"KV shapes {shapes}")
+    _, heads, _, head_dim = shapes.pop()
+    return KVLayout(len(past.layers), heads, head_dim)
+
+
+def config_digest_input(config: PretrainedConfig) -> bytes:
+    """The config as sorted JSON, without the keys that save/load rewrites."""
+    data = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
+    data["model_class"] = config.__class__.__name__
+    return json.dumps(data, sort_keys=True, default=str).encode()
+
+
+def fingerprint(model: PreTrainedModel, model_revision: str | None = None) -> str:
+    """xxh3-128 over config, dtype and every tensor (name, dtype, shape, bytes); hex string.
+
+    With `model_revision`, the weights are pinned by that string instead of being hashed.
+    """
+    dtype = next(model.parameters()).dtype
+    h = xxhash.xxh3_128(config_digest_input(model.config))
+    h.update(str(dtype).encode())
+    if model_revision is not None:
+        h.update(b"revision\x00" + model_revision.encode())
+        return h.hexdigest()
+    for name, tensor in sorted(model.state_dict().items()):
+        t = tensor.detach().contiguous().reshape(-1)
+        h.update(f"{name}\x00{t.dtype}\x00{tuple(tensor.shape)}\x00".encode())
+        h.update(t.cpu().view(torch.uint8).numpy().data)
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A causal LM ready for the engine, with what its KV namespace needs."""
+
+    name: str
+    model: PreTrainedModel
+    tokenizer: Any
+    fingerprint: str
+    layout: KVLayout
+    vocab_size: int
+    max_positions: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def kv_dtype(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    def namespace(self, block_size: int, tenant_salt: str = "", codec: str = "none") -> Namespace:
+        return Namespace(
+            model_fingerprint=self.fingerprint,
+            kv_dtype=self.kv_dtype,
+            num_layers=self.layout.num_layers,
+            num_kv_heads=self.layout.num_kv_heads,
+            head_dim=self.layout.head_dim,
+            block_size=block_size,
+            codec=codec,
+            tenant_salt=tenant_salt,
+        )
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def _eos_ids(config: PretrainedConfig, tokenizer: Any) -> tuple[int, ...]:
+    ids = getattr(_text_config(config), "eos_token_id", None)
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.append(tokenizer.eos_token_id)
+    return tuple(sorted(set(ids)))
+
+
+def _max_positions(config: PretrainedConfig) -> int | None:
+    cfg = _text_config(config)
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        if isinstance(getattr(cfg, key, None), int):
+            return getattr(cfg, key)
+    return None
+
+
+def wrap_model(
+    model: PreTrainedModel, tokenizer: Any, name: str, model_revision: str | None = None
+) -> LoadedModel:
+    """Check, probe and fingerprint an in-memory causal LM."""
+    check_supported(model.config)
+    model.eval().requires_grad_(False)
+    return LoadedModel(
+        name=name,
+        model=model,
+        tokenizer=tokenizer,
+        fingerprint=fingerprint(model, model_revision),
+        layout=probe_kv_layout(model),
+        vocab_size=int(model.get_input_embeddings().num_embeddings),
+        max_positions=_max_positions(model.config),
+        eos_token_ids=_eos_ids(model.config, tokenizer),
+    )
+
+
+def _load_local(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, Any]:
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    check_supported(config)  # before reading any weights
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, local_files_only=True, attn_implementation="sdpa"
+    )
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return model, tokenizer
+
+
+def load_model(
+    name_or_path: str,
+    dtype: str | torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    model_revision: str | None = None,
+) -> LoadedModel:
+    """`tiny` builds the pinned model from a fixed seed; anything else is a local model dir."""
+    torch_dtype = resolve_dtype(dtype)
+    if name_or_path == TINY_NAME:
+        model, tokenizer = random_model(tiny_config()), byte_tokenizer()
+    elif Path(name_or_path).is_dir():
+        model, tokenizer = _load_local(Path(name_or_path), torch_dtype)
+    else:
+        raise ModelLoadError(f"{name_or_path!r} is neither 'tiny' nor a local model directory")
+    model = model.to(device=device, dtype=torch_dtype)
+    return wrap_model(model, tokenizer, name_or_path, model_revision)

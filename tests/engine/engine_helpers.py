@@ -1,0 +1,61 @@
+"""Helpers for engine tests: a micro Llama (2 layers, hidden 64) and the no-cache reference."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig
+
+from engine.model import BYTE_VOCAB_SIZE, LoadedModel, byte_tokenizer, random_model, wrap_model
+from kvstore.config import CacheConfig
+
+BLOCK_SIZE = 4
+TOL = 1e-4  # fp32 contract: logits within 1e-4 absolute
+
+
+def micro_config() -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=BYTE_VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        initializer_range=0.1,
+        tie_word_embeddings=False,
+        bos_token_id=256,
+        eos_token_id=257,
+        pad_token_id=258,
+    )
+
+
+def micro_model(seed: int = 1) -> LoadedModel:
+    return wrap_model(random_model(micro_config(), seed), byte_tokenizer(), f"micro-{seed}")
+
+
+def micro_cache_config(**overrides: object) -> CacheConfig:
+    values = {"block_size": BLOCK_SIZE, "device": "cpu", "device_blocks": 256, **overrides}
+    return CacheConfig(**values)
+
+
+def reference_logits(model: LoadedModel, token_ids: list[int]) -> torch.Tensor:
+    """Independent reference: one full forward of the whole sequence, no cache. [T, vocab]."""
+    with torch.inference_mode():
+        ids = torch.tensor([token_ids], device=model.device)
+        return model.model(input_ids=ids, use_cache=False).logits[0].float()
+
+
+def close_to_reference(logits: torch.Tensor, ref: torch.Tensor, tol: float = TOL) -> bool:
+    """The contract: within tol, and the same argmax wherever the top-2 gap exceeds tol."""
+    top2 = torch.topk(ref, 2).values
+    same_argmax = int(torch.argmax(logits)) == int(torch.argmax(ref))
+    return bool((logits - ref).abs().max() <= tol) and (same_argmax or top2[0] - top2[1] <= tol)
+
+
+def greedy_matches_reference(model: LoadedModel, prompt: list[int], output: list[int]) -> bool:
+    """Each generated token equals the reference argmax wherever its top-2 gap exceeds TOL."""
+    ref = reference_logits(model, prompt + output[:-1])[len(prompt) - 1 :]
+    top2 = torch.topk(ref, 2, dim=-1).values
+    decisive = (top2[:, 0] - top2[:, 1]) > TOL
+    return bool(((ref.argmax(-1) == torch.tensor(output)) | ~decisive).all())

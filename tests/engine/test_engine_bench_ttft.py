@@ -1,0 +1,32 @@
+"""`python -m bench ttft` plumbing on a short prompt (no timing asserts)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.ttft import main
+
+
+def test_ttft_bench_reports_every_point_with_the_cached_prefix(capsys, tmp_path: Path) -> None:
+    argv = ["--tier", "device,lmdb", "--lmdb-dir", str(tmp_path), "--prompt-tokens", "64",
+            "--cached", "32,48", "--runs", "1", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    points = json.loads(capsys.readouterr().out)["points"]
+    assert [(p["tier"], p["prompt_tokens"], p["cached_tokens"]) for p in points] == [
+        ("device", 64, 32),
+        ("device", 64, 48),
+        ("lmdb", 64, 32),
+        ("lmdb", 64, 48),
+    ]
+    assert all(p["same_first_token"] for p in points)
+    keys = {"ttft_nocache_s", "ttft_ideal_s", "ttft_kvstore_s", "ratio_to_ideal"}
+    assert all(keys <= set(p) for p in points)
+
+
+def test_ttft_bench_rejects_a_point_off_the_block_grid(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["--cached", "100"])
+    assert "multiple of --block-size" in capsys.readouterr().err

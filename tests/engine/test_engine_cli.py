@@ -1,0 +1,79 @@
+"""The `kvstore` console script: generate, flag -> CacheConfig mapping, errors."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.cli import COMMANDS, build_parser, cache_config_from_args, main
+from engine.model import load_model
+
+
+def kvstore_script() -> str:
+    return str(Path(sys.executable).with_name("kvstore"))
+
+
+@pytest.mark.integration
+def test_generate_json_via_the_console_script() -> None:
+    cmd = [kvstore_script(), "generate", "--prompt-ids", "72,101,108,108,111,44,32,119",
+           "--max-tokens", "6", "--ignore-eos", "--block-size", "4", "--json"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True)
+    out = json.loads(proc.stdout)
+    assert set(out) >= {"prompt_tokens", "cached_tokens", "output_token_ids", "text"}
+    assert (out["prompt_tokens"], out["cached_tokens"]) == (8, 0)
+    tiny = load_model("tiny")
+    with torch.inference_mode():
+        ref = tiny.model.generate(
+            torch.tensor([[72, 101, 108, 108, 111, 44, 32, 119]]),
+            max_new_tokens=6,
+            do_sample=False,
+            eos_token_id=None,
+        )
+    assert out["output_token_ids"] == ref[0, 8:].tolist()
+    assert out["text"] == tiny.tokenizer.decode(out["output_token_ids"], skip_special_tokens=True)
+
+
+def test_cache_flags_map_to_cache_config_fields(tmp_path: Path) -> None:
+    args = build_parser().parse_args(
+        ["generate", "--prompt", "hi", "--block-size", "8", "--device-blocks", "32",
+         "--device-cache-gb", "0.5", "--lmdb-dir", str(tmp_path), "--redis-url",
+         "redis://localhost:6379/0", "--eviction-policy", "lfu"]
+    )  # fmt: skip
+    config = cache_config_from_args(args)
+    assert (config.block_size, config.device_blocks, config.device_cache_gb) == (8, 32, 0.5)
+    assert (config.lmdb_dir, config.redis_url) == (str(tmp_path), "redis://localhost:6379/0")
+    assert config.eviction_policy == "lfu"
+    assert config.memory_cache_gb == 0.0  # unset flags keep CacheConfig defaults
+
+
+def test_secret_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVSTORE_SECRET", "s3cret")
+    args = build_parser().parse_args(["generate", "--prompt", "hi"])
+    assert cache_config_from_args(args).secret == "s3cret"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["generate", "--prompt-ids", "1,x"], "--prompt-ids must be comma-separated ints"),
+        (["generate", "--prompt-ids", "1,2", "--block-size", "0"], "block_size"),
+        (["generate", "--prompt-ids", "1,999"], r"\[0, 260\)"),
+        (["generate", "--prompt", "hi", "--max-tokens", "0"], "max_new_tokens"),
+        (["generate", "--prompt", "hi", "--model", "no/such/dir"], "local model directory"),
+    ],
+)
+def test_user_errors_exit_2_with_a_message(argv: list[str], message: str, capsys) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvstore {argv[0]}: error:")
+    assert re.search(message, err)
+
+
+def test_subcommands_are_registered_in_one_table() -> None:
+    assert {"generate", "demo"} <= set(COMMANDS)

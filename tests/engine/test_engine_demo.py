@@ -1,0 +1,28 @@
+"""`kvstore demo`: every request matches the no-cache reference, with the expected hits."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+
+from engine.cli import main
+
+
+@pytest.mark.slow
+def test_demo_outputs_equal_the_no_cache_reference(capsys) -> None:
+    assert main(["demo", "--json", "--max-tokens", "4"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    rows = report["requests"]
+    assert report["all_identical"] is True
+    assert [r["name"] for r in rows] == [
+        *(f"chat turn {i}" for i in range(1, 5)),
+        *(f"batch {i}" for i in range(1, 9)),
+    ]
+    assert rows[0]["cached_tokens"] == 0
+    for prev, row in itertools.pairwise(rows[:4]):
+        # turn k+1 hits turn k's prompt and all its generated tokens but the last (block 16)
+        assert row["cached_tokens"] == (prev["prompt_tokens"] + 4 - 1) // 16 * 16
+    # batch 1 shares the system prompt with the chat; later ones also share "Question "
+    assert [r["cached_tokens"] for r in rows[4:]] == [1008] + [1024] * 7

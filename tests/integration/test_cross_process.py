@@ -1,0 +1,57 @@
+"""Two processes share a tier: B, with an empty device pool, hits what A stored."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
+
+from engine_helpers import micro_model
+
+PROMPT_IDS = ",".join(str((i * 7) % 250) for i in range(61))  # 61 tokens: 15 whole blocks of 4
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("micro-model")
+    loaded = micro_model(seed=1)
+    loaded.model.save_pretrained(path)
+    loaded.tokenizer.save_pretrained(path)
+    return path
+
+
+def generate(model_dir: Path, *flags: str) -> dict:
+    cmd = ["kvstore", "generate", "--model", str(model_dir), "--prompt-ids", PROMPT_IDS,
+           "--max-tokens", "8", "--block-size", "4", "--json", *flags]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def check_b_hits_a(model_dir: Path, *flags: str) -> None:
+    a = generate(model_dir, *flags)
+    b = generate(model_dir, *flags)
+    assert a["cached_tokens"] == 0
+    assert b["cached_tokens"] == 60  # all 15 whole blocks: 60 < 61, the last token is computed
+    assert b["output_token_ids"] == a["output_token_ids"]
+
+
+def test_redis_is_shared_between_processes(model_dir, redis_server):
+    check_b_hits_a(model_dir, "--redis-url", redis_server.url)
+
+
+def test_redis_cluster_is_shared_between_processes(model_dir, redis_cluster):
+    check_b_hits_a(model_dir, "--redis-url", redis_cluster.url)
+
+
+def test_redis_over_tls_is_shared_between_processes(model_dir, redis_tls):
+    check_b_hits_a(model_dir, "--redis-url", redis_tls.url)
+
+
+def test_lmdb_dir_is_shared_between_processes(model_dir, tmp_path):
+    check_b_hits_a(model_dir, "--lmdb-dir", str(tmp_path / "lmdb"))
