@@ -8,19 +8,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
-import types
-import typing
 from collections.abc import Callable
-from dataclasses import fields
 from typing import NamedTuple
 
-from kvstore.config import CacheConfig, ConfigError
-
-_HIDDEN_CACHE_FIELDS = ("secret", "key_bytes")  # secret comes from $KVSTORE_SECRET only
-SECRET_ENV = "KVSTORE_SECRET"
+from kvstore.config import ConfigError
+from kvstore.settings import add_cache_args, config_from_args
 
 
 class Command(NamedTuple):
@@ -42,43 +36,10 @@ def command(name: str, help: str, add_arguments: Callable[[argparse.ArgumentPars
     return register
 
 
-# --- cache flags <-> CacheConfig ------------------------------------------------------------
+# --- cache flags <-> CacheConfig: kvstore.settings (flags over KVSTORE_* env over TOML) ---
 
-
-def _flag_type(hint: object) -> type:
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    is_union = typing.get_origin(hint) in (typing.Union, types.UnionType)
-    return args[0] if is_union else hint  # type: ignore[return-value]
-
-
-def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per CacheConfig field (default None = the field's default)."""
-    hints = typing.get_type_hints(CacheConfig)
-    group = parser.add_argument_group("cache (CacheConfig fields)")
-    for f in fields(CacheConfig):
-        if f.name in _HIDDEN_CACHE_FIELDS:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        group.add_argument(
-            flag,
-            dest=f"cache_{f.name}",
-            type=_flag_type(hints[f.name]),
-            default=None,
-            metavar=f.name.upper(),
-            help=f"default {f.default!r}",
-        )
-
-
-def cache_config_from_args(args: argparse.Namespace, **overrides: object) -> CacheConfig:
-    """CacheConfig from the parsed flags; `overrides` are defaults the flags can still override."""
-    values = dict(overrides)
-    for f in fields(CacheConfig):
-        value = getattr(args, f"cache_{f.name}", None)
-        if value is not None:
-            values[f.name] = value
-    if os.environ.get(SECRET_ENV):
-        values["secret"] = os.environ[SECRET_ENV]
-    return CacheConfig(**values)
+add_cache_arguments = add_cache_args
+cache_config_from_args = config_from_args
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -174,12 +135,16 @@ def run_generate(args: argparse.Namespace) -> int:
 def _demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--max-tokens", type=int, default=16)
+    add_cache_arguments(parser)
 
 
 @command("demo", "tiny model: a 4-turn chat and 8 prompts sharing a system prompt", _demo_arguments)
 def run_demo(args: argparse.Namespace) -> int:
+    from engine.demo import print_demo_table, run_demo_requests
+
     start = time.perf_counter()
-    rows = demo_requests(args.max_tokens)
+    config = cache_config_from_args(args, device_blocks=2048)
+    rows = run_demo_requests(args.max_tokens, config)
     report = {
         "requests": rows,
         "all_identical": all(r["identical"] for r in rows),
@@ -188,110 +153,8 @@ def run_demo(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report))
     else:
-        _print_demo_table(report)
+        print_demo_table(report, config)
     return 0 if report["all_identical"] else 1
-
-
-_SYSTEM_RULES = (
-    "answer in plain words and keep every reply short",
-    "when a question is ambiguous, ask one clarifying question first",
-    "never invent facts; say that you do not know instead",
-    "prefer concrete examples over abstract explanations",
-    "quote numbers with their units and their source",
-    "use lists only when the order of the steps matters",
-    "summarize long documents before answering questions about them",
-    "keep code samples small, complete and runnable",
-)
-SYSTEM_PROMPT = "You are the kvstore demo assistant, a careful and friendly helper. " + " ".join(
-    f"Rule {i + 1}: {rule}, and remember rule {i + 1} in every turn of the conversation."
-    for i, rule in enumerate(_SYSTEM_RULES)
-)
-CHAT_TURNS = (
-    "Hello! What does a prefix cache store, in one sentence?",
-    "And why does the last prompt token always have to be computed?",
-    "How would you size the device pool for a chat service?",
-    "Thanks. Summarize our conversation in one line.",
-)
-BATCH_QUESTIONS = tuple(
-    f"Question {i + 1}: explain topic number {i + 1} of the course, {topic}, to a beginner."
-    for i, topic in enumerate(
-        (
-            "hash chains",
-            "radix trees",
-            "paged memory",
-            "eviction",
-            "spill tiers",
-            "checksums",
-            "circuit breakers",
-            "time to first token",
-        )
-    )
-)
-
-
-def demo_requests(max_tokens: int) -> list[dict]:
-    """Run the demo's 12 requests through the engine and compare each with a no-cache run."""
-    from engine.engine import Engine, SamplingParams, reference_generate
-    from engine.model import END_OF_TURN, load_model
-
-    model = load_model("tiny")
-    tok = model.tokenizer
-    params = SamplingParams(max_new_tokens=max_tokens, ignore_eos=True)
-    reference_generate(model, list(range(64)), 2)  # warm-up, not reported
-    system = {"role": "system", "content": SYSTEM_PROMPT}
-
-    def chat_ids(question: str) -> list[int]:
-        messages = [system, {"role": "user", "content": question}]
-        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return tok(text, add_special_tokens=False)["input_ids"]
-
-    def compare(name: str, ids: list[int], result) -> dict:
-        ref, ttft_nocache = reference_generate(model, ids, len(result.output_token_ids))
-        return {
-            "name": name,
-            "prompt_tokens": result.prompt_tokens,
-            "cached_tokens": result.cached_tokens,
-            "ttft_s": result.ttft_s,
-            "ttft_nocache_s": ttft_nocache,
-            "identical": ref == result.output_token_ids,
-        }
-
-    rows = []
-    with Engine(model, CacheConfig(device="cpu", device_blocks=2048)) as engine:
-        ids, output = chat_ids(CHAT_TURNS[0]), []
-        for turn, question in enumerate(CHAT_TURNS):
-            if turn:  # the history is tokens, so turn k+1 can hit turn k's generated tokens
-                follow = f"{END_OF_TURN}\nuser: {question}{END_OF_TURN}\nassistant: "
-                ids = ids + output + tok(follow, add_special_tokens=False)["input_ids"]
-            result = engine.generate([ids], params)[0]
-            output = result.output_token_ids
-            rows.append(compare(f"chat turn {turn + 1}", ids, result))
-        batch = [chat_ids(q) for q in BATCH_QUESTIONS]
-        for i, (ids, result) in enumerate(zip(batch, engine.generate(batch, params), strict=True)):
-            rows.append(compare(f"batch {i + 1}", ids, result))
-    return rows
-
-
-def _print_demo_table(report: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title="kvstore demo: tiny model, device tier")
-    for col in ("request", "prompt", "cached", "TTFT ms", "no-cache ms", "speedup", "same"):
-        table.add_column(col, justify="right")
-    for row in report["requests"]:
-        table.add_row(
-            row["name"],
-            str(row["prompt_tokens"]),
-            str(row["cached_tokens"]),
-            f"{row['ttft_s'] * 1e3:.1f}",
-            f"{row['ttft_nocache_s'] * 1e3:.1f}",
-            f"{row['ttft_nocache_s'] / row['ttft_s']:.1f}x",
-            "yes" if row["identical"] else "NO",
-        )
-    console = Console()
-    console.print(table)
-    console.print(f"all identical: {report['all_identical']}  runtime {report['runtime_s']:.1f} s")
 
 
 # --- entry point ----------------------------------------------------------------------------

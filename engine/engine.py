@@ -84,12 +84,14 @@ class GenerateResult(NamedTuple):
     text: str
     ttft_s: float  # lookup + load + suffix prefill + first token
     finish_reason: str  # "stop" or "length"
+    cached_by_tier: dict[str, int]  # cached tokens by source tier ("device", "lmdb", ...)
 
 
 class Prefill(NamedTuple):
     logits: torch.Tensor  # [vocab] float32, last prompt position
     cached_tokens: int
     past: DynamicCache  # KV of every prompt token
+    cached_by_tier: dict[str, int]
 
 
 class _Sampler:
@@ -216,7 +218,9 @@ class Engine:
             ttft = time.perf_counter() - start
             reason, text = self._decode(pre.past, output, params, sampler)
             self._store(token_ids, output, pre.past)
-        return GenerateResult(len(token_ids), pre.cached_tokens, output, text, ttft, reason)
+        return GenerateResult(
+            len(token_ids), pre.cached_tokens, output, text, ttft, reason, pre.cached_by_tier
+        )
 
     def prefill(self, token_ids: list[int]) -> Prefill:
         """Lookup, load and suffix prefill of validated token ids; stores nothing."""
@@ -253,7 +257,7 @@ class Engine:
             self.cache.release(hit)
         past = past_from_prefix(self.model.model.config, kv, self.model.device)
         logits = self._forward(token_ids[kv.num_tokens :], past)
-        return Prefill(logits, kv.num_tokens, past)
+        return Prefill(logits, kv.num_tokens, past, hit.tier_tokens)
 
     def _decode(
         self, past: DynamicCache, output: list[int], params: SamplingParams, sampler: _Sampler

@@ -25,7 +25,8 @@ else:  # pragma: no cover
 
 ENV_PREFIX = "KVSTORE_"
 _HINTS = typing.get_type_hints(CacheConfig)
-_HIDDEN = {"key_bytes"}  # test hooks: not exposed as flags
+# Not flags: key_bytes is a test hook; a secret on the command line would show in `ps`.
+_HIDDEN = {"key_bytes", "secret"}
 
 
 def _base_type(name: str) -> type:
@@ -73,10 +74,14 @@ def load_config(
     toml_path: str | Path | None = None,
     env: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
+    defaults: Mapping[str, Any] | None = None,
 ) -> CacheConfig:
-    """Merge the sources (see module doc) and validate; raises ConfigError naming the field."""
+    """Merge the sources (see module doc) and validate; raises ConfigError naming the field.
+
+    `defaults` (a command's own defaults) sit just above the dataclass defaults.
+    """
     env = os.environ if env is None else env
-    values: dict[str, Any] = {}
+    values: dict[str, Any] = dict(defaults or {})
     path = toml_path or env.get(ENV_PREFIX + "CONFIG")
     if path:
         values.update(from_toml(path))
@@ -103,12 +108,13 @@ def add_cache_args(parser: argparse.ArgumentParser) -> None:
         )
 
 
-def config_from_args(args: argparse.Namespace, **extra: Any) -> CacheConfig:
-    """CacheConfig from parsed `add_cache_args` flags over env and TOML; `extra` wins last."""
+def config_from_args(args: argparse.Namespace, **defaults: Any) -> CacheConfig:
+    """CacheConfig from parsed `add_cache_args` flags over env, TOML and `defaults`."""
     overrides = {
         f.name: getattr(args, f"cache_{f.name}")
         for f in fields(CacheConfig)
         if getattr(args, f"cache_{f.name}", None) is not None
     }
-    overrides.update(extra)
-    return load_config(getattr(args, "cache_config_file", None), overrides=overrides)
+    return load_config(
+        getattr(args, "cache_config_file", None), overrides=overrides, defaults=defaults
+    )
