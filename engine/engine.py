@@ -13,7 +13,7 @@ import queue
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -23,10 +23,20 @@ import torch
 from transformers import DynamicCache
 
 from engine.model import LoadedModel
+from hashing import validate_salt
 from kvstore.cache import KVPrefix, PrefixCache
 from kvstore.config import CacheConfig
 
 Prompt = str | Sequence[int]
+TokenCallback = Callable[[int], None]
+
+
+def _ignore(token_id: int) -> None:
+    """The default token callback."""
+
+
+def _since(start: float) -> float:
+    return time.perf_counter() - start
 
 
 class InvalidRequestError(ValueError):
@@ -85,6 +95,7 @@ class GenerateResult(NamedTuple):
     ttft_s: float  # lookup + load + suffix prefill + first token
     finish_reason: str  # "stop" or "length"
     cached_by_tier: dict[str, int]  # cached tokens by source tier ("device", "lmdb", ...)
+    queue_s: float  # time from submit until the worker started the request
 
 
 class Prefill(NamedTuple):
@@ -170,13 +181,28 @@ class Engine:
             )
         return ids
 
-    def submit(self, prompt: Prompt, params: SamplingParams | None = None) -> Future:
-        """Queue one request; the future resolves to a `GenerateResult`."""
+    def submit(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: str = "",
+        on_token: TokenCallback | None = None,
+    ) -> Future:
+        """Queue one request; the future resolves to a `GenerateResult`.
+
+        `cache_salt` narrows cache sharing to requests with the same salt. `on_token(id)` is
+        called from the worker thread for each generated token, as soon as it is sampled.
+        """
         params = params or SamplingParams()
-        return self._enqueue(self.encode(prompt, params), params)
+        return self._enqueue(self.encode(prompt, params), params, cache_salt, on_token)
 
     def generate(
-        self, prompts: str | Sequence[Prompt], params: SamplingParams | None = None
+        self,
+        prompts: str | Sequence[Prompt],
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: str = "",
     ) -> list[GenerateResult]:
         """Generate for each prompt (a str or a list of token ids); thread-safe."""
         params = params or SamplingParams()
@@ -185,47 +211,67 @@ class Engine:
         if any(isinstance(p, int) for p in prompts):
             raise InvalidRequestError("prompts is a list of prompts; wrap token ids in a list")
         all_ids = [self.encode(prompt, params) for prompt in prompts]  # all valid before queueing
-        futures = [self._enqueue(ids, params) for ids in all_ids]
+        futures = [self._enqueue(ids, params, cache_salt) for ids in all_ids]
         return [f.result() for f in futures]
 
-    def _enqueue(self, ids: list[int], params: SamplingParams) -> Future:
+    def _enqueue(
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        cache_salt: str = "",
+        on_token: TokenCallback | None = None,
+    ) -> Future:
+        try:
+            validate_salt(cache_salt)
+        except ValueError as e:
+            raise InvalidRequestError(f"cache_salt: {e}") from None
         future: Future = Future()
+        item = (ids, params, cache_salt, on_token, future, time.perf_counter())
         with self._queue_lock:  # nothing may follow the stop sentinel
             if self._closed:
                 raise EngineClosedError("engine is closed")
-            self._queue.put((ids, params, future))
+            self._queue.put(item)
         return future
 
     def _serve(self) -> None:
         while (item := self._queue.get()) is not None:
-            ids, params, future = item
+            ids, params, salt, on_token, future, enqueued = item
             if not future.set_running_or_notify_cancel():
                 continue
             try:
-                future.set_result(self.run(ids, params))
+                result = self.run(ids, params, salt, on_token)
+                future.set_result(result._replace(queue_s=result.queue_s + _since(enqueued)))
             except BaseException as e:  # handed to the caller
                 future.set_exception(e)
 
     # --- the synchronous path ---------------------------------------------------------------
 
-    def run(self, token_ids: list[int], params: SamplingParams) -> GenerateResult:
+    def run(
+        self,
+        token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str = "",
+        on_token: TokenCallback | None = None,
+    ) -> GenerateResult:
         """One request, synchronously (validated token ids)."""
         sampler = _Sampler(params)
+        emit = on_token or _ignore
         with self._lock, torch.inference_mode():
             start = time.perf_counter()
-            pre = self._prefill(token_ids)
+            pre = self._prefill(token_ids, cache_salt)
             output = [sampler(pre.logits)]
-            ttft = time.perf_counter() - start
-            reason, text = self._decode(pre.past, output, params, sampler)
-            self._store(token_ids, output, pre.past)
+            ttft = _since(start)
+            emit(output[0])
+            reason, text = self._decode(pre.past, output, params, sampler, emit)
+            self._store(token_ids, output, pre.past, cache_salt)
         return GenerateResult(
-            len(token_ids), pre.cached_tokens, output, text, ttft, reason, pre.cached_by_tier
+            len(token_ids), pre.cached_tokens, output, text, ttft, reason, pre.cached_by_tier, 0.0
         )
 
-    def prefill(self, token_ids: list[int]) -> Prefill:
+    def prefill(self, token_ids: list[int], cache_salt: str = "") -> Prefill:
         """Lookup, load and suffix prefill of validated token ids; stores nothing."""
         with self._lock, torch.inference_mode():
-            return self._prefill(token_ids)
+            return self._prefill(token_ids, cache_salt)
 
     def prefill_logits(self, token_ids: Sequence[int]) -> tuple[torch.Tensor, int]:
         """Last-position logits ([vocab], float32) and cached_tokens; stores the prompt's blocks."""
@@ -249,8 +295,8 @@ class Engine:
         )
         return out.logits[0, -1].float()
 
-    def _prefill(self, token_ids: list[int]) -> Prefill:
-        hit = self.cache.lookup(token_ids)
+    def _prefill(self, token_ids: list[int], cache_salt: str) -> Prefill:
+        hit = self.cache.lookup(token_ids, salt=cache_salt)
         try:
             kv = self.cache.load(hit)
         finally:
@@ -260,7 +306,12 @@ class Engine:
         return Prefill(logits, kv.num_tokens, past, hit.tier_tokens)
 
     def _decode(
-        self, past: DynamicCache, output: list[int], params: SamplingParams, sampler: _Sampler
+        self,
+        past: DynamicCache,
+        output: list[int],
+        params: SamplingParams,
+        sampler: _Sampler,
+        emit: TokenCallback,
     ) -> tuple[str, str]:
         """Extend `output` in place until a stop; returns (finish_reason, text)."""
         stop_ids = set(params.stop_token_ids)
@@ -276,13 +327,16 @@ class Engine:
             if len(output) >= params.max_new_tokens:
                 return "length", text
             output.append(sampler(self._forward(output[-1:], past)))
+            emit(output[-1])
 
-    def _store(self, prompt: list[int], output: list[int], past: DynamicCache) -> int:
+    def _store(
+        self, prompt: list[int], output: list[int], past: DynamicCache, cache_salt: str = ""
+    ) -> int:
         """Store new full blocks: the prompt, plus generated tokens when cache_generated."""
         ids = prompt + output if self.cache_generated else prompt
         n = min(len(ids), past.get_seq_length())  # the last generated token has no KV
         layers = [(layer.keys[:, :, :n], layer.values[:, :, :n]) for layer in past.layers]
-        return self.cache.store(ids[:n], layers)
+        return self.cache.store(ids[:n], layers, salt=cache_salt)
 
     # --- lifecycle ----------------------------------------------------------------------------
 

@@ -19,7 +19,13 @@ from hashing.blocks import (
     as_token_array,
     num_full_blocks,
 )
-from hashing.namespace import FORMAT_VERSION, InvalidNamespace, Namespace, validate_salt
+from hashing.namespace import (
+    FORMAT_VERSION,
+    InvalidNamespace,
+    Namespace,
+    combine_salts,
+    validate_salt,
+)
 
 __all__ = [
     "DEFAULT_SECRET",
@@ -31,6 +37,7 @@ __all__ = [
     "InvalidTokens",
     "Namespace",
     "as_token_array",
+    "combine_salts",
     "num_full_blocks",
     "validate_salt",
 ]

@@ -28,6 +28,15 @@ def validate_salt(salt: str) -> str:
     return salt
 
 
+def combine_salts(base: str, salt: str) -> str:
+    """The salt of a request with its own `salt` under a deployment/tenant salt `base`: it can
+    only narrow sharing (a request salt never reaches another base's blocks)."""
+    validate_salt(salt)
+    if not base or not salt:
+        return base or salt
+    return hashlib.blake2b(_frame(base) + _frame(salt), digest_size=16).hexdigest()
+
+
 def _frame(value: str | int) -> bytes:
     # Length-prefixed so that ("org_1", "2345") and ("org_12345", "") never collide.
     raw = str(value).encode("utf-8")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -19,14 +20,16 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from hashing import BlockHash, BlockHasher, Namespace, as_token_array
+from hashing import BlockHash, BlockHasher, Namespace, as_token_array, combine_salts
 from kvstore.config import CacheConfig, ConfigError
 from kvstore.index import RadixIndex, TreeNode
 from kvstore.metrics import CacheMetrics
 from kvstore.policy import make_policy
 from kvstore.pool import BlockPool, LayerKV, PoolExhausted
 from kvstore.stores import SpillStore, make_stores
-from kvstore.tiers import Segment, Tiers
+from kvstore.tiers import Scope, Segment, Tiers
+
+MAX_SALTS = 4096  # request salts whose hashers are kept
 
 
 class KVPrefix(NamedTuple):
@@ -74,21 +77,39 @@ class PrefixCache:
         if stores is None and _has_tiers(config):
             stores = make_stores(config, namespace)
         self.tiers = Tiers(config, self.hasher, self.metrics, stores) if stores else None
+        self._hashers: OrderedDict[str, BlockHasher] = OrderedDict()  # by request salt
+        self._salt_of: dict[BlockHash, str] = {}  # first block key -> request salt (write-back)
         self._lock = threading.RLock()
 
     @property
     def device(self) -> torch.device:
         return self.pool.device
 
-    def lookup(self, token_ids: Sequence[int] | np.ndarray) -> CacheHit:
+    def hasher_for(self, salt: str = "") -> BlockHasher:
+        """The hasher of requests with cache salt `salt` (narrowing the config's tenant salt)."""
+        if not salt:
+            return self.hasher
+        with self._lock:
+            hasher = self._hashers.pop(salt, None)
+            if hasher is None:
+                ns = self.namespace.with_salt(combine_salts(self.namespace.tenant_salt, salt))
+                hasher = BlockHasher(ns, self.config.secret_bytes, self.config.key_bytes)
+            self._hashers[salt] = hasher
+            if len(self._hashers) > MAX_SALTS:
+                self._hashers.popitem(last=False)
+            return hasher
+
+    def lookup(self, token_ids: Sequence[int] | np.ndarray, salt: str = "") -> CacheHit:
         """Find and lock the longest cached whole-block prefix of token_ids[:-1].
 
         Blocks the device pool misses are asked of the spill tiers (fastest first), verified
-        and promoted into the pool; `num_cached_tokens` counts only verified blocks.
+        and promoted into the pool; `num_cached_tokens` counts only verified blocks. Only
+        blocks stored with the same `salt` can match.
         """
         tokens = as_token_array(token_ids)
         max_blocks = max(len(tokens) - 1, 0) // self.block_size  # the last token is always computed
-        keys = self.hasher.hash_blocks(tokens[: max_blocks * self.block_size])
+        hasher = self.hasher_for(salt)
+        keys = hasher.hash_blocks(tokens[: max_blocks * self.block_size])
         with self._lock:
             match = self.index.match_prefix(keys, tokens)
             self.index.lock(match.last_node)
@@ -101,9 +122,11 @@ class PrefixCache:
             match.last_node,
         )
         if self.tiers:
-            self._write_selective(keys, tokens, hit)
-            if match.num_blocks < len(keys):
-                self._promote(hit, keys, tokens, self.tiers.fetch(keys, tokens, match.num_blocks))
+            scope = self.tiers.scope(hasher)
+            self._write_selective(scope, keys, tokens, hit)
+            if match.num_blocks < len(keys):  # tier blocks may be views: promote them inside
+                with self.tiers.fetching(scope, keys, tokens, match.num_blocks) as segments:
+                    self._promote(hit, keys, tokens, segments)
         self.metrics.record_lookup(len(tokens), hit.tier_tokens)
         return hit
 
@@ -132,13 +155,15 @@ class PrefixCache:
             left -= taken
         self.metrics.inc("promoted_blocks_total", len(new_ids))
 
-    def _write_selective(self, keys: list[BlockHash], tokens: np.ndarray, hit: CacheHit) -> None:
+    def _write_selective(
+        self, scope: Scope, keys: list[BlockHash], tokens: np.ndarray, hit: CacheHit
+    ) -> None:
         """Selective write-through: write device blocks once they have been hit N times."""
         targets = self.tiers.targets("selective")
         reached = self.tiers.count_hits(keys[: len(hit.block_ids)]) if targets else 0
         if reached:
             ids = hit.block_ids[:reached]  # hit is locked: ids are stable
-            self.tiers.submit_from_pool(targets, keys[:reached], tokens, 0, ids, self.pool)
+            self.tiers.submit_from_pool(scope, targets, keys[:reached], tokens, 0, ids, self.pool)
 
     def load(self, hit: CacheHit) -> KVPrefix:
         """Per-layer K/V of the hit, gathered from the device pool into contiguous tensors."""
@@ -155,7 +180,9 @@ class PrefixCache:
                 self.index.unlock(hit.node)
             hit.released = True
 
-    def store(self, token_ids: Sequence[int] | np.ndarray, layers: Sequence[LayerKV]) -> int:
+    def store(
+        self, token_ids: Sequence[int] | np.ndarray, layers: Sequence[LayerKV], salt: str = ""
+    ) -> int:
         """Cache the full blocks of token_ids[:T] not cached yet (T = tokens the K/V cover).
 
         Returns the number of new blocks. When the pool is full of locked blocks, stores a
@@ -163,8 +190,11 @@ class PrefixCache:
         """
         tokens = as_token_array(token_ids)
         num_tokens = min(len(tokens), int(layers[0][0].shape[2])) if layers else 0
-        keys = self.hasher.hash_blocks(tokens[:num_tokens])
+        hasher = self.hasher_for(salt)
+        keys = hasher.hash_blocks(tokens[:num_tokens])
         with self._lock:
+            if salt and keys:
+                self._remember_salt(keys[0], salt)
             match = self.index.match_prefix(keys, tokens)
             self.index.lock(match.last_node)
             try:
@@ -179,8 +209,9 @@ class PrefixCache:
                     if self.tiers:  # write-through: an independent copy, taken while owned
                         targets = self.tiers.targets("write-through")
                         ids = match.block_ids + new_ids
+                        scope = self.tiers.scope(hasher)
                         self.tiers.submit_from_pool(
-                            targets, keys[:n], tokens, match.num_blocks, ids, self.pool
+                            scope, targets, keys[:n], tokens, match.num_blocks, ids, self.pool
                         )
             finally:
                 self.index.unlock(match.last_node)
@@ -214,9 +245,17 @@ class PrefixCache:
         tokens = self.index.path_token_ids(node)
         first = len(keys) - node.num_blocks + start
         ids = self.index.path_block_ids(node)
+        scope = self.tiers.scope(self.hasher_for(self._salt_of.get(keys[0], "")))
         self.tiers.submit_from_pool(
-            self.tiers.targets("write-back"), keys, tokens, first, ids, self.pool
+            scope, self.tiers.targets("write-back"), keys, tokens, first, ids, self.pool
         )
+
+    def _remember_salt(self, first_key: BlockHash, salt: str) -> None:
+        """Write-back must know a path's salt; keep it per root child (caller holds the lock)."""
+        self._salt_of[first_key] = salt
+        if len(self._salt_of) > 2 * len(self.index.root.children) + 1024:
+            live = self.index.root.children
+            self._salt_of = {k: v for k, v in self._salt_of.items() if k in live}
 
     def evict_device(self) -> int:
         """Evict every unlocked block from the device pool (write-back tiers get them)."""

@@ -181,10 +181,14 @@ def _decompress(stored: memoryview, h: EntryHeader) -> bytes | memoryview | np.n
 
 def _silence_readonly_warning() -> None:
     # Decoded KV is a zero-copy view of immutable bytes. torch warns once per process that
-    # such a buffer is read-only; spend that one warning here, at import, in one thread.
+    # such a buffer is read-only; spend those warnings here, at import, in one thread.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         torch.frombuffer(bytes(4), dtype=torch.uint8)
+        torch.from_numpy(np.frombuffer(bytes(4), dtype=np.uint8))
+
+
+_NP_DTYPES = {torch.float32: np.dtype(np.float32), torch.float16: np.dtype(np.float16)}
 
 
 _silence_readonly_warning()
@@ -230,11 +234,122 @@ def _stored_tensor(kv: torch.Tensor, codec: str) -> torch.Tensor:
     return kv.detach().to("cpu").contiguous()
 
 
-def encode_entry(entry: BlockEntry, codec: str = "none") -> bytes:
+def _pack_header(
+    entry: BlockEntry,
+    tokens: np.ndarray,
+    stored_code: int,
+    codec: str,
+    flags: int,
+    raw_bytes: int,
+    stored_bytes: int,
+) -> bytes:
+    """Fixed header, shape, token ids and padding up to the 16-byte aligned payload."""
+    shape = struct.pack(f"<{entry.kv.dim()}I", *entry.kv.shape)
+    header_len = _align(FIXED_HEADER_BYTES + len(shape) + tokens.nbytes)
+    fixed = _FIXED.pack(
+        MAGIC, FORMAT_VERSION, DTYPE_CODES[entry.kv.dtype], stored_code,
+        CODEC_CODES[codec], flags, entry.kv.dim(), 0, entry.num_blocks, 0,
+        len(tokens), header_len, raw_bytes, stored_bytes,
+        entry.namespace, entry.key, entry.digest, entry.parent,
+    )  # fmt: skip
+    pad = bytes(header_len - FIXED_HEADER_BYTES - len(shape) - tokens.nbytes)
+    return b"".join((fixed, shape, tokens.astype("<u4", copy=False).data, pad))
+
+
+class EntryTemplate:
+    """The entries of one namespace, dtype and KV shape with codec "none", for the hot paths.
+
+    `kv()` verifies an entry the reader knows exactly (ids, parent, shape, token ids and
+    lengths in one comparison of the whole header, then the checksum); on None the caller
+    falls back to `decode_entry`, which says why (or accepts an entry of another codec).
+    `encode()` writes such an entry from its parts, without per-field validation.
+    """
+
+    def __init__(
+        self, namespace: bytes, dtype: torch.dtype, shape: tuple[int, ...], num_blocks: int = 1
+    ):
+        self.namespace, self.num_blocks = namespace, num_blocks
+        self.dtype, self.shape = dtype, tuple(shape)
+        self.numel = math.prod(shape)
+        num_tokens = shape[3]
+        zeros, tokens = bytes(ID_BYTES), np.zeros(num_tokens, np.uint32)
+        like = torch.empty((), dtype=dtype).expand(shape)
+        entry = BlockEntry(namespace, zeros, zeros, zeros, tokens, like, num_blocks)
+        nbytes = self.numel * dtype.itemsize
+        header = _pack_header(entry, entry.token_ids, DTYPE_CODES[dtype], "none", 0, nbytes, nbytes)
+        tokens_at = FIXED_HEADER_BYTES + 4 * len(shape)
+        self._head = header[: FIXED_HEADER_BYTES - 3 * ID_BYTES]  # up to key, digest, parent
+        self._shape = header[FIXED_HEADER_BYTES:tokens_at]
+        self._pad = header[tokens_at + 4 * num_tokens :]
+        self.header_bytes = len(header)
+        self._part_sizes = (ID_BYTES, ID_BYTES, ID_BYTES, 4 * num_tokens, nbytes)
+        little = sys.byteorder == "little"  # numpy has no bfloat16: torch.frombuffer for it
+        self._np_dtype = _NP_DTYPES.get(dtype) if little else None
+        self.total_bytes = len(header) + nbytes + CHECKSUM_BYTES
+
+    def header(self, key: bytes, digest: bytes, parent: bytes, tokens: bytes) -> bytes:
+        """The header of the entry; `tokens`: its token ids as little-endian uint32 bytes."""
+        return b"".join((self._head, key, digest, parent, self._shape, tokens, self._pad))
+
+    def encode(
+        self,
+        key: bytes,
+        digest: bytes,
+        parent: bytes,
+        tokens: bytes,
+        payload: memoryview,
+        out: bytearray | memoryview | None = None,
+    ) -> bytes | memoryview:
+        """`encode_entry` of the expected entry, from its parts: `tokens` as little-endian
+        uint32 bytes, `payload` the raw KV bytes in C order (as `encode_entry` with `out`)."""
+        sizes = (len(key), len(digest), len(parent), len(tokens), payload.nbytes)
+        if sizes != self._part_sizes:
+            raise EntryError("input", f"parts have sizes {sizes}, the template {self._part_sizes}")
+        header = self.header(key, digest, parent, tokens)
+        if out is not None:
+            return _encode_into(out, header, payload)
+        h = xxhash.xxh3_64(header)
+        h.update(payload)
+        return b"".join((header, payload, h.intdigest().to_bytes(CHECKSUM_BYTES, "little")))
+
+    def kv(
+        self, data: bytes | memoryview, key: bytes, digest: bytes, parent: bytes, tokens: bytes
+    ) -> torch.Tensor | None:
+        """The zero-copy KV view of `data` if it is exactly the expected entry, else None."""
+        mv = memoryview(data)
+        if mv.ndim != 1 or mv.format != "B":
+            mv = mv.cast("B")
+        n, header = self.header_bytes, self.header(key, digest, parent, tokens)
+        if len(mv) != self.total_bytes or bytes(data[:n]) != header:
+            return None
+        checksum = int.from_bytes(mv[-CHECKSUM_BYTES:], "little")
+        if xxhash.xxh3_64_intdigest(mv[:-CHECKSUM_BYTES]) != checksum:
+            return None
+        if self._np_dtype is None:
+            return _frombuffer(mv[n:-CHECKSUM_BYTES], self.dtype, self.numel).view(self.shape)
+        return torch.from_numpy(np.ndarray(self.shape, self._np_dtype, mv, n))  # zero-copy
+
+
+def payload_bytes(kv: torch.Tensor) -> memoryview:
+    """The payload bytes `encode_entry` stores for `kv` with codec "none" (C order, LE)."""
+    return _tensor_bytes(kv.detach().to("cpu").contiguous())
+
+
+def max_entry_bytes(entry: BlockEntry) -> int:
+    """An upper bound of `len(encode_entry(entry, codec))`, whatever the codec."""
+    header = _align(FIXED_HEADER_BYTES + 4 * entry.kv.dim() + 4 * len(entry.token_ids))
+    return header + entry.kv.numel() * entry.kv.element_size() + CHECKSUM_BYTES
+
+
+def encode_entry(
+    entry: BlockEntry, codec: str = "none", out: bytearray | memoryview | None = None
+) -> bytes | memoryview:
     """Serialize `entry` with the payload `codec` ("none", "fp16", "bf16", "lz4", "zstd").
 
     "fp16"/"bf16" downcast float32 KV (lossy); on 16-bit KV they store it unchanged.
     "lz4"/"zstd" byte-shuffle and compress (lossless).
+    With `out` (writable, at least `max_entry_bytes(entry)` long) the entry is written at
+    its start and a memoryview of it is returned: a reused buffer spares an allocation.
     """
     if codec not in CODEC_CODES:
         raise EntryError("input", f"codec must be one of {tuple(CODEC_CODES)}, got {codec!r}")
@@ -247,19 +362,28 @@ def encode_entry(entry: BlockEntry, codec: str = "none") -> bytes:
     payload, flags = _compress(raw, codec, stored_t.element_size())
     if flags and len(payload) >= raw.nbytes:  # incompressible: store raw, say so in the header
         payload, flags, codec = raw, 0, "none"
-    shape = struct.pack(f"<{entry.kv.dim()}I", *entry.kv.shape)
-    header_len = _align(FIXED_HEADER_BYTES + len(shape) + tokens.nbytes)
-    fixed = _FIXED.pack(
-        MAGIC, FORMAT_VERSION, DTYPE_CODES[entry.kv.dtype], DTYPE_CODES[stored_t.dtype],
-        CODEC_CODES[codec], flags, entry.kv.dim(), 0, entry.num_blocks, 0,
-        len(tokens), header_len, raw.nbytes, len(payload),
-        entry.namespace, entry.key, entry.digest, entry.parent,
-    )  # fmt: skip
-    pad = bytes(header_len - FIXED_HEADER_BYTES - len(shape) - tokens.nbytes)
-    header = b"".join((fixed, shape, tokens.data, pad))
+    header = _pack_header(
+        entry, tokens, DTYPE_CODES[stored_t.dtype], codec, flags, raw.nbytes, len(payload)
+    )
+    if out is not None:
+        return _encode_into(out, header, payload)
     h = xxhash.xxh3_64(header)
     h.update(payload)
     return b"".join((header, payload, h.intdigest().to_bytes(CHECKSUM_BYTES, "little")))
+
+
+def _encode_into(
+    out: bytearray | memoryview, header: bytes, payload: bytes | memoryview
+) -> memoryview:
+    n, end = len(header), len(header) + len(payload)
+    if len(out) < end + CHECKSUM_BYTES:
+        raise EntryError("input", f"out has {len(out)} bytes, the entry needs {end + 8}")
+    view = memoryview(out).cast("B")[: end + CHECKSUM_BYTES]
+    view[:n] = header
+    view[n:end] = payload
+    # hash what was just written: it is still in cache
+    view[end:] = xxhash.xxh3_64_intdigest(view[:end]).to_bytes(CHECKSUM_BYTES, "little")
+    return view
 
 
 # ----------------------------------------------------------------------------- decode

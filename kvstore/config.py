@@ -6,7 +6,7 @@ from dataclasses import dataclass, fields
 
 from hashing.namespace import validate_salt
 
-POLICY_NAMES = ("lru", "lfu", "slru", "s3fifo")
+POLICY_NAMES = ("lru", "lfu", "slru", "s3fifo", "as3fifo", "arc")
 CODEC_NAMES = ("none", "fp16", "bf16", "lz4", "zstd")
 WRITE_POLICIES = ("write-through", "write-back", "selective", "off")
 

@@ -341,7 +341,7 @@ class S3FIFOPolicy(_HeapPolicy):
             if small is None and main is None:
                 return None
             from_small = small is not None and (
-                main is None or self._queue_blocks[SMALL] >= self.small_fraction * self._capacity()
+                main is None or self._queue_blocks[SMALL] >= self._small_limit()
             )
             key = small if from_small else main
             entry = self._entries[key]
@@ -351,10 +351,136 @@ class S3FIFOPolicy(_HeapPolicy):
             entry.freq = 0 if from_small else entry.freq - 1
             self._reprioritize(key, entry, self._next_tick(), MAIN)
 
+    def _small_limit(self) -> float:
+        return self.small_fraction * self._capacity()
+
     def check_integrity(self) -> None:
         super().check_integrity()
         if self._ghost_blocks != sum(self._ghost.values()):
             raise IntegrityError("S3-FIFO ghost size out of sync")
+
+
+class AdaptiveS3FIFOPolicy(S3FIFOPolicy):
+    """S3-FIFO whose small-queue share adapts as ARC's does, with long ghost memory.
+
+    Runs evicted from the small queue leave a ghost tag in one history, runs evicted from
+    the main queue in another, each remembering up to `ghost_factor` x capacity blocks (reuse
+    in prompt workloads comes back after many capacities' worth of other traffic: a user
+    answering, a tool returning). A new entry whose tag is in either history was evicted too
+    early and goes straight to the main queue. A hit in the small history means one-time
+    entries got too little time, so the small queue's target grows by the entry's size
+    (times the ratio of the histories' sizes, at least 1, as in ARC); a hit in the main
+    history shrinks it alike. The target stays within [min_small, max_small] of capacity.
+    """
+
+    def __init__(
+        self,
+        capacity_blocks: int | None = None,
+        small_fraction: float = 0.1,
+        ghost_factor: float = 4.0,
+        min_small: float = 0.02,
+        max_small: float = 0.9,
+    ):
+        super().__init__(capacity_blocks, small_fraction)
+        if ghost_factor <= 0:
+            raise ValueError(f"ghost_factor must be > 0, got {ghost_factor}")
+        if not 0.0 < min_small <= small_fraction <= max_small < 1.0:
+            raise ValueError("need 0 < min_small <= small_fraction <= max_small < 1")
+        self.ghost_factor, self.min_small, self.max_small = ghost_factor, min_small, max_small
+        self._small_share = small_fraction  # adaptive target share of the small queue
+        self._main_ghost: OrderedDict[int, int] = OrderedDict()
+        self._main_ghost_blocks = 0
+        # blocks ever sent to each history, and when (in those units) each tag was sent
+        self._sent = [0, 0]
+        self._sent_at: dict[int, int] = {}
+        self._sent_at_main: dict[int, int] = {}
+
+    def _initial(self, entry: _Entry, tag: int | None) -> tuple[Any, int]:
+        if tag is not None and tag in self._ghost:
+            self._ghost_blocks -= self._ghost.pop(tag)
+            if self._sent[SMALL] - self._sent_at.pop(tag) <= self._capacity():
+                self._adapt(entry.size, self._main_ghost_blocks, self._ghost_blocks)
+            return self._next_tick(), MAIN
+        if tag is not None and tag in self._main_ghost:
+            self._main_ghost_blocks -= self._main_ghost.pop(tag)
+            if self._sent[MAIN] - self._sent_at_main.pop(tag) <= self._capacity():
+                self._adapt(-entry.size, self._ghost_blocks, self._main_ghost_blocks)
+            return self._next_tick(), MAIN
+        return self._next_tick(), SMALL
+
+    def _adapt(self, size: int, other: int, same: int) -> None:
+        """ARC's rule, for ghost hits recent enough (within a capacity's worth of evictions)
+        that a different split could have kept them."""
+        step = abs(size) * max(1.0, other / max(same, 1)) / max(self._capacity(), 1)
+        share = self._small_share + (step if size > 0 else -step)
+        self._small_share = min(self.max_small, max(self.min_small, share))
+
+    def remove(self, key: int, tag: int | None = None) -> None:
+        entry = self._entries[key]
+        if entry.queue == MAIN:
+            self._remember_main(tag, entry.size)
+        super().remove(key, tag)
+
+    def resize(self, key: int, size: int, tag: int | None = None) -> None:
+        entry = self._entries[key]
+        if entry.queue == MAIN and size < entry.size:
+            self._remember_main(tag, entry.size - size)
+        super().resize(key, size, tag)
+
+    def _remember(self, tag: int | None, size: int) -> None:
+        if tag is None:
+            return
+        self._ghost_blocks += size - self._ghost.pop(tag, 0)
+        self._ghost[tag] = size
+        self._sent[SMALL] += size
+        self._sent_at[tag] = self._sent[SMALL]
+        while self._ghost_blocks > self.ghost_factor * self._capacity() and self._ghost:
+            old, blocks = self._ghost.popitem(last=False)
+            self._ghost_blocks -= blocks
+            del self._sent_at[old]
+
+    def _remember_main(self, tag: int | None, size: int) -> None:
+        if tag is None:
+            return
+        self._main_ghost_blocks += size - self._main_ghost.pop(tag, 0)
+        self._main_ghost[tag] = size
+        self._sent[MAIN] += size
+        self._sent_at_main[tag] = self._sent[MAIN]
+        while self._main_ghost_blocks > self.ghost_factor * self._capacity() and self._main_ghost:
+            old, blocks = self._main_ghost.popitem(last=False)
+            self._main_ghost_blocks -= blocks
+            del self._sent_at_main[old]
+
+    def _small_limit(self) -> float:
+        return self._small_share * self._capacity()
+
+    def check_integrity(self) -> None:
+        super().check_integrity()
+        if self._main_ghost_blocks != sum(self._main_ghost.values()):
+            raise IntegrityError("adaptive S3-FIFO main ghost size out of sync")
+        if not self.min_small <= self._small_share <= self.max_small:
+            raise IntegrityError(f"small share {self._small_share} out of bounds")
+
+
+class ARCPolicy(AdaptiveS3FIFOPolicy):
+    """ARC (Megiddo & Modha, FAST'03) over radix entries: a recency queue (entries not hit
+    since they were inserted) and a frequency queue (entries hit at least once), both in LRU
+    order; a hit moves an entry to the frequency queue at once. The split between the queues
+    adapts on ghost hits, and ghost hits are admitted to the frequency queue, exactly as in
+    `AdaptiveS3FIFOPolicy` (whose histories and adaptation this reuses); only the queue order
+    differs (LRU here, FIFO with reinsertion there)."""
+
+    def access(self, key: int) -> None:
+        self._reprioritize(key, self._entries[key], self._next_tick(), MAIN)
+
+    def touch(self, key: int) -> None:
+        self._reprioritize(key, self._entries[key], self._next_tick())
+
+    def victim(self) -> int | None:
+        small, main = self._peek(SMALL), self._peek(MAIN)
+        if small is None or (main is not None and self._queue_blocks[SMALL] < self._small_limit()):
+            return main
+        return small
 
 
 POLICIES: dict[str, type[Policy]] = {
@@ -362,6 +488,8 @@ POLICIES: dict[str, type[Policy]] = {
     "lfu": LFUPolicy,
     "slru": SLRUPolicy,
     "s3fifo": S3FIFOPolicy,
+    "as3fifo": AdaptiveS3FIFOPolicy,
+    "arc": ARCPolicy,
 }
 
 

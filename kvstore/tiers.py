@@ -1,18 +1,31 @@
 """The spill tiers below the device pool: verified fetches on lookup, and write policies.
 
+A tier entry holds a chunk of `chunk_blocks` (N) consecutive blocks: chunk c covers blocks
+[c*N, (c+1)*N) of a prompt, aligned from the root, and is keyed by the lookup key of its last
+block (whose verification digest covers the whole prefix). Only whole chunks are written; a
+read may start inside a chunk (the blocks the device pool already has are skipped) and never
+returns a block at or past the caller's cap. N = 1 is one entry per block.
+
+Reads (`fetching`) may hand out zero-copy views into a store (LMDB's map), valid inside its
+`with` block, where the caller copies them into the pool. Every entry is verified; with codec
+"none" one comparison of the whole expected header (EntryTemplate) and the checksum do it,
+anything else goes through `decode_entry`, which says why it fails.
+
 Writes never run on the caller's thread: a queued write holds an independent copy of its
 blocks (taken while they are still owned), so a block id reused after eviction can never be
-written under another block's key. A background `TierWriter` encodes and writes; its queue is
-bounded in blocks and a write that does not fit is dropped and counted.
+written under another block's key. A background `TierWriter` encodes and writes (into a reused
+buffer for stores that copy values); its queue is bounded in blocks and a write that does not
+fit is dropped and counted.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import threading
 import weakref
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict
 from typing import NamedTuple
 
@@ -20,21 +33,51 @@ import numpy as np
 import torch
 
 from hashing import BlockHasher
-from kvstore.codec import BlockEntry, EntryError, decode_entry, encode_entry
+from kvstore.codec import (
+    BlockEntry,
+    EntryError,
+    EntryTemplate,
+    decode_entry,
+    encode_entry,
+    max_entry_bytes,
+    payload_bytes,
+)
 from kvstore.config import CacheConfig
 from kvstore.metrics import CacheMetrics
+from kvstore.pool import BlockPool
 from kvstore.stores import SpillStore
+
+ARENA_BYTES = 32 * 2**20  # bound of the writer's reused encode buffer
+MAX_SCOPES = 4096  # namespaces (tenant salts) whose entry templates are kept
+Encoder = Callable[[int, "memoryview | None"], "bytes | memoryview"]
 
 
 class PendingWrite(NamedTuple):
-    """Consecutive blocks of one prefix, to be written to `targets` (indices into stores)."""
+    """Consecutive entries of one prefix, to be written to `targets` (indices into stores).
+
+    Entry i holds blocks [i*N, (i+1)*N) of `kv`, N = num_blocks / len(keys); keys[i] and
+    digests[i] are those of its last block.
+    """
 
     keys: list[bytes]
     digests: list[bytes]
-    parent: bytes  # lookup key of the block before keys[0]
-    token_ids: np.ndarray  # [n * block_size] uint32
-    kv: torch.Tensor  # [n, layers, 2, kv_heads, block_size, head_dim], an independent copy
+    parent: bytes  # lookup key of the block before the first entry
+    token_ids: np.ndarray  # [num_blocks * block_size] uint32
+    kv: torch.Tensor  # [num_blocks, layers, 2, kv_heads, block_size, head_dim], independent copy
     targets: tuple[int, ...]
+    scope: Scope  # the namespace the entries belong to
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.kv.shape[0])
+
+
+class Scope(NamedTuple):
+    """One namespace's view of the tiers (a cache serves one per tenant salt)."""
+
+    hasher: BlockHasher
+    root: bytes  # Namespace.root(): the namespace field of its entries
+    template: EntryTemplate | None  # the exact entries it writes (codec "none"): fast verify
 
 
 class Segment(NamedTuple):
@@ -51,21 +94,23 @@ class TierWriter:
         self,
         stores: Sequence[SpillStore],
         codec: str,
-        namespace_root: bytes,
         max_blocks: int,
         metrics: CacheMetrics,
+        arena_bytes: int = ARENA_BYTES,
     ):
-        self._stores, self._codec, self._root = stores, codec, namespace_root
+        """`arena_bytes`: bound of the encode buffer it reuses for stores that copy values."""
+        self._stores, self._codec, self._arena_bytes = stores, codec, arena_bytes
         self._max_blocks, self._metrics = max_blocks, metrics
         self._queue: deque[PendingWrite] = deque()
         self._pending_blocks = 0  # queued + in flight
         self._cond = threading.Condition()
         self._closed = False
+        self._arena, self._arena_lock = bytearray(), threading.Lock()
         self._thread = threading.Thread(target=self._run, name="kvstore-tier-writer", daemon=True)
         self._thread.start()
 
     def submit(self, write: PendingWrite) -> bool:
-        n = len(write.keys)
+        n = write.num_blocks
         with self._cond:
             if self._closed or self._pending_blocks + n > self._max_blocks:
                 self._metrics.inc("dropped_writes_blocks_total", n)
@@ -81,10 +126,13 @@ class TierWriter:
             return self._cond.wait_for(lambda: self._pending_blocks == 0, timeout)
 
     def close(self, timeout: float) -> bool:
+        """Flush (bounded by `timeout`), then stop the thread; no thread outlives its cache."""
         done = self.flush(timeout)
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+        if done:
+            self._thread.join(timeout)
         return done
 
     def _run(self) -> None:
@@ -95,24 +143,81 @@ class TierWriter:
                     return
                 write = self._queue.popleft()
             try:
-                self._write(write)
+                self.write(write)
             except Exception:  # a tier must never take the writer down
-                self._metrics.inc("dropped_writes_blocks_total", len(write.keys))
+                self._metrics.inc("dropped_writes_blocks_total", write.num_blocks)
             with self._cond:
-                self._pending_blocks -= len(write.keys)
+                self._pending_blocks -= write.num_blocks
                 self._cond.notify_all()
 
-    def _write(self, write: PendingWrite) -> None:
-        bs = write.token_ids.shape[0] // len(write.keys)
-        items, parent = [], write.parent
-        for i, (key, digest) in enumerate(zip(write.keys, write.digests, strict=True)):
-            tokens = write.token_ids[i * bs : (i + 1) * bs]
-            entry = BlockEntry(self._root, key, digest, parent, tokens, write.kv[i])
-            items.append((key, encode_entry(entry, self._codec)))
-            parent = key
+    def write(self, write: PendingWrite) -> None:
+        """Encode `write` and put it to its targets now, on this thread (what the background
+        thread does with each queued write)."""
+        (encode, bound), n = self._encoder(write), len(write.keys)
+        if not all(self._stores[t].copies_values for t in write.targets):
+            self._put(write, [(write.keys[i], encode(i, None)) for i in range(n)])
+            return
+        step = max(1, self._arena_bytes // bound)
+        with self._arena_lock:  # these stores copy values: encode into a reused buffer
+            for start in range(0, n, step):
+                stop = min(n, start + step)
+                if len(self._arena) < (stop - start) * bound:
+                    self._arena = bytearray((stop - start) * bound)  # replaced, never resized
+                arena, items, offset = memoryview(self._arena), [], 0
+                for i in range(start, stop):
+                    items.append((write.keys[i], encode(i, arena[offset:])))
+                    offset += len(items[-1][1])
+                self._put(write, items)
+
+    def _encoder(self, write: PendingWrite) -> tuple[Encoder, int]:
+        """encode(i, out): entry i of `write` (into `out` if given); and a bound of its size."""
+        n = len(write.keys)
+        per, tokens_per = write.num_blocks // n, len(write.token_ids) // n
+        kv = _entry_layout(write.kv, per)  # one copy at most, for the whole write
+        keys, digests, parents = write.keys, write.digests, [write.parent, *write.keys[:-1]]
+        template, root = write.scope.template, write.scope.root
+        if template is None:
+
+            def entry(i: int) -> BlockEntry:
+                tokens = write.token_ids[i * tokens_per : (i + 1) * tokens_per]
+                return BlockEntry(root, keys[i], digests[i], parents[i], tokens, kv[i], per)
+
+            return lambda i, out: encode_entry(entry(i), self._codec, out), max_entry_bytes(
+                entry(0)
+            )
+        payload, tokens = payload_bytes(kv), write.token_ids.astype("<u4", copy=False).tobytes()
+        size, step = payload.nbytes // n, 4 * tokens_per
+
+        def encode(i: int, out: memoryview | None) -> bytes | memoryview:
+            token_part, part = tokens[i * step : (i + 1) * step], payload[i * size : (i + 1) * size]
+            return template.encode(keys[i], digests[i], parents[i], token_part, part, out)
+
+        return encode, template.total_bytes
+
+    def _put(self, write: PendingWrite, items: list[tuple[bytes, bytes | memoryview]]) -> None:
+        per = write.num_blocks // len(write.keys)
         for target in write.targets:
-            written = self._stores[target].put_many(items)
+            written = self._stores[target].put_many(items) * per
             self._metrics.inc("tier_writes_blocks_total", written, tier=self._stores[target].name)
+
+
+def _entry_layout(blocks: torch.Tensor, n: int) -> torch.Tensor:
+    """[E * n, layers, 2, kv_heads, bs, head_dim] -> contiguous CPU [E, layers, 2, kv_heads,
+    n * bs, head_dim]: the KV of each entry of n blocks, in the layout `encode_entry` stores."""
+    blocks = blocks.detach().to("cpu")
+    if n == 1:
+        return blocks.contiguous()
+    e, layers, _, heads, bs, dim = blocks.shape
+    grouped = blocks.view(e // n, n, layers, 2, heads, bs, dim).permute(0, 2, 3, 4, 1, 5, 6)
+    return grouped.contiguous().view(e // n, layers, 2, heads, n * bs, dim)
+
+
+def _split_blocks(kv: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+    """[layers, 2, kv_heads, n * bs, head_dim] -> n views [layers, 2, kv_heads, bs, head_dim]."""
+    if n == 1:
+        return (kv,)
+    layers, _, heads, tokens, dim = kv.shape
+    return kv.view(layers, 2, heads, n, tokens // n, dim).unbind(3)
 
 
 class Tiers:
@@ -125,21 +230,21 @@ class Tiers:
         metrics: CacheMetrics,
         stores: Sequence[SpillStore],
     ):
-        self.config, self.hasher, self.metrics = config, hasher, metrics
+        self.config, self.metrics = config, metrics
         ns = hasher.namespace
         self.stores = list(stores)
-        self._root = ns.root()
-        self._shape = (ns.num_layers, 2, ns.num_kv_heads, ns.block_size, ns.head_dim)
+        self.chunk_blocks = config.chunk_blocks
+        tokens = config.chunk_blocks * ns.block_size  # per entry
+        self._shape = (ns.num_layers, 2, ns.num_kv_heads, tokens, ns.head_dim)
         self._dtype = {"float32": torch.float32, "float16": torch.float16}.get(
             ns.kv_dtype, torch.bfloat16
         )
+        self._scopes: OrderedDict[bytes, Scope] = OrderedDict()  # by namespace root, bounded
         self._policy = [
             getattr(config, f"{s.name}_write_policy", "write-through") for s in self.stores
         ]
         self._hits: OrderedDict[bytes, int] = OrderedDict()  # selective write-through counts
-        self.writer = TierWriter(
-            self.stores, config.codec, self._root, config.write_queue_blocks, metrics
-        )
+        self.writer = TierWriter(self.stores, config.codec, config.write_queue_blocks, metrics)
         _flush_at_exit(self)
 
     def __bool__(self) -> bool:
@@ -148,70 +253,187 @@ class Tiers:
     def targets(self, policy: str) -> tuple[int, ...]:
         return tuple(i for i, p in enumerate(self._policy) if p == policy)
 
+    def scope(self, hasher: BlockHasher) -> Scope:
+        """The view of one namespace (one per tenant salt), made once and kept (LRU, bounded)."""
+        root = hasher.namespace.root()
+        scope = self._scopes.pop(root, None)
+        if scope is None:
+            template = None
+            if self.config.codec == "none":
+                template = EntryTemplate(root, self._dtype, self._shape, self.chunk_blocks)
+            scope = Scope(hasher, root, template)
+        self._scopes[root] = scope
+        if len(self._scopes) > MAX_SCOPES:
+            self._scopes.popitem(last=False)
+        return scope
+
     # --- reads -----------------------------------------------------------------------------
-    def fetch(self, keys: Sequence[bytes], token_ids: np.ndarray, start: int) -> list[Segment]:
-        """Verified blocks keys[start:], tier by tier; a tier gets only what faster ones missed."""
+    def fetch(
+        self, scope: Scope, keys: Sequence[bytes], token_ids: np.ndarray, start: int
+    ) -> list[Segment]:
+        """Verified blocks keys[start:], tier by tier; a tier gets only what faster ones missed.
+
+        `keys` are the lookup keys of the first blocks of the prompt `token_ids` and cap what is
+        returned. Every chunk overlapping keys[start:] is read; the last one may end past the
+        cap if the prompt holds all its blocks (they are verified, not returned).
+        """
+        return self._fetch(scope, keys, token_ids, start, lambda store, ks: store.get_prefix(ks))
+
+    @contextlib.contextmanager
+    def fetching(
+        self, scope: Scope, keys: Sequence[bytes], token_ids: np.ndarray, start: int
+    ) -> Iterator[list[Segment]]:
+        """`fetch` whose blocks may be zero-copy views into a store (`read_prefix`), valid only
+        inside the `with` block: copy them into the pool there."""
+        with contextlib.ExitStack() as stack:
+
+            def read(store: SpillStore, ks: list[bytes]) -> Sequence[bytes | memoryview]:
+                return stack.enter_context(store.read_prefix(ks))
+
+            yield self._fetch(scope, keys, token_ids, start, read)
+
+    def _fetch(
+        self,
+        scope: Scope,
+        keys: Sequence[bytes],
+        token_ids: np.ndarray,
+        start: int,
+        read: Callable[[SpillStore, list[bytes]], Sequence[bytes | memoryview]],
+    ) -> list[Segment]:
+        limit, n = len(keys), self.chunk_blocks
+        keys = self._through_chunk_end(scope.hasher, keys, token_ids)
+        ends = range((start // n + 1) * n, len(keys) + 1, n)  # end block of each chunk
         digests: list[bytes] | None = None
-        segments, pos = [], start
+        segments, pos = [], start  # pos: the next block to return
         for store in self.stores:
-            if pos >= len(keys):
+            todo = [end for end in ends if end > pos]
+            if pos >= limit or not todo:
                 break
-            values = store.get_prefix(keys[pos:])
+            values = read(store, [keys[end - 1] for end in todo])
             if not values:
                 continue
             if digests is None:
-                digests = self.hasher.digest_blocks(token_ids, num_blocks=len(keys))
-            blocks = self._verify(store, values, keys, digests, token_ids, pos)
+                digests = scope.hasher.digest_blocks(token_ids, num_blocks=len(keys))
+            blocks = self._read(scope, store, values, keys, digests, token_ids, todo, pos, limit)
             if blocks:
                 segments.append(Segment(store.name, blocks))
                 pos += len(blocks)
         return segments
 
-    def _verify(
+    def _through_chunk_end(
+        self, hasher: BlockHasher, keys: Sequence[bytes], token_ids: np.ndarray
+    ) -> Sequence[bytes]:
+        """`keys`, extended to the end of their last chunk when the prompt has those blocks."""
+        n, bs = self.chunk_blocks, hasher.block_size
+        end = -(-len(keys) // n) * n
+        if end == len(keys) or len(token_ids) < end * bs:
+            return keys
+        more = hasher.hash_blocks(token_ids[: end * bs], parent=keys[-1], start_block=len(keys))
+        return [*keys, *more]
+
+    def _read(
         self,
+        scope: Scope,
         store: SpillStore,
-        values: list[bytes],
+        values: Sequence[bytes | memoryview],
         keys: Sequence[bytes],
         digests: list[bytes],
         token_ids: np.ndarray,
+        ends: list[int],
         pos: int,
+        limit: int,
     ) -> list[torch.Tensor]:
-        bs, blocks = self.hasher.block_size, []
-        for i, value in enumerate(values, start=pos):
-            try:
-                entry = decode_entry(
-                    value,
-                    namespace=self._root,
-                    key=keys[i],
-                    digest=digests[i],
-                    dtype=self._dtype,
-                    token_ids=token_ids[i * bs : (i + 1) * bs],
-                    shape=self._shape,
-                )
-            except EntryError as e:
-                store.reject([keys[i]])  # counted, deleted: a miss from here on
-                self.metrics.inc("verify_failures_total", tier=store.name, reason=e.reason)
-                break
-            blocks.append(entry.kv)
+        """Blocks [pos, limit) of the leading chunks that verify (chunk i ends at ends[i])."""
+        n, bs, template, blocks = self.chunk_blocks, scope.hasher.block_size, scope.template, []
+        token_bytes = token_ids.astype("<u4", copy=False).tobytes()
+        for value, end in zip(values, ends, strict=False):  # values: a prefix
+            first, key, digest = end - n, keys[end - 1], digests[end - 1]
+            parent = keys[first - 1] if first else scope.hasher.root
+            chunk_tokens = token_bytes[first * bs * 4 : end * bs * 4]
+            kv = template.kv(value, key, digest, parent, chunk_tokens) if template else None
+            if kv is None:  # not the expected bytes: the full decode says why, or accepts
+                chunk_ids = token_ids[first * bs : end * bs]
+                kv = self._decode(scope.root, store, value, key, digest, chunk_ids)
+                if kv is None:
+                    break  # a miss from this chunk on
+            if n == 1:  # then first >= pos and end <= limit
+                blocks.append(kv)
+            else:
+                blocks += _split_blocks(kv, n)[max(pos, first) - first : min(end, limit) - first]
         return blocks
 
-    # --- writes ----------------------------------------------------------------------------
-    def submit(
+    def _decode(
         self,
+        root: bytes,
+        store: SpillStore,
+        value: bytes | memoryview,
+        key: bytes,
+        digest: bytes,
+        tokens: np.ndarray,
+    ) -> torch.Tensor | None:
+        """KV of a verified entry, or None after rejecting (deleting and counting) it."""
+        try:
+            return decode_entry(
+                value,
+                namespace=root,
+                key=key,
+                digest=digest,
+                dtype=self._dtype,
+                token_ids=tokens,
+                shape=self._shape,
+            ).kv
+        except EntryError as e:
+            store.reject([key])
+            self.metrics.inc("verify_failures_total", tier=store.name, reason=e.reason)
+            return None
+
+    # --- writes ----------------------------------------------------------------------------
+    def submit_from_pool(
+        self,
+        scope: Scope,
         targets: tuple[int, ...],
         keys: list[bytes],
         token_ids: np.ndarray,
         start: int,
+        block_ids: Sequence[int],
+        pool: BlockPool,
+    ) -> None:
+        """Queue the whole chunks of keys that hold blocks keys[start:], for `targets`.
+
+        block_ids[i] is the pool block of keys[i]; the caller owns them until this returns
+        (the chunks are copied out of `pool` now, so a reused block id cannot be written).
+        """
+        n = self.chunk_blocks
+        first, end = start // n * n, len(keys) // n * n
+        if targets and end > start:
+            kv = pool.read_blocks(block_ids[first:end])
+            self._queue(scope, targets, keys, token_ids, first, end, kv)
+
+    def _queue(
+        self,
+        scope: Scope,
+        targets: tuple[int, ...],
+        keys: list[bytes],
+        token_ids: np.ndarray,
+        first: int,
+        end: int,
         kv: torch.Tensor,
     ) -> None:
-        """Queue blocks keys[start:] (their prefix token_ids covers keys) for `targets`."""
-        if not targets or start >= len(keys):
-            return
-        bs = self.hasher.block_size
-        digests = self.hasher.digest_blocks(token_ids, num_blocks=len(keys))
-        parent = keys[start - 1] if start else self.hasher.root
-        tokens = token_ids[start * bs : len(keys) * bs]
-        self.writer.submit(PendingWrite(keys[start:], digests[start:], parent, tokens, kv, targets))
+        """Queue the chunks of blocks [first, end) (both chunk-aligned); kv holds those blocks."""
+        n, bs = self.chunk_blocks, scope.hasher.block_size
+        digests = scope.hasher.digest_blocks(token_ids, num_blocks=end)
+        parent = keys[first - 1] if first else scope.hasher.root
+        last = range(first + n - 1, end, n)  # the last block of each chunk
+        write = PendingWrite(
+            [keys[i] for i in last],
+            [digests[i] for i in last],
+            parent,
+            token_ids[first * bs : end * bs],
+            kv,
+            targets,
+            scope,
+        )
+        self.writer.submit(write)
 
     def count_hits(self, keys: Sequence[bytes]) -> int:
         """Count a device hit on each key; returns how many leading keys just reached the

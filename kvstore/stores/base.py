@@ -8,9 +8,10 @@ counts them in `stats()`.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 
@@ -71,6 +72,9 @@ class SpillStore(ABC):
     """A spill tier below the device pool. Implementations are thread-safe."""
 
     name: str
+    # True: put_many copies the values during the call, so a caller may pass views of a buffer
+    # it reuses afterwards. False (the safe default): it may keep them, so pass immutable bytes.
+    copies_values: bool = False
 
     @abstractmethod
     def count_prefix(self, keys: Sequence[bytes]) -> int:
@@ -93,13 +97,21 @@ class SpillStore(ABC):
         self._counters.add(hits=n, misses=len(keys) - n)
         return values[:n]  # type: ignore[return-value]
 
+    @contextlib.contextmanager
+    def read_prefix(self, keys: Sequence[bytes]) -> Iterator[Sequence[bytes | memoryview]]:
+        """`get_prefix` whose values may be zero-copy views into the store (LMDB's map), valid
+        only inside the `with` block: copy what must outlive it."""
+        yield self.get_prefix(keys)
+
     @abstractmethod
     def _fetch(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """get_many without the counting (implementations: one round trip / transaction)."""
 
     @abstractmethod
-    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> int:
+    def put_many(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> int:
         """Store (key, value) pairs, skipping keys already present; returns how many were written.
+
+        Values are bytes-like (views of a reused buffer only if `copies_values`).
 
         Writes the store cannot take (full, unreachable) are dropped and counted, never raised.
         """

@@ -17,6 +17,7 @@ in a forked child.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -108,6 +109,7 @@ class LmdbStore(SpillStore):
     """Spill tier in an LMDB environment at `path` (a directory), bounded by its map size."""
 
     name = "lmdb"
+    copies_values = True
 
     def __init__(
         self,
@@ -185,6 +187,35 @@ class LmdbStore(SpillStore):
         except lmdb.Error:
             self._counters.add(errors=1)
             values = [None] * len(keys)
+        return values
+
+    @contextlib.contextmanager
+    def read_prefix(self, keys: Sequence[bytes]) -> Iterator[Sequence[bytes | memoryview]]:
+        """Zero-copy `get_prefix`: views into the map, held by a read transaction that ends
+        with the `with` block (until then LMDB does not reuse their pages)."""
+        try:
+            txn = self._run(lambda shared: shared.env.begin(db=shared.blocks, buffers=True))
+        except lmdb.Error:
+            self._counters.add(errors=1, misses=len(keys))
+            yield []
+            return
+        try:
+            values = self._read_views(txn, keys)
+            self._counters.add(hits=len(values), misses=len(keys) - len(values))
+            yield values
+        finally:
+            txn.abort()
+
+    def _read_views(self, txn: lmdb.Transaction, keys: Sequence[bytes]) -> list[memoryview]:
+        values: list[memoryview] = []
+        try:
+            for key in keys:
+                value = txn.get(key)
+                if value is None:
+                    break
+                values.append(value)
+        except lmdb.Error:
+            self._counters.add(errors=1)
         return values
 
     # --------------------------------------------------------------- writes

@@ -49,6 +49,7 @@ class RedisStore(SpillStore):
     """
 
     name = "redis"
+    copies_values = True
 
     def __init__(
         self,

@@ -9,7 +9,7 @@ import torch
 from hashing import Namespace
 from kvstore.cache import PrefixCache
 from kvstore.config import CacheConfig
-from kvstore.stores import LmdbStore, MemoryStore
+from kvstore.stores import MemoryStore
 
 LAYERS, HEADS, BS, DIM = 2, 2, 4, 8
 NS = Namespace("fp", "float32", LAYERS, HEADS, DIM, BS)
@@ -110,8 +110,13 @@ def test_a_perturbed_but_well_formed_entry_fails_the_comparison_with_reference(t
         cache.evict_device()
         store, keys = cache.tiers.stores[0], cache.hasher.hash_blocks(prompt)
         digests = cache.hasher.digest_blocks(prompt)
-        e = decode_entry(store.get_many([keys[1]])[0], namespace=NS.root(), key=keys[1],
-                         digest=digests[1], dtype=torch.float32)  # fmt: skip
+        e = decode_entry(
+            store.get_many([keys[1]])[0],
+            namespace=NS.root(),
+            key=keys[1],
+            digest=digests[1],
+            dtype=torch.float32,
+        )
         bad = BlockEntry(e.namespace, e.key, e.digest, e.parent, e.token_ids, e.kv + 1e-3)
         store.delete([keys[1]])
         store.put_many([(keys[1], encode_entry(bad))])
@@ -157,8 +162,13 @@ def test_write_back_tier_receives_blocks_evicted_from_the_device(tmp_path):
 
 
 def test_selective_write_through_writes_blocks_once_hit_n_times(tmp_path):
-    config = CacheConfig(block_size=BS, device_blocks=32, memory_cache_gb=0.01,
-                         memory_write_policy="selective", selective_min_hits=2)  # fmt: skip
+    config = CacheConfig(
+        block_size=BS,
+        device_blocks=32,
+        memory_cache_gb=0.01,
+        memory_write_policy="selective",
+        selective_min_hits=2,
+    )
     prompt = tokens(4 * BS + 1, seed=8)
     with PrefixCache(config, NS) as cache:
         cache.store(prompt, kv_for(prompt))
@@ -212,8 +222,11 @@ def test_forced_key_collisions_in_a_tier_are_misses_never_wrong_kv(tmp_path):
     a = tokens(BS + 1, seed=11)
     target = hasher.hash_blocks(a)[0]
     rng = np.random.default_rng(12)
-    b = next(c for c in (rng.integers(0, 5000, BS + 1).astype(np.uint32) for _ in range(10**5))
-             if hasher.hash_blocks(c)[0] == target and not np.array_equal(c[:BS], a[:BS]))  # fmt: skip
+    b = next(
+        c
+        for c in (rng.integers(0, 5000, BS + 1).astype(np.uint32) for _ in range(10**5))
+        if hasher.hash_blocks(c)[0] == target and not np.array_equal(c[:BS], a[:BS])
+    )
     with PrefixCache(config, NS) as cache:
         cache.store(a, kv_for(a))
         cache.flush(10)
@@ -225,8 +238,13 @@ def test_forced_key_collisions_in_a_tier_are_misses_never_wrong_kv(tmp_path):
 
 
 def test_redis_down_degrades_to_misses_and_never_fails_a_request(redis_server):
-    config = CacheConfig(block_size=BS, device_blocks=16, redis_url=redis_server.url,
-                         lookup_deadline_ms=100.0, breaker_failures=2)  # fmt: skip
+    config = CacheConfig(
+        block_size=BS,
+        device_blocks=16,
+        redis_url=redis_server.url,
+        lookup_deadline_ms=100.0,
+        breaker_failures=2,
+    )
     prompt = tokens(3 * BS + 1, seed=13)
     with PrefixCache(config, NS) as cache:
         redis_server.kill()
@@ -251,4 +269,42 @@ def test_load_into_copies_blocks_into_a_callers_paged_buffer(tmp_path):
         assert torch.equal(dst[5, 0, 1], kv[0][1][0, :, 2 * BS : 3 * BS])  # block 2, layer 0, V
         with pytest.raises(ValueError, match="block_table"):
             cache.load_into(hit, dst, [1])
+        cache.release(hit)
+
+
+def test_request_salts_isolate_tenants_in_the_device_pool_and_every_tier(tmp_path, redis_server):
+    config = CacheConfig(block_size=BS, device_blocks=8, memory_cache_gb=0.01,
+                         lmdb_dir=str(tmp_path / "lmdb"), redis_url=redis_server.url)  # fmt: skip
+    a = tokens(6 * BS + 1, seed=15)
+    with PrefixCache(config, NS) as cache:
+        cache.store(a, kv_for(a), salt="tenant-x")
+        for salt, expected in (("tenant-y", 0), ("", 0), ("tenant-x", 6 * BS)):
+            hit = cache.lookup(a, salt=salt)
+            assert hit.num_cached_tokens == expected
+            cache.release(hit)
+        b = tokens(8 * BS, seed=16)
+        cache.store(b, kv_for(b), salt="tenant-y")  # evicts x's blocks: memory gets them
+        cache.flush(10)
+        assert cache.tiers.stores[0].stats().entries == 6
+    with PrefixCache(config, NS) as fresh:  # empty pool and memory tier: lmdb, redis remain
+        for salt, expected in (("tenant-y", 0), ("", 0), ("tenant-x", 6 * BS)):
+            hit = fresh.lookup(a, salt=salt)
+            assert hit.num_cached_tokens == expected
+            if expected:
+                assert hit.tier_tokens == {"lmdb": 6 * BS}
+                assert_kv_equal(fresh.load(hit), kv_for(a), 6 * BS)
+            fresh.release(hit)
+        assert fresh.tiers.stores[1].stats().verify_failures == 0
+
+
+def test_write_back_of_a_salted_prefix_verifies_under_its_salt():
+    config = CacheConfig(block_size=BS, device_blocks=8, memory_cache_gb=0.01)
+    a, b = tokens(6 * BS + 1, seed=17), tokens(8 * BS, seed=18)
+    with PrefixCache(config, NS) as cache:
+        cache.store(a, kv_for(a), salt="t1")
+        cache.store(b, kv_for(b))  # evicts all of a into the write-back memory tier
+        cache.flush(10)
+        hit = cache.lookup(a, salt="t1")
+        assert hit.tier_tokens == {"memory": 6 * BS}
+        assert_kv_equal(cache.load(hit), kv_for(a), 6 * BS)
         cache.release(hit)

@@ -25,8 +25,20 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 def generate(model_dir: Path, *flags: str) -> dict:
-    cmd = ["kvstore", "generate", "--model", str(model_dir), "--prompt-ids", PROMPT_IDS,
-           "--max-tokens", "8", "--block-size", "4", "--json", *flags]  # fmt: skip
+    cmd = [
+        "kvstore",
+        "generate",
+        "--model",
+        str(model_dir),
+        "--prompt-ids",
+        PROMPT_IDS,
+        "--max-tokens",
+        "8",
+        "--block-size",
+        "4",
+        "--json",
+        *flags,
+    ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
