@@ -157,6 +157,24 @@ def run_demo(args: argparse.Namespace) -> int:
     return 0 if report["all_identical"] else 1
 
 
+# --- serve ----------------------------------------------------------------------------------
+
+
+def _serve_arguments(parser: argparse.ArgumentParser) -> None:
+    from engine.server.config import add_server_arguments
+
+    add_model_arguments(parser)
+    add_server_arguments(parser)
+    add_cache_arguments(parser)
+
+
+@command("serve", "OpenAI-compatible HTTP server with /metrics and /health", _serve_arguments)
+def run_serve(args: argparse.Namespace) -> int:
+    from engine.server.app import run_server
+
+    return run_server(args)
+
+
 # --- entry point ----------------------------------------------------------------------------
 
 
@@ -183,6 +201,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvstore {args.command}: error: {e}", file=sys.stderr)
         return 2
 
+
+def _register_more() -> None:
+    """Commands defined in their own modules register on import."""
+    import engine.admin  # noqa: F401
+
+
+_register_more()
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -126,12 +126,17 @@ class PrefixCache:
             self._write_selective(scope, keys, tokens, hit)
             if match.num_blocks < len(keys):  # tier blocks may be views: promote them inside
                 with self.tiers.fetching(scope, keys, tokens, match.num_blocks) as segments:
-                    self._promote(hit, keys, tokens, segments)
+                    self._promote(scope, hit, keys, tokens, segments)
         self.metrics.record_lookup(len(tokens), hit.tier_tokens)
         return hit
 
     def _promote(
-        self, hit: CacheHit, keys: list[BlockHash], tokens: np.ndarray, segments: list[Segment]
+        self,
+        scope: Scope,
+        hit: CacheHit,
+        keys: list[BlockHash],
+        tokens: np.ndarray,
+        segments: list[Segment],
     ) -> None:
         """Copy verified tier blocks into the pool, index them, and move the hit's lock."""
         blocks = [block for segment in segments for block in segment.blocks]
@@ -147,13 +152,29 @@ class PrefixCache:
             self.index.unlock(hit.node)
         hit.node, hit.block_ids = match.last_node, match.block_ids
         hit.num_cached_tokens = match.num_blocks * self.block_size
-        left = len(new_ids)
+        start, end = n - len(new_ids), n
         for segment in segments:
-            taken = min(left, len(segment.blocks))
-            if taken:
-                hit.tier_tokens[segment.tier] = taken * self.block_size
-            left -= taken
+            stop = min(end, start + len(segment.blocks))
+            if stop > start:
+                hit.tier_tokens[segment.tier] = (stop - start) * self.block_size
+                self._fill_faster(scope, segment.tier, keys[:stop], tokens, start, hit.block_ids)
+            start = stop
         self.metrics.inc("promoted_blocks_total", len(new_ids))
+
+    def _fill_faster(
+        self,
+        scope: Scope,
+        tier: str,
+        keys: list[BlockHash],
+        tokens: np.ndarray,
+        start: int,
+        block_ids: list[int],
+    ) -> None:
+        """Blocks that hit in `tier` are written to the faster write-through tiers that lacked
+        them (an LMDB replica fills from Redis). The hit is locked: its ids are stable."""
+        targets = self.tiers.faster_write_through(tier)
+        if targets:
+            self.tiers.submit_from_pool(scope, targets, keys, tokens, start, block_ids, self.pool)
 
     def _write_selective(
         self, scope: Scope, keys: list[BlockHash], tokens: np.ndarray, hit: CacheHit

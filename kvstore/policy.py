@@ -370,13 +370,15 @@ class AdaptiveS3FIFOPolicy(S3FIFOPolicy):
     early and goes straight to the main queue. A hit in the small history means one-time
     entries got too little time, so the small queue's target grows by the entry's size
     (times the ratio of the histories' sizes, at least 1, as in ARC); a hit in the main
-    history shrinks it alike. The target stays within [min_small, max_small] of capacity.
+    history shrinks it alike. The target starts at `small_fraction` (half: adaptation is
+    slow when evictions are rare, and half is the safe middle) and stays within
+    [min_small, max_small] of capacity.
     """
 
     def __init__(
         self,
         capacity_blocks: int | None = None,
-        small_fraction: float = 0.1,
+        small_fraction: float = 0.5,
         ghost_factor: float = 4.0,
         min_small: float = 0.02,
         max_small: float = 0.9,

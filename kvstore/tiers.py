@@ -253,6 +253,11 @@ class Tiers:
     def targets(self, policy: str) -> tuple[int, ...]:
         return tuple(i for i, p in enumerate(self._policy) if p == policy)
 
+    def faster_write_through(self, tier: str) -> tuple[int, ...]:
+        """Write-through stores faster than `tier`: a hit there fills them (like a store)."""
+        names = [store.name for store in self.stores]
+        return tuple(i for i in self.targets("write-through") if i < names.index(tier))
+
     def scope(self, hasher: BlockHasher) -> Scope:
         """The view of one namespace (one per tenant salt), made once and kept (LRU, bounded)."""
         root = hasher.namespace.root()

@@ -25,20 +25,25 @@ __all__ = [
 GIB = 2**30
 
 
-def make_stores(config: CacheConfig, namespace: Namespace) -> list[SpillStore]:
-    """The configured spill tiers, fastest first: memory, lmdb, redis (each only if set)."""
+def make_stores(config: CacheConfig, namespace: Namespace | str) -> list[SpillStore]:
+    """The configured spill tiers, fastest first: memory, lmdb, redis (each only if set).
+
+    `namespace` (or its `id`) prefixes the keys of the shared tiers.
+    """
+    namespace_id = namespace if isinstance(namespace, str) else namespace.id
     stores: list[SpillStore] = []
     if config.memory_cache_gb > 0:
         stores.append(MemoryStore(max(1, int(config.memory_cache_gb * GIB))))
     if config.lmdb_dir is not None:
         map_size = int(config.lmdb_map_size_gb * GIB)
-        stores.append(LmdbStore(os.path.expanduser(config.lmdb_dir), map_size))
+        path = os.path.expanduser(config.lmdb_dir)
+        stores.append(LmdbStore(path, map_size, namespace_id=bytes.fromhex(namespace_id)))
     if config.redis_url is not None:
         breaker = CircuitBreaker(config.breaker_failures, config.breaker_cooldown_s)
         stores.append(
             RedisStore(
                 config.redis_url,
-                namespace.id,
+                namespace_id,
                 ttl_s=config.redis_ttl_s,
                 deadline_ms=config.lookup_deadline_ms,
                 breaker=breaker,

@@ -1,7 +1,7 @@
 """LmdbStore: a local, embedded, multi-process spill tier with FIFO high-water eviction.
 
 Layout of the environment (one per directory, shared by all namespaces: keys are disjoint):
-- sub-db "blocks": 16-byte block key -> encoded entry
+- sub-db "blocks": namespace id (8 bytes, may be empty) + 16-byte block key -> encoded entry
 - sub-db "order":  8-byte big-endian insertion sequence -> block key (oldest first)
 - sub-db "seq":    block key -> its 8-byte sequence (to delete its "order" record)
 - sub-db "meta":   b"generation" -> 8-byte counter, bumped after each eviction
@@ -117,12 +117,15 @@ class LmdbStore(SpillStore):
         map_size_bytes: int,
         high_water: float = 0.9,
         low_water: float = 0.8,
+        namespace_id: bytes = b"",
     ):
+        """`namespace_id` prefixes every key, so `clear` can drop one namespace's entries."""
         if not 0.0 < low_water < high_water <= 1.0:
             raise ValueError(f"need 0 < low_water < high_water <= 1, got {low_water}, {high_water}")
         if not isinstance(map_size_bytes, int) or map_size_bytes < 64 * 4096:
             raise ValueError(f"map_size_bytes must be an int >= 256 KiB, got {map_size_bytes!r}")
         self.path = os.path.realpath(path)
+        self._prefix = namespace_id
         self.high_water, self.low_water = high_water, low_water
         self._requested_map_size = map_size_bytes
         self._counters = Counters()
@@ -167,7 +170,7 @@ class LmdbStore(SpillStore):
             with shared.env.begin(db=shared.blocks, buffers=True) as txn:
                 cursor = txn.cursor()
                 for i, key in enumerate(keys):
-                    if not cursor.set_key(key):
+                    if not cursor.set_key(self._prefix + key):
                         return i
                 return len(keys)
 
@@ -180,7 +183,7 @@ class LmdbStore(SpillStore):
     def _fetch(self, keys: Sequence[bytes]) -> list[bytes | None]:
         def get(shared: _SharedEnv) -> list[bytes | None]:
             with shared.env.begin(db=shared.blocks) as txn:
-                return [txn.get(key) for key in keys]
+                return [txn.get(self._prefix + key) for key in keys]
 
         try:
             values = self._run(get)
@@ -210,7 +213,7 @@ class LmdbStore(SpillStore):
         values: list[memoryview] = []
         try:
             for key in keys:
-                value = txn.get(key)
+                value = txn.get(self._prefix + key)
                 if value is None:
                     break
                 values.append(value)
@@ -223,6 +226,7 @@ class LmdbStore(SpillStore):
     def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> int:
         if not items:
             return 0
+        items = [(self._prefix + key, value) for key, value in items]
         psize, map_pages = self._pages(self._handle())
         max_batch = int((self.high_water - self.low_water) * map_pages)
         cost = [-(-(len(v) + _ENTRY_OVERHEAD) // psize) for _, v in items]
@@ -302,10 +306,7 @@ class LmdbStore(SpillStore):
             removed = 0
             with shared.env.begin(write=True) as txn:
                 for key in keys:
-                    seq_key = txn.pop(key, db=shared.seq)
-                    if seq_key is not None:
-                        txn.delete(seq_key, db=shared.order)
-                    removed += txn.delete(key, db=shared.blocks)
+                    removed += self._remove(txn, shared, self._prefix + key)
             return removed
 
         try:
@@ -326,15 +327,34 @@ class LmdbStore(SpillStore):
         entries, used = self._run(measure)
         return self._stats(entries, used * psize, map_pages * psize)
 
+    @staticmethod
+    def _remove(txn: lmdb.Transaction, shared: _SharedEnv, full_key: bytes) -> int:
+        seq_key = txn.pop(full_key, db=shared.seq)
+        if seq_key is not None:
+            txn.delete(seq_key, db=shared.order)
+        return int(txn.delete(full_key, db=shared.blocks))
+
     def clear(self) -> int:
-        def drop(shared: _SharedEnv) -> int:
+        """Delete this namespace's entries (every entry when the store has no namespace id)."""
+
+        def drop_all(shared: _SharedEnv) -> int:
             with shared.env.begin(write=True) as txn:
                 removed = txn.stat(shared.blocks)["entries"]
                 for db in (shared.blocks, shared.order, shared.seq):
                     txn.drop(db, delete=False)
             return removed
 
-        return self._run(drop)
+        def drop_namespace(shared: _SharedEnv) -> int:
+            with shared.env.begin(write=True) as txn:
+                cursor, keys = txn.cursor(db=shared.blocks), []
+                if cursor.set_range(self._prefix):
+                    for key in cursor.iternext(values=False):
+                        if not key.startswith(self._prefix):
+                            break
+                        keys.append(key)
+                return sum(self._remove(txn, shared, key) for key in keys)
+
+        return self._run(drop_namespace if self._prefix else drop_all)
 
     def close(self) -> None:
         shared, self._shared = self._shared, None

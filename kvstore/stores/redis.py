@@ -198,6 +198,14 @@ class RedisStore(SpillStore):
     def stats(self) -> StoreStats:
         return self._stats(None, None, None, breaker_state=self.breaker.state)
 
+    def count_entries(self) -> int | None:
+        """This namespace's key count by SCAN (an admin call: it walks the keyspace)."""
+        pattern = _glob_escape(self.prefix) + b"*"
+        try:
+            return self._call(lambda c: sum(1 for _ in c.scan_iter(match=pattern, count=1000)))
+        except _Failed:
+            return None
+
     def clear(self) -> int:
         """Delete this namespace's keys (SCAN + UNLINK, every node of a cluster)."""
         pattern = _glob_escape(self.prefix) + b"*"

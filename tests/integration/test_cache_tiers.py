@@ -308,3 +308,20 @@ def test_write_back_of_a_salted_prefix_verifies_under_its_salt():
         assert hit.tier_tokens == {"memory": 6 * BS}
         assert_kv_equal(cache.load(hit), kv_for(a), 6 * BS)
         cache.release(hit)
+
+
+def test_a_hit_in_a_slower_tier_fills_the_faster_write_through_tiers(tmp_path, redis_server):
+    prompt = tokens(5 * BS + 1, seed=19)
+    lmdb = {"lmdb_dir": str(tmp_path / "lmdb"), "lmdb_map_size_gb": 0.05}
+    with PrefixCache(CacheConfig(block_size=BS, redis_url=redis_server.url), NS) as writer:
+        writer.store(prompt, kv_for(prompt))  # Redis only
+    both = CacheConfig(block_size=BS, redis_url=redis_server.url, **lmdb)
+    with PrefixCache(both, NS) as replica:
+        hit = replica.lookup(prompt)
+        assert hit.tier_tokens == {"redis": 5 * BS}
+        replica.release(hit)
+    with PrefixCache(CacheConfig(block_size=BS, **lmdb), NS) as local:  # LMDB alone now hits
+        hit = local.lookup(prompt)
+        assert hit.tier_tokens == {"lmdb": 5 * BS}
+        assert_kv_equal(local.load(hit), kv_for(prompt), 5 * BS)
+        local.release(hit)

@@ -218,3 +218,18 @@ def test_lmdb_store_serves_concurrent_readers_and_writers(tmp_path: Path) -> Non
     assert (s.entries, s.writes, s.errors, s.dropped_writes) == (160, 160, 0, 0)
     assert s.hits + s.misses == 4 * 10 * 8
     store.close()
+
+
+def test_lmdb_clear_drops_only_its_own_namespace(tmp_path: Path) -> None:
+    a = LmdbStore(str(tmp_path), 2**24, namespace_id=b"\x01" * 8)
+    b = LmdbStore(str(tmp_path), 2**24, namespace_id=b"\x02" * 8)
+    keys = [bytes([i]) * 16 for i in range(5)]
+    assert a.put_many([(k, b"a" * 100) for k in keys]) == 5
+    assert b.put_many([(k, b"b" * 100) for k in keys[:3]]) == 3  # same keys, other namespace
+    assert a.get_many(keys[:1]) == [b"a" * 100] and b.get_many(keys[:1]) == [b"b" * 100]
+    assert a.clear() == 5
+    assert a.get_many(keys) == [None] * 5
+    assert b.get_many(keys) == [b"b" * 100] * 3 + [None] * 2
+    assert b.stats().entries == 3
+    a.close()
+    b.close()
