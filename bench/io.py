@@ -159,10 +159,11 @@ class Paths:
     def read(self) -> None:
         """PrefixCache.lookup for a device miss: fetch + verify, promote into the pool."""
         scope = self.tiers.scope(self.batch.hasher)
-        with self.tiers.fetching(scope, self.batch.keys, self.batch.tokens, 0) as segments:
-            blocks = [block for segment in segments for block in segment.blocks]
-            _check_count(self.store, len(blocks), BATCH_BLOCKS)
-            self.pool.write_blocks(self.block_ids, blocks)
+        dst = [self.pool.kv[i] for i in self.block_ids]
+        segments = self.tiers.fetch_into(
+            scope, self.batch.keys, self.batch.tokens, 0, lambda n: dst[:n]
+        )
+        _check_count(self.store, sum(s.num_blocks for s in segments), BATCH_BLOCKS)
 
     def get(self) -> None:
         """The store's read on the lookup path alone (zero-copy where the store can)."""

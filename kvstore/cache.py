@@ -27,7 +27,7 @@ from kvstore.metrics import CacheMetrics
 from kvstore.policy import make_policy
 from kvstore.pool import BlockPool, LayerKV, PoolExhausted
 from kvstore.stores import SpillStore, make_stores
-from kvstore.tiers import Scope, Segment, Tiers
+from kvstore.tiers import Scope, Tiers
 
 MAX_SALTS = 4096  # request salts whose hashers are kept
 
@@ -124,42 +124,44 @@ class PrefixCache:
         if self.tiers:
             scope = self.tiers.scope(hasher)
             self._write_selective(scope, keys, tokens, hit)
-            if match.num_blocks < len(keys):  # tier blocks may be views: promote them inside
-                with self.tiers.fetching(scope, keys, tokens, match.num_blocks) as segments:
-                    self._promote(scope, hit, keys, tokens, segments)
+            if match.num_blocks < len(keys):
+                self._promote(scope, hit, keys, tokens)
         self.metrics.record_lookup(len(tokens), hit.tier_tokens)
         return hit
 
-    def _promote(
-        self,
-        scope: Scope,
-        hit: CacheHit,
-        keys: list[BlockHash],
-        tokens: np.ndarray,
-        segments: list[Segment],
-    ) -> None:
-        """Copy verified tier blocks into the pool, index them, and move the hit's lock."""
-        blocks = [block for segment in segments for block in segment.blocks]
-        if not blocks:
-            return
+    def _promote(self, scope: Scope, hit: CacheHit, keys: list[BlockHash], tokens: np.ndarray):
+        """Copy verified tier blocks into fresh pool blocks, index them, move the hit's lock."""
+        new_ids: list[int] = []
+
+        def allocate(n: int) -> list[torch.Tensor]:
+            with self._lock:
+                ids = self._allocate(n) if n > 0 else []
+            new_ids.extend(ids)
+            return [self.pool.kv[i] for i in ids]
+
+        start = len(hit.block_ids)
+        try:
+            segments = self.tiers.fetch_into(scope, keys, tokens, start, allocate)
+        except BaseException:
+            with self._lock:
+                self.pool.free(new_ids)
+            raise
+        got = sum(segment.num_blocks for segment in segments)
         with self._lock:
-            new_ids = self._allocate(len(blocks))
-            self.pool.write_blocks(new_ids, blocks[: len(new_ids)])
-            n = len(hit.block_ids) + len(new_ids)
-            self.pool.free(self.index.insert(keys[:n], tokens, hit.block_ids + new_ids))
+            self.pool.free(new_ids[got:])  # allocated for blocks that did not verify
+            n = start + got
+            self.pool.free(self.index.insert(keys[:n], tokens, hit.block_ids + new_ids[:got]))
             match = self.index.match_prefix(keys[:n], tokens)
             self.index.lock(match.last_node)
             self.index.unlock(hit.node)
         hit.node, hit.block_ids = match.last_node, match.block_ids
         hit.num_cached_tokens = match.num_blocks * self.block_size
-        start, end = n - len(new_ids), n
         for segment in segments:
-            stop = min(end, start + len(segment.blocks))
-            if stop > start:
-                hit.tier_tokens[segment.tier] = (stop - start) * self.block_size
-                self._fill_faster(scope, segment.tier, keys[:stop], tokens, start, hit.block_ids)
+            hit.tier_tokens[segment.tier] = segment.num_blocks * self.block_size
+            stop = start + segment.num_blocks
+            self._fill_faster(scope, segment.tier, keys[:stop], tokens, start, hit.block_ids)
             start = stop
-        self.metrics.inc("promoted_blocks_total", len(new_ids))
+        self.metrics.inc("promoted_blocks_total", got)
 
     def _fill_faster(
         self,

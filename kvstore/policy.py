@@ -360,6 +360,36 @@ class S3FIFOPolicy(_HeapPolicy):
             raise IntegrityError("S3-FIFO ghost size out of sync")
 
 
+class _History:
+    """Ghost tags of evicted runs, oldest first, standing for at most a bound of blocks. Each
+    tag records how many blocks had been sent to the history when it came."""
+
+    def __init__(self) -> None:
+        self.tags: OrderedDict[int, tuple[int, int]] = OrderedDict()  # tag -> (size, sent)
+        self.blocks = 0  # blocks the remembered tags stand for
+        self.sent = 0  # blocks ever sent
+
+    def add(self, tag: int, size: int, limit: float) -> None:
+        self.discard(tag)
+        self.sent += size
+        self.tags[tag] = (size, self.sent)
+        self.blocks += size
+        while self.blocks > limit and self.tags:
+            self.blocks -= self.tags.popitem(last=False)[1][0]
+
+    def discard(self, tag: int) -> int | None:
+        """Forget `tag`: how many blocks were sent after it, or None if it is not held."""
+        item = self.tags.pop(tag, None)
+        if item is None:
+            return None
+        self.blocks -= item[0]
+        return self.sent - item[1]
+
+    def check(self) -> None:
+        if self.blocks != sum(size for size, _ in self.tags.values()):
+            raise IntegrityError("ghost history size out of sync")
+
+
 class AdaptiveS3FIFOPolicy(S3FIFOPolicy):
     """S3-FIFO whose small-queue share adapts as ARC's does, with long ghost memory.
 
@@ -370,9 +400,10 @@ class AdaptiveS3FIFOPolicy(S3FIFOPolicy):
     early and goes straight to the main queue. A hit in the small history means one-time
     entries got too little time, so the small queue's target grows by the entry's size
     (times the ratio of the histories' sizes, at least 1, as in ARC); a hit in the main
-    history shrinks it alike. The target starts at `small_fraction` (half: adaptation is
-    slow when evictions are rare, and half is the safe middle) and stays within
-    [min_small, max_small] of capacity.
+    history shrinks it alike. Only ghost hits within a capacity's worth of evictions adapt
+    the target (no other split of this capacity could have kept older ones). The target
+    starts at `small_fraction` (half: adaptation is slow when evictions are rare, and half
+    is the safe middle) and stays within [min_small, max_small] of capacity.
     """
 
     def __init__(
@@ -390,76 +421,51 @@ class AdaptiveS3FIFOPolicy(S3FIFOPolicy):
             raise ValueError("need 0 < min_small <= small_fraction <= max_small < 1")
         self.ghost_factor, self.min_small, self.max_small = ghost_factor, min_small, max_small
         self._small_share = small_fraction  # adaptive target share of the small queue
-        self._main_ghost: OrderedDict[int, int] = OrderedDict()
-        self._main_ghost_blocks = 0
-        # blocks ever sent to each history, and when (in those units) each tag was sent
-        self._sent = [0, 0]
-        self._sent_at: dict[int, int] = {}
-        self._sent_at_main: dict[int, int] = {}
+        self._histories = (_History(), _History())  # runs evicted from SMALL, from MAIN
 
     def _initial(self, entry: _Entry, tag: int | None) -> tuple[Any, int]:
-        if tag is not None and tag in self._ghost:
-            self._ghost_blocks -= self._ghost.pop(tag)
-            if self._sent[SMALL] - self._sent_at.pop(tag) <= self._capacity():
-                self._adapt(entry.size, self._main_ghost_blocks, self._ghost_blocks)
-            return self._next_tick(), MAIN
-        if tag is not None and tag in self._main_ghost:
-            self._main_ghost_blocks -= self._main_ghost.pop(tag)
-            if self._sent[MAIN] - self._sent_at_main.pop(tag) <= self._capacity():
-                self._adapt(-entry.size, self._ghost_blocks, self._main_ghost_blocks)
-            return self._next_tick(), MAIN
+        if tag is not None:
+            for queue in (SMALL, MAIN):
+                age = self._histories[queue].discard(tag)
+                if age is not None:
+                    if age <= self._capacity():
+                        self._adapt(entry.size, queue)
+                    return self._next_tick(), MAIN
         return self._next_tick(), SMALL
 
-    def _adapt(self, size: int, other: int, same: int) -> None:
-        """ARC's rule, for ghost hits recent enough (within a capacity's worth of evictions)
-        that a different split could have kept them."""
-        step = abs(size) * max(1.0, other / max(same, 1)) / max(self._capacity(), 1)
-        share = self._small_share + (step if size > 0 else -step)
+    def _adapt(self, size: int, queue: int) -> None:
+        """ARC's rule: a ghost hit of `size` blocks in `queue`'s history grows that queue."""
+        same, other = self._histories[queue].blocks, self._histories[1 - queue].blocks
+        step = size * max(1.0, other / max(same, 1)) / max(self._capacity(), 1)
+        share = self._small_share + (step if queue == SMALL else -step)
         self._small_share = min(self.max_small, max(self.min_small, share))
 
     def remove(self, key: int, tag: int | None = None) -> None:
         entry = self._entries[key]
         if entry.queue == MAIN:
-            self._remember_main(tag, entry.size)
+            self._remember_in(MAIN, tag, entry.size)
         super().remove(key, tag)
 
     def resize(self, key: int, size: int, tag: int | None = None) -> None:
         entry = self._entries[key]
         if entry.queue == MAIN and size < entry.size:
-            self._remember_main(tag, entry.size - size)
+            self._remember_in(MAIN, tag, entry.size - size)
         super().resize(key, size, tag)
 
     def _remember(self, tag: int | None, size: int) -> None:
-        if tag is None:
-            return
-        self._ghost_blocks += size - self._ghost.pop(tag, 0)
-        self._ghost[tag] = size
-        self._sent[SMALL] += size
-        self._sent_at[tag] = self._sent[SMALL]
-        while self._ghost_blocks > self.ghost_factor * self._capacity() and self._ghost:
-            old, blocks = self._ghost.popitem(last=False)
-            self._ghost_blocks -= blocks
-            del self._sent_at[old]
+        self._remember_in(SMALL, tag, size)
 
-    def _remember_main(self, tag: int | None, size: int) -> None:
-        if tag is None:
-            return
-        self._main_ghost_blocks += size - self._main_ghost.pop(tag, 0)
-        self._main_ghost[tag] = size
-        self._sent[MAIN] += size
-        self._sent_at_main[tag] = self._sent[MAIN]
-        while self._main_ghost_blocks > self.ghost_factor * self._capacity() and self._main_ghost:
-            old, blocks = self._main_ghost.popitem(last=False)
-            self._main_ghost_blocks -= blocks
-            del self._sent_at_main[old]
+    def _remember_in(self, queue: int, tag: int | None, size: int) -> None:
+        if tag is not None:
+            self._histories[queue].add(tag, size, self.ghost_factor * self._capacity())
 
     def _small_limit(self) -> float:
         return self._small_share * self._capacity()
 
     def check_integrity(self) -> None:
         super().check_integrity()
-        if self._main_ghost_blocks != sum(self._main_ghost.values()):
-            raise IntegrityError("adaptive S3-FIFO main ghost size out of sync")
+        for history in self._histories:
+            history.check()
         if not self.min_small <= self._small_share <= self.max_small:
             raise IntegrityError(f"small share {self._small_share} out of bounds")
 

@@ -6,10 +6,10 @@ block (whose verification digest covers the whole prefix). Only whole chunks are
 read may start inside a chunk (the blocks the device pool already has are skipped) and never
 returns a block at or past the caller's cap. N = 1 is one entry per block.
 
-Reads (`fetching`) may hand out zero-copy views into a store (LMDB's map), valid inside its
-`with` block, where the caller copies them into the pool. Every entry is verified; with codec
-"none" one comparison of the whole expected header (EntryTemplate) and the checksum do it,
-anything else goes through `decode_entry`, which says why it fails.
+Reads (`fetch_into`) verify each block and copy it straight into its destination (a pool
+block) while it is in cache; a store may hand out zero-copy views (LMDB's map) for that.
+With codec "none" one comparison of the whole expected header (EntryTemplate) and the
+checksum verify an entry; anything else goes through `decode_entry`, which says why it fails.
 
 Writes never run on the caller's thread: a queued write holds an independent copy of its
 blocks (taken while they are still owned), so a block id reused after eviction can never be
@@ -21,11 +21,10 @@ fit is dropped and counted.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import threading
 import weakref
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import NamedTuple
 
@@ -84,7 +83,10 @@ class Segment(NamedTuple):
     """Verified blocks fetched from one tier, consecutive in the prompt."""
 
     tier: str
-    blocks: list[torch.Tensor]  # each [layers, 2, kv_heads, block_size, head_dim]
+    num_blocks: int
+
+
+Allocate = Callable[[int], list[torch.Tensor]]  # up to n destination blocks
 
 
 class TierWriter:
@@ -273,56 +275,42 @@ class Tiers:
         return scope
 
     # --- reads -----------------------------------------------------------------------------
-    def fetch(
-        self, scope: Scope, keys: Sequence[bytes], token_ids: np.ndarray, start: int
-    ) -> list[Segment]:
-        """Verified blocks keys[start:], tier by tier; a tier gets only what faster ones missed.
-
-        `keys` are the lookup keys of the first blocks of the prompt `token_ids` and cap what is
-        returned. Every chunk overlapping keys[start:] is read; the last one may end past the
-        cap if the prompt holds all its blocks (they are verified, not returned).
-        """
-        return self._fetch(scope, keys, token_ids, start, lambda store, ks: store.get_prefix(ks))
-
-    @contextlib.contextmanager
-    def fetching(
-        self, scope: Scope, keys: Sequence[bytes], token_ids: np.ndarray, start: int
-    ) -> Iterator[list[Segment]]:
-        """`fetch` whose blocks may be zero-copy views into a store (`read_prefix`), valid only
-        inside the `with` block: copy them into the pool there."""
-        with contextlib.ExitStack() as stack:
-
-            def read(store: SpillStore, ks: list[bytes]) -> Sequence[bytes | memoryview]:
-                return stack.enter_context(store.read_prefix(ks))
-
-            yield self._fetch(scope, keys, token_ids, start, read)
-
-    def _fetch(
+    def fetch_into(
         self,
         scope: Scope,
         keys: Sequence[bytes],
         token_ids: np.ndarray,
         start: int,
-        read: Callable[[SpillStore, list[bytes]], Sequence[bytes | memoryview]],
+        allocate: Allocate,
     ) -> list[Segment]:
+        """Copy verified blocks keys[start:] into destinations, tier by tier; a tier is asked
+        only for what faster ones missed. Returns how many blocks each tier gave, in order.
+
+        `allocate(n)` returns up to n destination tensors [layers, 2, kv_heads, block_size,
+        head_dim] (an upper bound: verification may stop early; the caller frees the rest).
+        Each block is verified and copied while it is in cache (one pass over cold memory).
+        `keys` are the prompt's first block keys and cap what is returned; every chunk
+        overlapping keys[start:] is read, the last one verified whole even past the cap.
+        """
         limit, n = len(keys), self.chunk_blocks
         keys = self._through_chunk_end(scope.hasher, keys, token_ids)
         ends = range((start // n + 1) * n, len(keys) + 1, n)  # end block of each chunk
         digests: list[bytes] | None = None
-        segments, pos = [], start  # pos: the next block to return
+        segments, pos, dst = [], start, []  # pos: the next block to return
         for store in self.stores:
             todo = [end for end in ends if end > pos]
             if pos >= limit or not todo:
                 break
-            values = read(store, [keys[end - 1] for end in todo])
-            if not values:
-                continue
-            if digests is None:
-                digests = scope.hasher.digest_blocks(token_ids, num_blocks=len(keys))
-            blocks = self._read(scope, store, values, keys, digests, token_ids, todo, pos, limit)
-            if blocks:
-                segments.append(Segment(store.name, blocks))
-                pos += len(blocks)
+            with store.read_prefix([keys[end - 1] for end in todo]) as values:
+                if not values:
+                    continue
+                if digests is None:
+                    digests = scope.hasher.digest_blocks(token_ids, num_blocks=len(keys))
+                dst += allocate(min(limit, todo[len(values) - 1]) - pos - len(dst))
+                got = self._read(scope, store, values, keys, digests, token_ids, todo, pos, dst)
+            if got:
+                segments.append(Segment(store.name, got))
+                pos, dst = pos + got, dst[got:]
         return segments
 
     def _through_chunk_end(
@@ -346,26 +334,53 @@ class Tiers:
         token_ids: np.ndarray,
         ends: list[int],
         pos: int,
-        limit: int,
-    ) -> list[torch.Tensor]:
-        """Blocks [pos, limit) of the leading chunks that verify (chunk i ends at ends[i])."""
-        n, bs, template, blocks = self.chunk_blocks, scope.hasher.block_size, scope.template, []
+        dst: list[torch.Tensor],
+    ) -> int:
+        """Copy blocks [pos, pos + len(dst)) of the leading chunks that verify (chunk i ends
+        at ends[i]) into dst; returns how many were copied."""
+        n, bs, template, done = self.chunk_blocks, scope.hasher.block_size, scope.template, 0
         token_bytes = token_ids.astype("<u4", copy=False).tobytes()
         for value, end in zip(values, ends, strict=False):  # values: a prefix
+            if done == len(dst):
+                break
             first, key, digest = end - n, keys[end - 1], digests[end - 1]
             parent = keys[first - 1] if first else scope.hasher.root
             chunk_tokens = token_bytes[first * bs * 4 : end * bs * 4]
+            if (
+                n == 1
+                and template
+                and self._copy_verified(
+                    template, value, key, digest, parent, chunk_tokens, dst[done]
+                )
+            ):
+                done += 1
+                continue
             kv = template.kv(value, key, digest, parent, chunk_tokens) if template else None
             if kv is None:  # not the expected bytes: the full decode says why, or accepts
                 chunk_ids = token_ids[first * bs : end * bs]
                 kv = self._decode(scope.root, store, value, key, digest, chunk_ids)
                 if kv is None:
                     break  # a miss from this chunk on
-            if n == 1:  # then first >= pos and end <= limit
-                blocks.append(kv)
-            else:
-                blocks += _split_blocks(kv, n)[max(pos, first) - first : min(end, limit) - first]
-        return blocks
+            blocks = _split_blocks(kv, n)[max(pos + done, first) - first :]
+            for block in blocks[: len(dst) - done]:
+                dst[done].copy_(block)  # while the verified bytes are still in cache
+                done += 1
+        return done
+
+    @staticmethod
+    def _copy_verified(
+        template: EntryTemplate,
+        value: bytes | memoryview,
+        key: bytes,
+        digest: bytes,
+        parent: bytes,
+        tokens: bytes,
+        dst: torch.Tensor,
+    ) -> bool:
+        """Fast path for a CPU destination: copy, then checksum the hot copy."""
+        if dst.device.type != "cpu" or not dst.is_contiguous():
+            return False
+        return template.copy_verified(value, key, digest, parent, tokens, dst)
 
     def _decode(
         self,
