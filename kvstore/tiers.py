@@ -346,14 +346,9 @@ class Tiers:
             first, key, digest = end - n, keys[end - 1], digests[end - 1]
             parent = keys[first - 1] if first else scope.hasher.root
             chunk_tokens = token_bytes[first * bs * 4 : end * bs * 4]
-            if (
-                n == 1
-                and template
-                and self._copy_verified(
-                    template, value, key, digest, parent, chunk_tokens, dst[done]
-                )
-            ):
-                done += 1
+            fast = n == 1 and template is not None
+            if fast and template.copy_verified(value, key, digest, parent, chunk_tokens, dst[done]):
+                done += 1  # copied, then verified from the hot copy
                 continue
             kv = template.kv(value, key, digest, parent, chunk_tokens) if template else None
             if kv is None:  # not the expected bytes: the full decode says why, or accepts
@@ -366,21 +361,6 @@ class Tiers:
                 dst[done].copy_(block)  # while the verified bytes are still in cache
                 done += 1
         return done
-
-    @staticmethod
-    def _copy_verified(
-        template: EntryTemplate,
-        value: bytes | memoryview,
-        key: bytes,
-        digest: bytes,
-        parent: bytes,
-        tokens: bytes,
-        dst: torch.Tensor,
-    ) -> bool:
-        """Fast path for a CPU destination: copy, then checksum the hot copy."""
-        if dst.device.type != "cpu" or not dst.is_contiguous():
-            return False
-        return template.copy_verified(value, key, digest, parent, tokens, dst)
 
     def _decode(
         self,

@@ -1,27 +1,10 @@
 """`kvstore stats` and `kvstore clear` against real LMDB and Redis."""
 
 import json
-import sys
-from pathlib import Path
-
-import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
-
-from engine_helpers import micro_model
 
 from engine.cli import main
 
 PROMPT = ",".join(str(i) for i in range(1, 21))  # 20 tokens; + 8 generated: KV for 27 = 6 blocks
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("micro-model")
-    loaded = micro_model(seed=1)
-    loaded.model.save_pretrained(path)
-    loaded.tokenizer.save_pretrained(path)
-    return path
 
 
 def run_json(capsys, *argv: str) -> dict:

@@ -3,25 +3,9 @@
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
-import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
-
-from engine_helpers import micro_model
-
 PROMPT_IDS = ",".join(str((i * 7) % 250) for i in range(61))  # 61 tokens: 15 whole blocks of 4
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("micro-model")
-    loaded = micro_model(seed=1)
-    loaded.model.save_pretrained(path)
-    loaded.tokenizer.save_pretrained(path)
-    return path
 
 
 def generate(model_dir: Path, *flags: str) -> dict:
