@@ -6,9 +6,13 @@ import importlib
 import sys
 
 BENCHMARKS = {
+    "hitrate": "block and token hit rate per eviction policy vs Belady bounds, per capacity",
     "micro": "hash + match + insert cost per block and index bytes per block, 1e4..1e6 blocks",
     "ttft": "TTFT per tier as a ratio to the ideal suffix-only prefill",
+    "e2e": "workload end to end: engine (device tier) vs no cache vs HF continuous batching",
     "io": "tier bandwidth as a ratio to a baseline moving the same bytes",
+    "faults": "fault injection: corruption, collisions, outages, full disks, tenants, leaks",
+    "serve": "load on `kvstore serve` replicas: client-side TTFT p50/p99 and reported hit rate",
 }
 
 

@@ -192,7 +192,8 @@ class Engine:
         """Queue one request; the future resolves to a `GenerateResult`.
 
         `cache_salt` narrows cache sharing to requests with the same salt. `on_token(id)` is
-        called from the worker thread for each generated token, as soon as it is sampled.
+        called from the worker thread for each generated token, as soon as it is sampled; an
+        exception it raises cancels the request (the future gets it, nothing is stored).
         """
         params = params or SamplingParams()
         return self._enqueue(self.encode(prompt, params), params, cache_salt, on_token)
@@ -239,8 +240,8 @@ class Engine:
             if not future.set_running_or_notify_cancel():
                 continue
             try:
-                result = self.run(ids, params, salt, on_token)
-                future.set_result(result._replace(queue_s=result.queue_s + _since(enqueued)))
+                queue_s = _since(enqueued)
+                future.set_result(self.run(ids, params, salt, on_token)._replace(queue_s=queue_s))
             except BaseException as e:  # handed to the caller
                 future.set_exception(e)
 

@@ -1,0 +1,108 @@
+"""The FastAPI application and `kvstore serve`.
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (all need a valid
+Bearer key when keys are configured), GET /health (never), GET /metrics (with
+--metrics-require-key only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+
+from engine.engine import Engine
+from engine.server import metrics as prom
+from engine.server.config import ServerConfig, server_config_from_args
+from engine.server.protocol import ApiError, now
+from engine.server.service import Service
+
+REJECT_REASONS = {401: "unauthorized", 404: "not_found", 413: "too_large", 429: "queue_full"}
+
+
+def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
+    """An app serving `engine`; it closes the engine when the app shuts down."""
+    service = Service(engine, config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        await run_in_threadpool(service.close)
+
+    app = FastAPI(title="kvstore", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.service = service
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, error: ApiError) -> JSONResponse:
+        if error.status != 500:
+            reason = REJECT_REASONS.get(error.status, "invalid")
+            service.metrics.inc("kvstore_requests_rejected_total", reason=reason)
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await service.handle(request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await service.handle(request, "chat")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict:
+        service.authenticate(request)
+        card = {"id": config.served_model_name, "object": "model", "created": now()}
+        return {"object": "list", "data": [{**card, "owned_by": "kvstore"}]}
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        queue = service.scheduler.stats()
+        ok = service.scheduler.alive
+        body = {"status": "ok" if ok else "unavailable", "model": config.served_model_name}
+        body |= {"waiting": queue.waiting, "running": queue.running}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> PlainTextResponse:
+        if config.metrics_require_key:
+            service.authenticate(request)
+        stats = await run_in_threadpool(engine.stats)
+        text = prom.render(stats, service.metrics, service.scheduler.stats())
+        return PlainTextResponse(text, media_type=prom.CONTENT_TYPE)
+
+    return app
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """`kvstore serve`: load the model and cache, then serve until SIGINT/SIGTERM."""
+    import uvicorn
+
+    from engine.cli import load_engine
+
+    config = server_config_from_args(args)  # invalid flags fail before the model loads
+    if not config.auth_enabled and not _is_loopback(config.host):
+        print(
+            f"kvstore serve: warning: no API key and bound to {config.host}: anyone who can "
+            "reach it can use it (set --api-key or --api-keys-file)",
+            file=sys.stderr,
+        )
+    _, engine = load_engine(args)
+    app = create_app(engine, config)
+    try:
+        uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level)
+    finally:
+        app.state.service.close()
+    return 0

@@ -1,0 +1,144 @@
+"""ServerConfig: the HTTP server's own settings (the cache's are `CacheConfig`), and its flags.
+
+This module imports only the standard library, so `kvstore --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvstore.config import ConfigError
+
+DEFAULT_TENANT = "default"  # the tenant of --api-key
+MAX_TENANT_CHARS = 64
+API_KEY_ENV = "KVSTORE_API_KEY"
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(name, f"must be an int >= {minimum}, got {value!r}")
+
+
+def check_api_key(key: object) -> str:
+    """An API key: a non-empty string of printable, non-space characters."""
+    if not isinstance(key, str) or not key.isprintable() or not key.split() == [key]:
+        raise ConfigError("api_keys", "an API key must be non-empty printable text without spaces")
+    return key
+
+
+def check_tenant(tenant: object) -> str:
+    if not isinstance(tenant, str) or not 0 < len(tenant) <= MAX_TENANT_CHARS:
+        raise ConfigError("api_keys", f"a tenant is 1..{MAX_TENANT_CHARS} characters: {tenant!r}")
+    if not tenant.isprintable():
+        raise ConfigError("api_keys", f"a tenant must be printable text: {tenant!r}")
+    return tenant
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Settings of `kvstore serve`. `api_keys` maps an API key to its tenant; empty = no auth."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str = "tiny"
+    api_keys: Mapping[str, str] = field(default_factory=dict, repr=False)  # secrets
+    metrics_require_key: bool = False
+    max_queue: int = 256  # requests waiting (not running) over all tenants
+    max_body_bytes: int = 4 << 20
+    max_prompt_tokens: int | None = None  # None: only the model's positions bound it
+    max_tokens_limit: int = 2048  # largest max_tokens a request may ask for
+    retry_after_s: int = 1  # Retry-After of a 429
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        _check_int("port", self.port, 0)
+        if self.port > 65535:
+            raise ConfigError("port", f"must be <= 65535, got {self.port}")
+        if not self.served_model_name:
+            raise ConfigError("served_model_name", "must not be empty")
+        for key, tenant in self.api_keys.items():
+            check_api_key(key)
+            check_tenant(tenant)
+        if self.metrics_require_key and not self.api_keys:
+            raise ConfigError("metrics_require_key", "needs --api-key or --api-keys-file")
+        _check_int("max_queue", self.max_queue, 1)
+        _check_int("max_body_bytes", self.max_body_bytes, 1024)
+        if self.max_prompt_tokens is not None:
+            _check_int("max_prompt_tokens", self.max_prompt_tokens, 1)
+        _check_int("max_tokens_limit", self.max_tokens_limit, 1)
+        _check_int("retry_after_s", self.retry_after_s, 1)
+        if self.log_level not in ("critical", "error", "warning", "info", "debug"):
+            raise ConfigError("log_level", f"unknown level {self.log_level!r}")
+
+    @property
+    def auth_enabled(self) -> bool:
+        return bool(self.api_keys)
+
+
+def load_api_keys(path: str | Path) -> dict[str, str]:
+    """Read an API keys file: one JSON object {"<api key>": "<tenant name>", ...}.
+
+    Keys that map to the same tenant share that tenant's cache and queue.
+    """
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError("api_keys_file", f"cannot read JSON from {path}: {e}") from None
+    if not isinstance(data, dict) or not data:
+        raise ConfigError("api_keys_file", f'{path} must hold a non-empty {{"key": "tenant"}}')
+    return {check_api_key(k): check_tenant(v) for k, v in data.items()}
+
+
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0: all)")
+    group.add_argument("--port", type=int, default=8000)
+    group.add_argument("--served-model-name", default=None, help="default: the --model name")
+    group.add_argument(
+        "--api-key",
+        default=None,
+        help=f"the one API key, tenant {DEFAULT_TENANT!r} (default: ${API_KEY_ENV})",
+    )
+    group.add_argument(
+        "--api-keys-file", default=None, help='JSON {"key": "tenant", ...}; one tenant per name'
+    )
+    group.add_argument(
+        "--metrics-require-key", action="store_true", help="/metrics needs a valid key too"
+    )
+    group.add_argument("--max-queue", type=int, default=256, help="waiting requests; then 429")
+    group.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger: 413")
+    group.add_argument("--max-prompt-tokens", type=int, default=None, help="longer prompts: 400")
+    group.add_argument("--max-tokens-limit", type=int, default=2048, help="largest max_tokens")
+    group.add_argument("--retry-after-s", type=int, default=1, help="Retry-After of a 429")
+    group.add_argument("--log-level", default="info")
+
+
+def server_config_from_args(
+    args: argparse.Namespace, env: Mapping[str, str] | None = None
+) -> ServerConfig:
+    env = os.environ if env is None else env
+    keys: dict[str, str] = {}
+    if args.api_keys_file:
+        keys.update(load_api_keys(args.api_keys_file))
+    single = args.api_key if args.api_key is not None else env.get(API_KEY_ENV)
+    if single:
+        keys[check_api_key(single)] = DEFAULT_TENANT
+    name = args.served_model_name or Path(args.model.rstrip("/")).name or args.model
+    return ServerConfig(
+        host=args.host,
+        port=args.port,
+        served_model_name=name,
+        api_keys=keys,
+        metrics_require_key=args.metrics_require_key,
+        max_queue=args.max_queue,
+        max_body_bytes=args.max_body_bytes,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_tokens_limit=args.max_tokens_limit,
+        retry_after_s=args.retry_after_s,
+        log_level=args.log_level,
+    )

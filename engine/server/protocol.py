@@ -1,0 +1,228 @@
+"""OpenAI request bodies (validated with pydantic) and the response objects the server sends.
+
+Only what the engine can honour is accepted; a field that needs something it cannot do
+(`echo` and prompt `logprobs` need a full prefill of the prompt, which a cache hit skips) is
+refused with a 400 that says so, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from engine.engine import GenerateResult
+
+
+class ApiError(Exception):
+    """An error answered as an OpenAI-style JSON error with an HTTP status."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.type = status, message, type
+        self.param, self.code, self.headers = param, code, headers
+
+    def body(self) -> dict:
+        error = {"message": self.message, "type": self.type, "param": self.param}
+        return {"error": {**error, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    cache_salt: Any = None  # validated by the server (400 with its own message)
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False  # extension (as vLLM): decode up to max_tokens
+    return_token_ids: bool = False  # extension: each choice carries its output token ids
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        """(param, why) of every set field the engine cannot honour."""
+        out = []
+        if self.n != 1:
+            out.append(("n", "only n=1 is supported"))
+        if self.presence_penalty or self.frequency_penalty:
+            out.append(("presence_penalty", "penalties are not supported; leave them at 0"))
+        if self.logit_bias:
+            out.append(("logit_bias", "logit_bias is not supported"))
+        if isinstance(self.stop, list) and len(self.stop) > 4:
+            out.append(("stop", "at most 4 stop sequences"))
+        return out
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=1)
+    echo: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None  # vLLM's name for prompt logprobs
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        out = super().unsupported()
+        full_prefill = "needs a full prefill of the prompt, which a prefix-cache hit skips"
+        if self.echo:
+            out.append(("echo", f"echo {full_prefill}; send echo=false"))
+        if self.prompt_logprobs is not None:
+            out.append(("prompt_logprobs", f"prompt logprobs {full_prefill}"))
+        if self.logprobs is not None:
+            out.append(("logprobs", f"logprobs are not supported (prompt logprobs {full_prefill})"))
+        if self.best_of not in (None, 1):
+            out.append(("best_of", "only best_of=1 is supported"))
+        if self.suffix:
+            out.append(("suffix", "suffix (insertion) is not supported"))
+        return out
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt: a string or token ids (a batch of one is unwrapped)."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            if len(prompt) != 1:
+                raise bad_request("send one prompt per request (a batch of one is fine)", "prompt")
+            prompt = prompt[0]
+        if not prompt:
+            raise bad_request("prompt is empty; give at least one token", "prompt")
+        return prompt
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        out = super().unsupported()
+        if self.logprobs or self.top_logprobs is not None:
+            out.append(("logprobs", "logprobs are not supported"))
+        if self.tools:
+            out.append(("tools", "tool calling is not supported"))
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            out.append(("response_format", "only response_format type 'text' is supported"))
+        return out
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+def parse_body(model: type[BaseModel], data: object) -> Any:
+    """Validate a JSON body into `model`; 400 naming the first bad field."""
+    if not isinstance(data, dict):
+        raise bad_request("the request body must be a JSON object")
+    try:
+        request = model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = ".".join(str(p) for p in err["loc"]) or None
+        raise bad_request(f"{param}: {err['msg']}" if param else err["msg"], param) from None
+    for param, why in request.unsupported():
+        raise bad_request(why, param, "unsupported_parameter")
+    return request
+
+
+# --- responses --------------------------------------------------------------------------------
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(result: GenerateResult) -> dict:
+    completion = len(result.output_token_ids)
+    return {
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": result.prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
+    }
+
+
+def completion_choice(text: str, finish_reason: str | None, token_ids: list[int] | None) -> dict:
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    return choice if token_ids is None else {**choice, "token_ids": token_ids}
+
+
+def chat_choice(text: str, finish_reason: str, token_ids: list[int] | None) -> dict:
+    message = {"role": "assistant", "content": text}
+    choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
+    return choice if token_ids is None else {**choice, "token_ids": token_ids}
+
+
+def chat_delta(delta: dict, finish_reason: str | None, token_ids: list[int] | None) -> dict:
+    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    return choice if token_ids is None else {**choice, "token_ids": token_ids}
+
+
+def envelope(kind: str, rid: str, created: int, model: str, choices: list[dict]) -> dict:
+    """A response or stream chunk; kind is the OpenAI `object` name."""
+    return {"id": rid, "object": kind, "created": created, "model": model, "choices": choices}

@@ -1,0 +1,263 @@
+"""The request path shared by the routes: authenticate, read and validate the body, tokenize,
+admit into the scheduler, then answer with JSON or stream server-sent events."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from engine.engine import (
+    Engine,
+    EngineClosedError,
+    GenerateResult,
+    InvalidRequestError,
+    SamplingParams,
+)
+from engine.server import protocol as p
+from engine.server.auth import Authenticator, AuthError, CacheSaltError, request_salt
+from engine.server.config import ServerConfig
+from engine.server.metrics import ServerMetrics
+from engine.server.scheduler import Job, QueueFullError, Scheduler, SchedulerClosedError
+from engine.server.streaming import DONE, TextStreamer, TokenBridge, sse
+
+log = logging.getLogger("kvstore.server")
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def simple_chat_prompt(messages: list[p.ChatMessage]) -> str:
+    """The template for tokenizers without one: "<role>: <content>\\n" per message, then
+    "assistant: " (the tokenizer adds its own special tokens, such as BOS)."""
+    return "".join(f"{m.role}: {m.text()}\n" for m in messages) + "assistant: "
+
+
+async def read_json(request: Request, limit: int) -> object:
+    """The JSON body, refusing more than `limit` bytes (413) before or while reading it."""
+    length = request.headers.get("content-length")
+    if length is not None and (not length.isdigit() or int(length) > limit):
+        raise p.ApiError(413, f"the request body is over the {limit}-byte limit", code="too_large")
+    body, size = bytearray(), 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise p.ApiError(413, f"the request body is over the {limit}-byte limit")
+        body += chunk
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise p.bad_request(f"the request body is not valid JSON: {e}") from None
+
+
+class Service:
+    """Engine, scheduler, auth and metrics of one server."""
+
+    def __init__(self, engine: Engine, config: ServerConfig):
+        self.engine, self.config = engine, config
+        self.tokenizer = engine.model.tokenizer
+        self.auth = Authenticator(config.api_keys, engine.cache_config.secret_bytes)
+        self.metrics = ServerMetrics()
+        self.scheduler = Scheduler(engine, config.max_queue, self.metrics.observe)
+
+    def authenticate(self, request: Request) -> str | None:
+        try:
+            return self.auth.tenant(request.headers.get("authorization"))
+        except AuthError as e:
+            error = p.ApiError(401, str(e), type="authentication_error", code="invalid_api_key")
+            raise error from None
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.config.served_model_name:
+            served = self.config.served_model_name
+            message = f"model {name!r} is not served here; this server serves {served!r}"
+            raise p.ApiError(404, message, param="model", code="model_not_found")
+
+    # --- request -> job --------------------------------------------------------------------
+
+    async def handle(self, request: Request, kind: str) -> Response:
+        """POST /v1/completions (kind "completion") and /v1/chat/completions (kind "chat")."""
+        tenant = self.authenticate(request)
+        data = await read_json(request, self.config.max_body_bytes)
+        req = p.parse_body(p.CompletionRequest if kind == "completion" else p.ChatRequest, data)
+        self.check_model(req.model)
+        try:
+            salt = request_salt(self.auth.salt(tenant), req.cache_salt)
+        except CacheSaltError as e:
+            raise p.bad_request(str(e), "cache_salt") from None
+        ids = await run_in_threadpool(self.prompt_ids, req)
+        params = self.sampling_params(req, len(ids))
+        job = Job(tenant, ids, params, salt)
+        bridge = TokenBridge(asyncio.get_running_loop()) if req.stream else None
+        if bridge is not None:
+            job.on_token = bridge.push
+            bridge.watch(job.future)
+        self.admit(job)
+        if bridge is not None:
+            events = self.events(job, req, kind, bridge)
+            return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+        result = await self.result(job)
+        return JSONResponse(self.response(kind, req, result))
+
+    def prompt_ids(self, req: p.CompletionRequest | p.ChatRequest) -> list[int]:
+        if isinstance(req, p.ChatRequest):
+            ids = self.chat_ids(req.messages)
+        else:
+            prompt = req.single_prompt()
+            ids = self.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else prompt
+        limit = self.config.max_prompt_tokens
+        if limit is not None and len(ids) > limit:
+            message = f"the prompt has {len(ids)} tokens; this server takes at most {limit}"
+            raise p.bad_request(message, "prompt", "context_length_exceeded")
+        return list(ids)
+
+    def chat_ids(self, messages: list[p.ChatMessage]) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            return self.tokenizer(simple_chat_prompt(messages))["input_ids"]
+        plain = [{"role": m.role, "content": m.text()} for m in messages]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                plain, tokenize=False, add_generation_prompt=True
+            )
+        except Exception as e:  # the template's own checks (role order, ...)
+            message = f"the chat template refused the messages: {e}"
+            raise p.bad_request(message, "messages") from None
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def sampling_params(self, req: p.CompletionRequest | p.ChatRequest, num_prompt: int) -> Any:
+        limit = self.config.max_tokens_limit
+        asked = req.requested_max_tokens if isinstance(req, p.ChatRequest) else req.max_tokens
+        if asked is not None and asked > limit:
+            raise p.bad_request(f"max_tokens is {asked}; this server allows at most {limit}")
+        if asked is None:
+            room = self.engine.model.max_positions
+            asked = limit if room is None else min(limit, room - num_prompt)
+            if asked < 1:
+                message = f"the prompt ({num_prompt} tokens) fills the model's {room} positions"
+                raise p.bad_request(message, "messages", "context_length_exceeded")
+        try:
+            return SamplingParams(
+                max_new_tokens=asked,
+                temperature=req.temperature,
+                top_p=req.top_p,
+                seed=req.seed,
+                stop=req.stop_strings,
+                ignore_eos=req.ignore_eos,
+            )
+        except InvalidRequestError as e:
+            raise p.bad_request(str(e)) from None
+
+    def admit(self, job: Job) -> None:
+        try:
+            job.token_ids = self.engine.encode(job.token_ids, job.params)  # range and positions
+            self.scheduler.submit(job)
+        except InvalidRequestError as e:
+            raise p.bad_request(str(e), "prompt") from None
+        except QueueFullError as e:
+            retry = str(self.config.retry_after_s)
+            message = f"the server is busy ({e}); retry after {retry} s"
+            headers = {"Retry-After": retry}
+            error = p.ApiError(429, message, type="rate_limit_error", code="queue_full")
+            error.headers = headers
+            raise error from None
+        except SchedulerClosedError as e:
+            raise p.ApiError(503, str(e), type="server_error") from None
+
+    # --- job -> response -------------------------------------------------------------------
+
+    async def result(self, job: Job) -> GenerateResult:
+        try:
+            return await asyncio.wrap_future(job.future)
+        except asyncio.CancelledError:
+            self.scheduler.cancel(job)
+            raise
+        except Exception as e:
+            raise self.failure(e) from None
+
+    def failure(self, error: BaseException) -> p.ApiError:
+        if isinstance(error, InvalidRequestError):
+            return p.bad_request(str(error))
+        if isinstance(error, SchedulerClosedError | EngineClosedError):
+            return p.ApiError(503, str(error), type="server_error")
+        log.error("request failed", exc_info=error)
+        return p.ApiError(500, f"internal error: {type(error).__name__}", type="server_error")
+
+    def response(self, kind: str, req: Any, result: GenerateResult) -> dict:
+        ids = result.output_token_ids if req.return_token_ids else None
+        model = self.config.served_model_name
+        if kind == "completion":
+            choice = p.completion_choice(result.text, result.finish_reason, ids)
+            body = p.envelope("text_completion", p.new_id("cmpl"), p.now(), model, [choice])
+        else:
+            choice = p.chat_choice(result.text, result.finish_reason, ids)
+            body = p.envelope("chat.completion", p.new_id("chatcmpl"), p.now(), model, [choice])
+        return {**body, "usage": p.usage(result)}
+
+    async def events(
+        self, job: Job, req: Any, kind: str, bridge: TokenBridge
+    ) -> AsyncIterator[str]:
+        """The SSE stream; a client that goes away cancels its job (queued or running)."""
+        chunks = _Chunks(kind, self.config.served_model_name, req.include_usage)
+        streamer = TextStreamer(self.tokenizer, req.stop_strings)
+        try:
+            while (token := await bridge.get()) is not DONE:
+                for event in chunks.delta(streamer.push(token)):
+                    yield event
+            try:
+                result = job.future.result()
+            except (Exception, concurrent.futures.CancelledError) as e:
+                yield sse(self.failure(e).body())
+                yield sse("[DONE]")
+                return
+            ids = result.output_token_ids if req.return_token_ids else None
+            yield chunks.final(streamer.finish(result.text), result.finish_reason, ids)
+            if req.include_usage:
+                yield chunks.usage(result)
+            yield sse("[DONE]")
+        finally:
+            if not job.future.done():
+                self.scheduler.cancel(job)
+
+    def close(self) -> None:
+        self.scheduler.close()
+        self.engine.close()
+
+
+class _Chunks:
+    """Stream chunks of one response: completions send text, chat sends deltas."""
+
+    def __init__(self, kind: str, model: str, include_usage: bool):
+        self.kind, self.model = kind, model
+        self.object = "text_completion" if kind == "completion" else "chat.completion.chunk"
+        self.id = p.new_id("cmpl" if kind == "completion" else "chatcmpl")
+        self.created = p.now()
+        self.extra = {"usage": None} if include_usage else {}
+        self.started = False
+
+    def _event(self, choices: list[dict]) -> str:
+        body = p.envelope(self.object, self.id, self.created, self.model, choices)
+        return sse({**body, **self.extra})
+
+    def delta(self, text: str) -> list[str]:
+        """Events for new text; the first token always yields one (clients time TTFT by it)."""
+        first, self.started = not self.started, True
+        if self.kind == "completion":
+            return [self._event([p.completion_choice(text, None, None)])] if text or first else []
+        out = [self._event([p.chat_delta({"role": "assistant", "content": ""}, None, None)])]
+        out = out if first else []
+        return out + ([self._event([p.chat_delta({"content": text}, None, None)])] if text else [])
+
+    def final(self, text: str, finish_reason: str, token_ids: list[int] | None) -> str:
+        if self.kind == "completion":
+            return self._event([p.completion_choice(text, finish_reason, token_ids)])
+        delta = {"content": text} if text else {}
+        return self._event([p.chat_delta(delta, finish_reason, token_ids)])
+
+    def usage(self, result: GenerateResult) -> str:
+        body = p.envelope(self.object, self.id, self.created, self.model, [])
+        return sse({**body, "usage": p.usage(result)})

@@ -1,0 +1,148 @@
+"""docker-compose.yml, checked without Docker: every command parses, and two replicas started
+with exactly its commands and flags (hosts, ports and the model path moved to loopback and a
+tmp dir) share the Redis tier it configures."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from server_helpers import (
+    Compose,
+    ServerProcess,
+    clean_env,
+    flag_value,
+    free_port,
+    kvstore_script,
+    replace_flag,
+    wait_for,
+)
+
+from bench.__main__ import BENCHMARKS
+from engine.cli import build_parser, cache_config_from_args
+from engine.server.config import server_config_from_args
+
+ENGINES = ("engine-a", "engine-b")
+
+
+@pytest.fixture(scope="module")
+def compose() -> Compose:
+    return Compose()
+
+
+def parse_kvstore(command: list[str]):
+    assert command[0] == "kvstore"
+    return build_parser().parse_args(command[1:])
+
+
+def test_every_compose_command_and_flag_parses(compose):
+    seen = set()
+    for name, service in compose.services.items():
+        command = compose.command(name)
+        if command[0] == "kvstore":
+            args = parse_kvstore(command)
+            cache_config_from_args(args)  # values valid too, not only flag names
+            server_config_from_args(args, compose.environment(name))
+        elif command[:3] == ["python", "-m", "bench"]:
+            assert command[3] in BENCHMARKS
+            importlib.import_module(f"bench.{command[3]}").build_parser().parse_args(command[4:])
+        else:
+            assert command[0] == "redis-server"  # its flags: the replica test starts it
+            assert "healthcheck" in service
+        seen.add(" ".join(command[:2] if command[0] != "python" else command[:4]))
+    assert seen == {"kvstore serve", "python -m bench serve", "redis-server --requirepass"}
+    assert compose.services["bench"]["profiles"] == ["bench"]
+
+
+def test_engines_reach_redis_with_its_password_and_share_a_secret(compose):
+    redis = compose.command("redis")
+    password = flag_value(redis, "--requirepass")
+    assert flag_value(redis, "--maxmemory-policy") == "allkeys-lru"
+    for name in ENGINES:
+        args = parse_kvstore(compose.command(name))
+        assert args.cache_redis_url == f"redis://:{password}@redis:6379/0"
+    envs = [compose.environment(name) for name in ENGINES]
+    assert envs[0]["KVSTORE_SECRET"] == envs[1]["KVSTORE_SECRET"] != ""
+
+
+def loopback_engine(compose, name, model_dir, redis_port, log_dir) -> ServerProcess:
+    """The compose command of `name` on loopback: only host, port, model and Redis host move."""
+    command = compose.command(name)
+    port = free_port()
+    url = flag_value(command, "--redis-url").replace("@redis:6379", f"@127.0.0.1:{redis_port}")
+    for flag, value in [("--host", "127.0.0.1"), ("--port", str(port)),
+                        ("--model", str(model_dir)), ("--redis-url", url)]:  # fmt: skip
+        command = replace_flag(command, flag, value)
+    env = clean_env(**compose.environment(name))
+    args = [kvstore_script(), *command[1:]]
+    return ServerProcess(args, port, log_dir / f"{name}.log", env)
+
+
+@pytest.fixture
+def replicas(compose, model_dir, redis_server_factory, tmp_path):
+    """Redis with the compose flags, then both engines; yields (redis, a, b)."""
+    redis_args = compose.command("redis")[1:]
+    redis = redis_server_factory(*redis_args, password=flag_value(redis_args, "--requirepass"))
+    a, b = (loopback_engine(compose, n, model_dir, redis.port, tmp_path) for n in ENGINES)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda s: s.start().wait_ready(), (a, b)))
+        yield redis, a, b
+    finally:
+        a.stop()
+        b.stop()
+
+
+def completion(server, key: str, prompt: list[int]) -> dict:
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}  # fmt: skip
+    headers = {"Authorization": f"Bearer {key}"}
+    response = httpx.post(f"{server.url}/v1/completions", json=body, headers=headers, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+@pytest.mark.integration
+def test_replica_b_hits_what_replica_a_wrote_through_to_redis(compose, replicas):
+    _, a, b = replicas
+    key = compose.environment("engine-a")["KVSTORE_API_KEY"]
+    block = int(flag_value(compose.command("engine-a"), "--block-size"))
+    prompt = [(i * 13 + 5) % 256 for i in range(6 * block + 5)]  # 6 whole blocks before L-1
+    first = completion(a, key, prompt)
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    # A stores prompt + output but the last token: 6 * block + 12 tokens = 6 whole blocks.
+    redis_writes = 'kvstore_tier_writes_blocks_total{tier="redis"}'
+    wait_for(lambda: a.metrics().get(redis_writes) == 6)
+    second = completion(b, key, prompt)
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 6 * block
+    assert second["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
+    assert second["choices"][0]["text"] == first["choices"][0]["text"]
+    metrics = b.metrics()
+    assert metrics['kvstore_prefix_cache_hits_tokens_total{tier="redis"}'] == 6 * block
+    assert metrics['kvstore_store_hits_total{tier="redis"}'] == 6
+    assert metrics["kvstore_promoted_blocks_total"] == 6
+    assert metrics['kvstore_tier_breaker_state{state="closed",tier="redis"}'] == 1
+    run_compose_bench(compose, a, b, key)
+
+
+def run_compose_bench(compose, a, b, key) -> None:
+    """The compose bench command against both replicas, shortened to 8 requests."""
+    command = compose.command("bench")
+    command = replace_flag(command, "--requests", "8")
+    command = replace_flag(command, "--concurrency", "2")
+    urls = iter([a.url, b.url])
+    command = [next(urls) if c.startswith("http://engine-") else c for c in command]
+    assert flag_value(command, "--api-key") == key
+    out = subprocess.run([sys.executable, *command[1:], "--json"], capture_output=True,
+                         text=True, timeout=120, env=clean_env())  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout)
+    workload = importlib.import_module("bench.serve").build_workload("multiturn", [], 8)
+    assert (report["requests"], report["errors"]) == (8, 0)
+    assert report["prompt_tokens"] == sum(len(r.token_ids) for r in workload)
+    assert report["per_url"][a.url]["requests"] == report["per_url"][b.url]["requests"] == 4

@@ -1,0 +1,206 @@
+"""Server parts without HTTP: salts, the scheduler's order and bound, streaming text, request
+validation, the Prometheus page."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+
+import pytest
+from engine_helpers import micro_cache_config, micro_model
+
+from engine.engine import Engine, GenerateResult, SamplingParams
+from engine.model import byte_tokenizer
+from engine.server import protocol
+from engine.server.auth import Authenticator, AuthError, CacheSaltError, request_salt, tenant_salt
+from engine.server.config import ServerConfig, load_api_keys
+from engine.server.metrics import Histogram, ServerMetrics
+from engine.server.scheduler import Job, QueueFullError, RequestCancelled, Scheduler
+from engine.server.streaming import TextStreamer
+from kvstore.config import ConfigError
+
+SECRET = b"deployment-secret"
+
+
+# --- tenants and salts ----------------------------------------------------------------------
+
+
+def test_tenant_salts_differ_by_tenant_and_secret_and_are_stable():
+    salt = tenant_salt("x", SECRET)
+    assert salt == tenant_salt("x", SECRET)
+    assert len(salt) == 32 and int(salt, 16) >= 0
+    assert len({salt, tenant_salt("y", SECRET), tenant_salt("x", b"other-secret")}) == 3
+
+
+def test_a_request_salt_narrows_its_tenant_salt_and_is_validated():
+    base = tenant_salt("x", SECRET)
+    assert request_salt(base, None) == request_salt(base, "") == base
+    narrowed = {request_salt(base, "a"), request_salt(base, "b"), request_salt("", "a")}
+    assert len(narrowed | {base}) == 4
+    for bad in ("s" * 257, "tab\there", 7):
+        with pytest.raises(CacheSaltError, match="cache_salt"):
+            request_salt(base, bad)
+
+
+def test_keys_map_to_tenants_and_missing_or_wrong_keys_are_refused():
+    auth = Authenticator({"k1": "x", "k2": "x", "k3": "y"}, SECRET)
+    assert [auth.tenant("Bearer k1"), auth.tenant("bearer k2"), auth.tenant("Bearer k3")] == [
+        "x", "x", "y"]  # fmt: skip
+    assert auth.salt("x") == tenant_salt("x", SECRET) != auth.salt("y")
+    for header in (None, "", "Bearer", "Basic k1", "Bearer nope"):
+        with pytest.raises(AuthError):
+            auth.tenant(header)
+    open_auth = Authenticator({}, SECRET)
+    assert (open_auth.tenant(None), open_auth.salt(None)) == (None, "")
+
+
+def test_api_keys_file_is_a_json_object_of_key_to_tenant(tmp_path):
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"sk-1": "acme", "sk-2": "acme"}))
+    assert load_api_keys(path) == {"sk-1": "acme", "sk-2": "acme"}
+    for bad in ('["sk-1"]', "{}", '{"has space": "t"}', '{"sk": ""}', "not json"):
+        path.write_text(bad)
+        with pytest.raises(ConfigError, match="api_keys"):
+            load_api_keys(path)
+
+
+def test_server_config_rejects_bad_limits():
+    with pytest.raises(ConfigError, match="max_queue"):
+        ServerConfig(max_queue=0)
+    with pytest.raises(ConfigError, match="metrics_require_key"):
+        ServerConfig(metrics_require_key=True)
+
+
+# --- scheduler ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[Engine]:
+    with Engine(micro_model(seed=1), micro_cache_config()) as eng:
+        yield eng
+
+
+def one_token() -> SamplingParams:
+    return SamplingParams(max_new_tokens=1)
+
+
+class Gate:
+    """A running job that blocks the engine until `open()`."""
+
+    def __init__(self, scheduler: Scheduler):
+        self.started, self.released = threading.Event(), threading.Event()
+        params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+        self.job = scheduler.submit(Job(None, [1, 2, 3], params, "", self._block))
+        assert self.started.wait(30)
+
+    def _block(self, token_id: int) -> None:
+        self.started.set()
+        assert self.released.wait(30)
+
+    def open(self) -> None:
+        self.released.set()
+
+
+def test_scheduler_is_fifo_per_tenant_and_round_robin_across_tenants(engine):
+    scheduler = Scheduler(engine, max_queue=16)
+    gate, order = Gate(scheduler), []
+    names = [("x", 1), ("x", 2), ("x", 3), ("y", 1), ("y", 2), ("z", 1)]
+    jobs = [
+        scheduler.submit(Job(t, [5, 6, 7], one_token(), "", lambda _, n=(t, i): order.append(n)))
+        for t, i in names
+    ]
+    assert scheduler.stats().waiting_by_tenant == {"x": 3, "y": 2, "z": 1}
+    gate.open()
+    for job in jobs:
+        assert isinstance(job.future.result(30), GenerateResult)
+    assert order == [("x", 1), ("y", 1), ("z", 1), ("x", 2), ("y", 2), ("x", 3)]
+    scheduler.close()
+
+
+def test_a_full_queue_refuses_and_cancel_frees_a_slot(engine):
+    scheduler = Scheduler(engine, max_queue=2)
+    gate = Gate(scheduler)
+    first = scheduler.submit(Job("x", [5, 6], one_token(), ""))
+    scheduler.submit(Job("y", [5, 6], one_token(), ""))
+    with pytest.raises(QueueFullError):
+        scheduler.submit(Job("z", [5, 6], one_token(), ""))
+    scheduler.cancel(first)
+    assert first.future.cancelled()
+    late = scheduler.submit(Job("z", [5, 6], one_token(), ""))
+    scheduler.cancel(gate.job)  # running: it stops at its next token
+    gate.open()
+    with pytest.raises(RequestCancelled):
+        gate.job.future.result(30)
+    assert late.future.result(30).prompt_tokens == 2
+    assert scheduler.stats() == (0, 0, {})
+    scheduler.close()
+
+
+def test_server_metrics_observe_finished_jobs(engine):
+    metrics = ServerMetrics()
+    scheduler = Scheduler(engine, max_queue=4, on_done=metrics.observe)
+    job = scheduler.submit(Job("acme", list(range(1, 10)), SamplingParams(max_new_tokens=2), ""))
+    result = job.future.result(30)
+    scheduler.close()
+    lines = metrics.counter_lines()
+    assert lines["kvstore_requests_total"] == ['kvstore_requests_total{outcome="ok"} 1']
+    assert lines["kvstore_tenant_prompt_tokens_total"] == [
+        f'kvstore_tenant_prompt_tokens_total{{tenant="acme"}} {result.prompt_tokens}']  # fmt: skip
+    assert metrics.ttft.lines("t")[-1] == "t_count 1"
+
+
+# --- streaming, validation, metrics text ----------------------------------------------------
+
+
+def stream_text(text: str, stop: tuple[str, ...], final: str) -> list[str]:
+    tok = byte_tokenizer()
+    streamer = TextStreamer(tok, stop)
+    deltas = [streamer.push(t) for t in tok(text, add_special_tokens=False)["input_ids"]]
+    return [*deltas, streamer.finish(final)]
+
+
+def test_streamed_text_never_includes_a_stop_string_or_half_a_character():
+    assert stream_text("héllo", (), "héllo") == ["h", "", "é", "l", "l", "o", ""]  # é: 2 bytes
+    deltas = stream_text("héllo END more", ("END",), "héllo ")
+    assert "".join(deltas) == "héllo "
+    assert all("E" not in d for d in deltas)
+
+
+def test_unsupported_fields_are_400_naming_the_parameter():
+    cases = [({"prompt": "x", "echo": True}, "echo"), ({"prompt": "x", "n": 2}, "n"),
+             ({"prompt": "x", "logit_bias": {"1": 2}}, "logit_bias"),
+             ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": []}, "prompt"),
+             ({"max_tokens": 2}, "prompt")]  # fmt: skip
+    for body, param in cases:
+        with pytest.raises(protocol.ApiError) as info:
+            protocol.parse_body(protocol.CompletionRequest, body).single_prompt()
+        assert (info.value.status, info.value.param) == (400, param)
+
+
+def test_histogram_buckets_are_cumulative():
+    hist = Histogram((0.01, 0.1, 1.0))
+    for value in (0.005, 0.05, 0.05, 5.0):
+        hist.observe(value)
+    assert hist.lines("h") == ['h_bucket{le="0.01"} 1', 'h_bucket{le="0.1"} 3',
+                               'h_bucket{le="1.0"} 3', 'h_bucket{le="+Inf"} 4',
+                               "h_sum 5.105", "h_count 4"]  # fmt: skip
+
+
+# --- the load generator's sessions ------------------------------------------------------------
+
+
+def test_bench_serve_chains_turns_into_sessions_and_alternates_replicas():
+    from bench.serve import Runner, build_parser, build_workload, sessions_of
+
+    requests = build_workload("multiturn", ["num_clients=3", "num_turns=4"], None)
+    sessions = sessions_of(requests)
+    assert [len(s.turns) for s in sessions] == [4, 4, 4]
+    for session in sessions:
+        lengths = [len(t.token_ids) for t in session.turns]
+        assert lengths == [256 + 64 + k * 96 for k in range(4)]  # history + answer + turn
+    args = build_parser().parse_args(["--url", "http://a", "--url", "http://b"])
+    runner = Runner(args, "m")
+    assert [runner.url_for(1, k) for k in range(4)] == ["http://b", "http://a"] * 2
+    args.route = "session"
+    assert {runner.url_for(1, k) for k in range(4)} == {"http://b"}
