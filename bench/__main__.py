@@ -6,6 +6,7 @@ import importlib
 import sys
 
 BENCHMARKS = {
+    "codecs": "tier payload codecs: stored size, encode/decode speed, logit change (tiny model)",
     "hitrate": "block and token hit rate per eviction policy vs Belady bounds, per capacity",
     "micro": "hash + match + insert cost per block and index bytes per block, 1e4..1e6 blocks",
     "ttft": "TTFT per tier as a ratio to the ideal suffix-only prefill",
