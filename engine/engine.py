@@ -188,15 +188,17 @@ class Engine:
         *,
         cache_salt: str = "",
         on_token: TokenCallback | None = None,
+        tenant: str = "",
     ) -> Future:
         """Queue one request; the future resolves to a `GenerateResult`.
 
         `cache_salt` narrows cache sharing to requests with the same salt. `on_token(id)` is
         called from the worker thread for each generated token, as soon as it is sampled; an
         exception it raises cancels the request (the future gets it, nothing is stored).
+        Device blocks the request adds count against `tenant`'s quota (tenant_quota_blocks).
         """
         params = params or SamplingParams()
-        return self._enqueue(self.encode(prompt, params), params, cache_salt, on_token)
+        return self._enqueue(self.encode(prompt, params), params, cache_salt, on_token, tenant)
 
     def generate(
         self,
@@ -221,13 +223,14 @@ class Engine:
         params: SamplingParams,
         cache_salt: str = "",
         on_token: TokenCallback | None = None,
+        tenant: str = "",
     ) -> Future:
         try:
             validate_salt(cache_salt)
         except ValueError as e:
             raise InvalidRequestError(f"cache_salt: {e}") from None
         future: Future = Future()
-        item = (ids, params, cache_salt, on_token, future, time.perf_counter())
+        item = (ids, params, cache_salt, on_token, tenant, future, time.perf_counter())
         with self._queue_lock:  # nothing may follow the stop sentinel
             if self._closed:
                 raise EngineClosedError("engine is closed")
@@ -236,12 +239,13 @@ class Engine:
 
     def _serve(self) -> None:
         while (item := self._queue.get()) is not None:
-            ids, params, salt, on_token, future, enqueued = item
+            ids, params, salt, on_token, tenant, future, enqueued = item
             if not future.set_running_or_notify_cancel():
                 continue
             try:
                 queue_s = _since(enqueued)
-                future.set_result(self.run(ids, params, salt, on_token)._replace(queue_s=queue_s))
+                result = self.run(ids, params, salt, on_token, tenant)
+                future.set_result(result._replace(queue_s=queue_s))
             except BaseException as e:  # handed to the caller
                 future.set_exception(e)
 
@@ -253,18 +257,19 @@ class Engine:
         params: SamplingParams,
         cache_salt: str = "",
         on_token: TokenCallback | None = None,
+        tenant: str = "",
     ) -> GenerateResult:
         """One request, synchronously (validated token ids)."""
         sampler = _Sampler(params)
         emit = on_token or _ignore
         with self._lock, torch.inference_mode():
             start = time.perf_counter()
-            pre = self._prefill(token_ids, cache_salt)
+            pre = self._prefill(token_ids, cache_salt, tenant)
             output = [sampler(pre.logits)]
             ttft = _since(start)
             emit(output[0])
             reason, text = self._decode(pre.past, output, params, sampler, emit)
-            self._store(token_ids, output, pre.past, cache_salt)
+            self._store(token_ids, output, pre.past, cache_salt, tenant)
         return GenerateResult(
             len(token_ids), pre.cached_tokens, output, text, ttft, reason, pre.cached_by_tier, 0.0
         )
@@ -296,8 +301,8 @@ class Engine:
         )
         return out.logits[0, -1].float()
 
-    def _prefill(self, token_ids: list[int], cache_salt: str) -> Prefill:
-        hit = self.cache.lookup(token_ids, salt=cache_salt)
+    def _prefill(self, token_ids: list[int], cache_salt: str, tenant: str = "") -> Prefill:
+        hit = self.cache.lookup(token_ids, salt=cache_salt, owner=tenant)
         try:
             kv = self.cache.load(hit)
         finally:
@@ -331,13 +336,18 @@ class Engine:
             emit(output[-1])
 
     def _store(
-        self, prompt: list[int], output: list[int], past: DynamicCache, cache_salt: str = ""
+        self,
+        prompt: list[int],
+        output: list[int],
+        past: DynamicCache,
+        cache_salt: str = "",
+        tenant: str = "",
     ) -> int:
         """Store new full blocks: the prompt, plus generated tokens when cache_generated."""
         ids = prompt + output if self.cache_generated else prompt
         n = min(len(ids), past.get_seq_length())  # the last generated token has no KV
         layers = [(layer.keys[:, :, :n], layer.values[:, :, :n]) for layer in past.layers]
-        return self.cache.store(ids[:n], layers, salt=cache_salt)
+        return self.cache.store(ids[:n], layers, salt=cache_salt, owner=tenant)
 
     # --- lifecycle ----------------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -78,7 +78,9 @@ class PrefixCache:
             stores = make_stores(config, namespace)
         self.tiers = Tiers(config, self.hasher, self.metrics, stores) if stores else None
         self._hashers: OrderedDict[str, BlockHasher] = OrderedDict()  # by request salt
-        self._salt_of: dict[BlockHash, str] = {}  # first block key -> request salt (write-back)
+        # first block key -> (request salt, owner): a path's salt (write-back) and owner (quota)
+        self._path_of: dict[BlockHash, tuple[str, str]] = {}
+        self._owner_blocks: Counter[str] = Counter()  # device blocks per owner
         self._lock = threading.RLock()
 
     @property
@@ -99,12 +101,15 @@ class PrefixCache:
                 self._hashers.popitem(last=False)
             return hasher
 
-    def lookup(self, token_ids: Sequence[int] | np.ndarray, salt: str = "") -> CacheHit:
+    def lookup(
+        self, token_ids: Sequence[int] | np.ndarray, salt: str = "", owner: str = ""
+    ) -> CacheHit:
         """Find and lock the longest cached whole-block prefix of token_ids[:-1].
 
         Blocks the device pool misses are asked of the spill tiers (fastest first), verified
         and promoted into the pool; `num_cached_tokens` counts only verified blocks. Only
-        blocks stored with the same `salt` can match.
+        blocks stored with the same `salt` can match. Blocks promoted from the tiers count
+        against `owner`'s quota (`tenant_quota_blocks`).
         """
         tokens = as_token_array(token_ids)
         max_blocks = max(len(tokens) - 1, 0) // self.block_size  # the last token is always computed
@@ -125,16 +130,25 @@ class PrefixCache:
             scope = self.tiers.scope(hasher)
             self._write_selective(scope, keys, tokens, hit)
             if match.num_blocks < len(keys):
-                self._promote(scope, hit, keys, tokens)
+                self._promote(scope, hit, keys, tokens, salt, owner)
         self.metrics.record_lookup(len(tokens), hit.tier_tokens)
         return hit
 
-    def _promote(self, scope: Scope, hit: CacheHit, keys: list[BlockHash], tokens: np.ndarray):
+    def _promote(
+        self,
+        scope: Scope,
+        hit: CacheHit,
+        keys: list[BlockHash],
+        tokens: np.ndarray,
+        salt: str,
+        owner: str,
+    ) -> None:
         """Copy verified tier blocks into fresh pool blocks, index them, move the hit's lock."""
         new_ids: list[int] = []
 
         def allocate(n: int) -> list[torch.Tensor]:
             with self._lock:
+                n = min(n, self._quota_left(owner) - len(new_ids))
                 ids = self._allocate(n) if n > 0 else []
             new_ids.extend(ids)
             return [self.pool.kv[i] for i in ids]
@@ -150,7 +164,10 @@ class PrefixCache:
         with self._lock:
             self.pool.free(new_ids[got:])  # allocated for blocks that did not verify
             n = start + got
-            self.pool.free(self.index.insert(keys[:n], tokens, hit.block_ids + new_ids[:got]))
+            self._track(keys, salt, owner)
+            unkept = self.index.insert(keys[:n], tokens, hit.block_ids + new_ids[:got])
+            self.pool.free(unkept)
+            self._owner_blocks[owner] += got - len(unkept)
             match = self.index.match_prefix(keys[:n], tokens)
             self.index.lock(match.last_node)
             self.index.unlock(hit.node)
@@ -204,24 +221,28 @@ class PrefixCache:
             hit.released = True
 
     def store(
-        self, token_ids: Sequence[int] | np.ndarray, layers: Sequence[LayerKV], salt: str = ""
+        self,
+        token_ids: Sequence[int] | np.ndarray,
+        layers: Sequence[LayerKV],
+        salt: str = "",
+        owner: str = "",
     ) -> int:
         """Cache the full blocks of token_ids[:T] not cached yet (T = tokens the K/V cover).
 
-        Returns the number of new blocks. When the pool is full of locked blocks, stores a
-        shorter prefix (possibly nothing) rather than failing.
+        Returns the number of new blocks. When the pool is full of locked blocks, or `owner`
+        is at its quota, stores a shorter prefix (possibly nothing) rather than failing.
         """
         tokens = as_token_array(token_ids)
         num_tokens = min(len(tokens), int(layers[0][0].shape[2])) if layers else 0
         hasher = self.hasher_for(salt)
         keys = hasher.hash_blocks(tokens[:num_tokens])
         with self._lock:
-            if salt and keys:
-                self._remember_salt(keys[0], salt)
+            self._track(keys, salt, owner)
             match = self.index.match_prefix(keys, tokens)
             self.index.lock(match.last_node)
             try:
-                new_ids = self._allocate(len(keys) - match.num_blocks)
+                want = min(len(keys) - match.num_blocks, self._quota_left(owner))
+                new_ids = self._allocate(max(want, 0))
                 if new_ids:
                     self.pool.scatter(
                         new_ids, layers, start_token=match.num_blocks * self.block_size
@@ -229,6 +250,7 @@ class PrefixCache:
                     n = match.num_blocks + len(new_ids)
                     redundant = self.index.insert(keys[:n], tokens, match.block_ids + new_ids)
                     self.pool.free(redundant)
+                    self._owner_blocks[owner] += len(new_ids) - len(redundant)
                     if self.tiers:  # write-through: an independent copy, taken while owned
                         targets = self.tiers.targets("write-through")
                         ids = match.block_ids + new_ids
@@ -254,31 +276,48 @@ class PrefixCache:
     def _evict(self, n: int) -> list[int]:
         """Evict up to n unlocked blocks and free them (caller holds the lock)."""
         if n > 0:
-            write_back = self.tiers and self.tiers.targets("write-back")
-            evicted = self.index.evict(n, self._write_back if write_back else None)
+            evicted = self.index.evict(n, self._on_evict)
             self.pool.free(evicted)
             self.metrics.inc("evicted_blocks_total", len(evicted))
             return evicted
         return []
 
-    def _write_back(self, node: TreeNode, start: int, block_ids: list[int]) -> None:
-        """Eviction callback: queue blocks [start:] of `node` for the write-back tiers
-        (a chunk may need blocks of ancestors: they are still cached, parents go last)."""
+    def _on_evict(self, node: TreeNode, start: int, block_ids: list[int]) -> None:
+        """Eviction callback: the owner's count, and the write-back tiers."""
+        salt, owner = self._path_of.get(self._first_key(node), ("", ""))
+        self._owner_blocks[owner] -= len(block_ids)
+        if self.tiers and self.tiers.targets("write-back"):
+            self._write_back(node, start, salt)
+
+    def _first_key(self, node: TreeNode) -> BlockHash:
+        while node.parent is not self.index.root:
+            node = node.parent
+        return node.key(0)
+
+    def _quota_left(self, owner: str) -> int:
+        quota = self.config.tenant_quota_blocks
+        return self.pool.num_blocks if quota is None else quota - self._owner_blocks[owner]
+
+    def _write_back(self, node: TreeNode, start: int, salt: str) -> None:
+        """Queue blocks [start:] of `node` for the write-back tiers (a chunk may need blocks
+        of ancestors: they are still cached, parents go last)."""
         keys = self.index.path_keys(node)
         tokens = self.index.path_token_ids(node)
         first = len(keys) - node.num_blocks + start
         ids = self.index.path_block_ids(node)
-        scope = self.tiers.scope(self.hasher_for(self._salt_of.get(keys[0], "")))
+        scope = self.tiers.scope(self.hasher_for(salt))
         self.tiers.submit_from_pool(
             scope, self.tiers.targets("write-back"), keys, tokens, first, ids, self.pool
         )
 
-    def _remember_salt(self, first_key: BlockHash, salt: str) -> None:
-        """Write-back must know a path's salt; keep it per root child (caller holds the lock)."""
-        self._salt_of[first_key] = salt
-        if len(self._salt_of) > 2 * len(self.index.root.children) + 1024:
+    def _track(self, keys: list[BlockHash], salt: str, owner: str) -> None:
+        """Remember a path's salt and owner by its first key (caller holds the lock)."""
+        if not keys or not (salt or owner):
+            return
+        self._path_of[keys[0]] = (salt, owner)
+        if len(self._path_of) > 2 * len(self.index.root.children) + 1024:
             live = self.index.root.children
-            self._salt_of = {k: v for k, v in self._salt_of.items() if k in live}
+            self._path_of = {k: v for k, v in self._path_of.items() if k in live}
 
     def evict_device(self) -> int:
         """Evict every unlocked block from the device pool (write-back tiers get them)."""

@@ -38,6 +38,7 @@ class CacheConfig:
     secret: str = ""  # verification-digest key (deployment secret); empty = fixed default
     tenant_salt: str = ""
     key_bytes: int = 16  # test hook: < 16 truncates lookup keys to force collisions
+    tenant_quota_blocks: int | None = None  # most device blocks one owner (tenant) may hold
     # --- spill tiers (all off by default) ---
     memory_cache_gb: float = 0.0  # host-RAM tier; 0 = off
     lmdb_dir: str | None = None
@@ -97,6 +98,10 @@ class CacheConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(name, f"must be an int >= 1, got {value!r}")
+        if self.tenant_quota_blocks is not None and (
+            not isinstance(self.tenant_quota_blocks, int) or self.tenant_quota_blocks < 1
+        ):
+            raise ConfigError("tenant_quota_blocks", "must be an int >= 1 or None")
         if self.redis_ttl_s is not None and self.redis_ttl_s < 1:
             raise ConfigError("redis_ttl_s", "must be >= 1 second or None")
         _positive("write_queue_blocks", self.write_queue_blocks, allow_none=False)

@@ -158,7 +158,11 @@ class Scheduler:
             return
         try:
             engine_future = self.engine.submit(
-                job.token_ids, job.params, cache_salt=job.salt, on_token=job.emit
+                job.token_ids,
+                job.params,
+                cache_salt=job.salt,
+                on_token=job.emit,
+                tenant=job.tenant or "",
             )
             result = engine_future.result()
         except BaseException as e:  # handed to the request's handler
