@@ -97,12 +97,17 @@ class RedisStore(SpillStore):
             return self._client
 
     def _reset_connections(self) -> None:
-        """After a connection failure, drop pooled connections (and cluster topology)."""
+        """After a connection failure, start a new client (a fresh pool and cluster topology).
+
+        Other threads may be mid-call on the old client: only its idle connections are closed
+        here; the ones in use close with it when it is collected.
+        """
         with self._lock:
             client, self._client = self._client, None
-        if client is not None:
-            with contextlib.suppress(*_FAILURES):
-                client.close()
+        pool = getattr(client, "connection_pool", None)
+        if pool is not None:
+            with contextlib.suppress(Exception):
+                pool.disconnect(inuse_connections=False)
 
     def _call(self, op: Callable[[redis.Redis | RedisCluster], T]) -> T:
         """Run `op` under the breaker; raises `_Failed` if it did not (or could not) run."""
@@ -110,11 +115,11 @@ class RedisStore(SpillStore):
             raise _Failed
         try:
             result = op(self._connect())
-        except _FAILURES as e:
+        except Exception as e:  # any client failure is a miss, never the caller's error
             self.breaker.record_failure()
             self._counters.add(errors=1)
-            if isinstance(e, _CONNECTION_FAILURES) or self.cluster:
-                self._reset_connections()
+            if not isinstance(e, redis.ResponseError) or self.cluster:
+                self._reset_connections()  # anything but a server reply may be a bad socket
             raise _Failed from e
         except BaseException:
             self.breaker.record_failure()  # never leave a half-open probe outstanding
@@ -226,7 +231,11 @@ class RedisStore(SpillStore):
             return 0
 
     def close(self) -> None:
-        self._reset_connections()
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            with contextlib.suppress(*_FAILURES):
+                client.close()
 
 
 def _glob_escape(raw: bytes) -> bytes:

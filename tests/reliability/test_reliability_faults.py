@@ -1,0 +1,119 @@
+"""The fault scenarios of `python -m bench faults`, at CI scale, with their must-haves:
+no wrong output, no lost entry, every request served, every injected corruption detected."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.faults import (
+    Context,
+    FaultOutcome,
+    Scale,
+    collisions,
+    concurrent_writers,
+    corruption,
+    killed_writers,
+    leaks,
+    lmdb_full,
+    micro_model,
+    redis_eviction,
+    redis_outage,
+    tenant_isolation,
+)
+from engine.model import LoadedModel
+
+pytestmark = [pytest.mark.reliability, pytest.mark.integration]
+
+CI = Scale(requests=8, collision_trials=160, leak_requests=160, outage_s=0.5, kill_rounds=3)
+
+
+@pytest.fixture(scope="module")
+def model() -> LoadedModel:
+    torch.set_num_threads(1)  # as the bench does: a micro model runs faster on one thread
+    return micro_model()
+
+
+@pytest.fixture
+def ctx(model, redis_server, tmp_path: Path) -> Context:
+    return Context(model, redis_server, tmp_path, CI)
+
+
+def assert_must_haves(o: FaultOutcome) -> None:
+    assert o.succeeded == o.requests
+    assert o.wrong_outputs == 0
+    assert o.lost_entries == 0
+    assert o.corrupt_detected == o.corrupt_injected
+
+
+@pytest.mark.parametrize("tier", ["lmdb", "redis"])
+def test_every_corrupted_entry_is_detected_deleted_and_recomputed(ctx, tier):
+    o = corruption(ctx, tier)
+    assert_must_haves(o)
+    assert o.corrupt_injected == 8  # bit flip, truncation, version, namespace: twice each
+    assert o.requests == 16  # 8 prompts read over the damage, then 8 over the repair
+    assert o.figures["hits_cut_at_damage"] == o.figures["repaired"] == 8
+
+
+def test_forced_lookup_key_collisions_never_serve_another_prefix(ctx):
+    o = collisions(ctx)
+    assert_must_haves(o)
+    assert o.requests == 160
+    assert o.figures["collisions_rejected"] > 0  # 1-byte keys collide: the digest said no
+    assert o.figures["verified_hits"] > 0
+
+
+def test_redis_eviction_cuts_every_hit_at_the_first_missing_block(ctx):
+    o = redis_eviction(ctx)
+    assert_must_haves(o)
+    assert o.figures["past_gap"] == 0
+    # a hit ends at the first gap, or earlier when Redis evicted a block after the snapshot
+    assert o.figures["hits_at_gap"] + o.figures["short_of_gap"] == o.requests == 40
+
+
+def test_redis_paused_killed_and_restarted_under_load_fails_no_request(ctx):
+    o = redis_outage(ctx)
+    assert_must_haves(o)
+    assert o.requests > 0
+    assert o.recovery_s is not None  # Redis hits came back after the restart
+
+
+@pytest.mark.parametrize("disk", [False, True], ids=["tiny-map", "full-tmpfs"])
+def test_a_full_lmdb_keeps_serving_every_request(ctx, disk):
+    o = lmdb_full(ctx, disk)
+    if o is None:
+        pytest.skip("cannot mount a size-limited tmpfs here (needs root)")
+    assert_must_haves(o)
+    assert o.requests == 63
+
+
+def test_a_tenant_never_gets_another_tenants_cached_tokens_in_any_tier(ctx):
+    o = tenant_isolation(ctx)
+    assert_must_haves(o)
+    assert o.figures["cross_tenant_tokens"] == 0
+    assert o.figures["owner_full_hits"] == 8  # 4 prompts, from lmdb and from redis
+
+
+def test_many_requests_with_eviction_keep_the_pool_bounded(ctx):
+    o = leaks(ctx)
+    assert_must_haves(o)
+    assert o.requests == o.succeeded == 160
+    assert o.figures["pool_used_end"] <= 48
+    assert o.figures["evicted"] > 0
+
+
+def test_four_processes_writing_overlapping_prefixes_write_each_entry_once(ctx):
+    o = concurrent_writers(ctx)
+    assert_must_haves(o)
+    f = o.figures
+    assert f["distinct_blocks"] == 4 * 6 + 16 * 4  # 4 shared prefixes, 16 distinct tails
+    assert f["lmdb_writes"] == f["redis_writes"] == f["distinct_blocks"]
+    assert f["lmdb_entries"] == f["redis_entries"] == f["distinct_blocks"]
+    assert f["full_hits"] == 16
+
+
+def test_a_writer_killed_mid_write_leaves_only_entries_that_verify(ctx):
+    o = killed_writers(ctx, rounds=3)
+    assert_must_haves(o)
+    assert o.corrupt_detected == 0  # no torn entry
+    assert o.figures["committed_checked"] > 0
