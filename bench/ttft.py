@@ -164,6 +164,8 @@ def measure_point(lm, ids: list[int], kv: list, tier: str, cached: int, args) ->
     with tempfile.TemporaryDirectory() as tmp:
         config = cache_config_for(tier, args, cached // args.block_size, tmp)
         with Engine(lm, config) as engine:
+            for store in engine.cache.tiers.stores if engine.cache.tiers else ():
+                store.clear()  # exactly this prefix: nothing left from an earlier point or run
             layers = [(k[:, :, :cached], v[:, :, :cached]) for k, v in kv]
             engine.cache.store(ids[:cached], layers)
             return measure_variants(engine, ids, kv, tier, cached, args)
