@@ -29,6 +29,8 @@ from typing import NamedTuple
 
 import torch
 
+from bench.ttft import FirstTokenClock
+
 SCALES = {
     "small": {
         "shared-prefix": {"num_groups": "2", "prompts_per_group": "2", "system_prompt_len": "64",
@@ -109,26 +111,11 @@ def per_request_reusable(prompts: list[list[int]], outputs: list[list[int]], blo
     ]
 
 
-class _FirstTokenClock:
-    """A generate streamer noting when the first generated token arrives."""
-
-    def __init__(self) -> None:
-        self.calls, self.first = 0, None
-
-    def put(self, value: torch.Tensor) -> None:
-        self.calls += 1
-        if self.calls == 2:  # call 1 is the prompt
-            self.first = time.perf_counter()
-
-    def end(self) -> None:
-        pass
-
-
 def run_nocache(lm, prompts: list[list[int]], new_tokens: int, bar) -> RunResult:
     model, outputs, ttfts = lm.model, [], []
     start = time.perf_counter()
     for ids in prompts:
-        clock, t0 = _FirstTokenClock(), time.perf_counter()
+        clock, t0 = FirstTokenClock(), time.perf_counter()
         out = model.generate(
             torch.tensor([ids], device=lm.device),
             attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=lm.device),

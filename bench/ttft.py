@@ -244,7 +244,7 @@ def print_table(points: list[dict], args: argparse.Namespace) -> None:
     Console().print(table)
 
 
-class _FirstTokenClock:
+class FirstTokenClock:
     """A generate streamer noting when the first generated token arrives."""
 
     def __init__(self) -> None:
@@ -264,7 +264,7 @@ def hf_generate_ttft(model, ids: list[int], runs: int) -> float:
     times = []
     with torch.inference_mode():
         for round_ in range(runs + 1):
-            clock = _FirstTokenClock()
+            clock = FirstTokenClock()
             gc.collect()
             start = time.perf_counter()
             model.generate(
