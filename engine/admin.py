@@ -10,7 +10,12 @@ import argparse
 import json
 from dataclasses import asdict
 
-from engine.cli import add_cache_arguments, add_model_arguments, cache_config_from_args, command
+from engine.commands import (
+    add_cache_arguments,
+    add_model_arguments,
+    cache_config_from_args,
+    command,
+)
 from kvstore.config import CacheConfig, ConfigError
 from kvstore.stores import SpillStore, make_stores
 

@@ -1,4 +1,4 @@
-"""`kvstore` command line. Subcommands live in `COMMANDS`; others register with `command()`.
+"""`kvstore` command line: generate, demo, serve here; stats and clear in engine/admin.py.
 
 Cache flags are derived from `CacheConfig` fields (`--block-size` -> block_size, ...), so
 every subcommand that builds a cache shares them via `add_cache_arguments`.
@@ -10,61 +10,17 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Callable
-from typing import NamedTuple
 
+from engine.commands import (  # noqa: F401  (re-exported for callers of the CLI)
+    COMMANDS,
+    Command,
+    add_cache_arguments,
+    add_model_arguments,
+    cache_config_from_args,
+    command,
+    load_engine,
+)
 from kvstore.config import ConfigError
-from kvstore.settings import add_cache_args, config_from_args
-
-
-class Command(NamedTuple):
-    help: str
-    add_arguments: Callable[[argparse.ArgumentParser], None]
-    run: Callable[[argparse.Namespace], int]
-
-
-COMMANDS: dict[str, Command] = {}
-
-
-def command(name: str, help: str, add_arguments: Callable[[argparse.ArgumentParser], None]):
-    """Register `run(args) -> exit code` as subcommand `name`."""
-
-    def register(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-        COMMANDS[name] = Command(help, add_arguments, run)
-        return run
-
-    return register
-
-
-# --- cache flags <-> CacheConfig: kvstore.settings (flags over KVSTORE_* env over TOML) ---
-
-add_cache_arguments = add_cache_args
-cache_config_from_args = config_from_args
-
-
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="tiny", help="'tiny' or a local model directory")
-    parser.add_argument("--dtype", default="float32", help="float32, float16 or bfloat16")
-    parser.add_argument(
-        "--model-revision",
-        default=None,
-        help="pin the fingerprint to this string instead of hashing weights",
-    )
-
-
-def load_engine(args: argparse.Namespace, **cache_defaults: object):
-    """(LoadedModel, Engine) from model and cache flags; the model goes on the cache device."""
-    from transformers.utils import logging as hf_logging
-
-    from engine.engine import Engine
-    from engine.model import load_model
-    from kvstore.pool import resolve_device
-
-    hf_logging.disable_progress_bar()
-    config = cache_config_from_args(args, **cache_defaults)
-    model = load_model(args.model, args.dtype, resolve_device(config.device), args.model_revision)
-    return model, Engine(model, config)
-
 
 # --- generate -------------------------------------------------------------------------------
 

@@ -90,7 +90,7 @@ def run_server(args: argparse.Namespace) -> int:
     """`kvstore serve`: load the model and cache, then serve until SIGINT/SIGTERM."""
     import uvicorn
 
-    from engine.cli import load_engine
+    from engine.commands import load_engine
 
     config = server_config_from_args(args)  # invalid flags fail before the model loads
     if not config.auth_enabled and not _is_loopback(config.host):
