@@ -22,14 +22,18 @@ import redis
 READY_TIMEOUT_S = 15.0
 
 
+def skip_or_fail(message: str) -> None:
+    """Skip a test that lacks a service, or fail it under KVSTORE_REQUIRE_REDIS=1 (CI)."""
+    if os.environ.get("KVSTORE_REQUIRE_REDIS") == "1":
+        pytest.fail(message + "; KVSTORE_REQUIRE_REDIS=1 requires it")
+    pytest.skip(message)
+
+
 def require_binary(name: str) -> str:
     """Path of an executable; skip (or fail under KVSTORE_REQUIRE_REDIS=1) when missing."""
     path = shutil.which(name)
     if path is None:
-        message = f"{name} is not installed (install the redis-server package)"
-        if os.environ.get("KVSTORE_REQUIRE_REDIS") == "1":
-            pytest.fail(message + "; KVSTORE_REQUIRE_REDIS=1 requires it")
-        pytest.skip(message)
+        skip_or_fail(f"{name} is not installed (install the redis-server package)")
     return path
 
 
@@ -238,7 +242,7 @@ def _make_certs(directory: Path) -> dict[str, str]:
     """A throwaway CA and a server certificate for 127.0.0.1/localhost."""
     openssl = shutil.which("openssl")
     if openssl is None:
-        pytest.skip("openssl is not installed (needed to make TLS certificates)")
+        skip_or_fail("openssl is not installed (needed to make TLS certificates)")
     d = directory
     (d / "san.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
     commands = [
@@ -264,7 +268,7 @@ def redis_tls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]
         server.start()
     except RuntimeError as e:
         if "TLS" in str(e) or "tls" in str(e):
-            pytest.skip(f"this redis-server has no TLS support: {e}")
+            skip_or_fail(f"this redis-server has no TLS support: {e}")
         raise
     yield server
     server.stop()
