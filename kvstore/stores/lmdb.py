@@ -256,8 +256,12 @@ class LmdbStore(SpillStore):
         _, map_pages = self._pages(shared)
         txn = shared.env.begin(write=True)
         try:
-            if force_evict or self._used_pages(txn, shared) + need > self.high_water * map_pages:
-                self._evict(txn, shared, max(0, int(self.low_water * map_pages) - need))
+            used = self._used_pages(txn, shared)
+            if force_evict or used + need > self.high_water * map_pages:
+                target = max(0, int(self.low_water * map_pages) - need)
+                if force_evict:  # the map filled below the mark (free pages not yet reusable)
+                    target = min(target, used // 2)
+                self._evict(txn, shared, target)
                 txn.commit()
                 self._advance(shared)
                 txn = shared.env.begin(write=True)
