@@ -4,12 +4,11 @@ full maps, fork safety, maps grown by another process."""
 from __future__ import annotations
 
 import multiprocessing as mp
-import threading
 from pathlib import Path
 
 import pytest
 import torch
-from tier_helpers import assert_same_entry, make_chain, namespace
+from tier_helpers import assert_same_entry, make_chain, namespace, run_in_threads
 
 from kvstore.stores import LmdbStore
 
@@ -199,20 +198,7 @@ def test_lmdb_store_serves_concurrent_readers_and_writers(tmp_path: Path) -> Non
             assert store.count_prefix(chains[t].keys) == i + 4
             store.get_many(chains[(t + 1) % 4].keys[:8])
 
-    failures: list[BaseException] = []
-
-    def run(t: int) -> None:
-        try:
-            work(t)
-        except BaseException as e:  # surfaced below: a thread cannot fail the test itself
-            failures.append(e)
-
-    threads = [threading.Thread(target=run, args=(t,)) for t in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    assert failures == []
+    assert run_in_threads(work) == []
     assert written == [40] * 4
     s = store.stats()
     assert (s.entries, s.writes, s.errors, s.dropped_writes) == (160, 160, 0, 0)

@@ -3,14 +3,13 @@ failures (killed, paused) read as misses, the breaker opens and recovers."""
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
 
 import pytest
 import torch
 from redis.cluster import key_slot
-from tier_helpers import assert_same_entry, make_chain, namespace
+from tier_helpers import assert_same_entry, make_chain, namespace, run_in_threads
 
 from kvstore.config import CacheConfig
 from kvstore.stores import CircuitBreaker, LmdbStore, MemoryStore, RedisStore, make_stores
@@ -260,20 +259,7 @@ def test_redis_store_serves_concurrent_threads(redis_server) -> None:
             written[t] += store.put_many(chains[t].items[i : i + 4])
             assert store.get_prefix(chains[t].keys) == chains[t].encoded[: i + 4]
 
-    failures: list[BaseException] = []
-
-    def run(t: int) -> None:
-        try:
-            work(t)
-        except BaseException as e:  # surfaced below: a thread cannot fail the test itself
-            failures.append(e)
-
-    threads = [threading.Thread(target=run, args=(t,)) for t in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    assert failures == []
+    assert run_in_threads(work) == []
     assert written == [20] * 4
     s = store.stats()
     assert (s.writes, s.errors, s.hits, s.misses) == (

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -83,3 +85,22 @@ def assert_same_entry(got: BlockEntry, want: BlockEntry) -> None:
     assert np.array_equal(got.token_ids, want.token_ids)
     assert got.kv.dtype == want.kv.dtype
     assert torch.equal(got.kv, want.kv)
+
+
+def run_in_threads(work: Callable[[int], None], n: int = 4, timeout_s: float = 60) -> list:
+    """Run work(0..n-1) on n threads; returns the exceptions they raised (a thread cannot
+    fail the test itself, so the caller asserts the list is empty)."""
+    failures: list[BaseException] = []
+
+    def run(t: int) -> None:
+        try:
+            work(t)
+        except BaseException as e:
+            failures.append(e)
+
+    threads = [threading.Thread(target=run, args=(t,)) for t in range(n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout_s)
+    return failures
