@@ -306,11 +306,7 @@ class EntryTemplate:
         if sizes != self._part_sizes:
             raise EntryError("input", f"parts have sizes {sizes}, the template {self._part_sizes}")
         header = self.header(key, digest, parent, tokens)
-        if out is not None:
-            return _encode_into(out, header, payload)
-        h = xxhash.xxh3_64(header)
-        h.update(payload)
-        return b"".join((header, payload, h.intdigest().to_bytes(CHECKSUM_BYTES, "little")))
+        return _assemble(header, payload, out)
 
     def copy_verified(
         self,
@@ -393,6 +389,13 @@ def encode_entry(
     header = _pack_header(
         entry, tokens, DTYPE_CODES[stored_t.dtype], codec, flags, raw.nbytes, len(payload)
     )
+    return _assemble(header, payload, out)
+
+
+def _assemble(
+    header: bytes, payload: bytes | memoryview, out: bytearray | memoryview | None
+) -> bytes | memoryview:
+    """header + payload + xxh3_64 of both: into `out` when given, else a new bytes."""
     if out is not None:
         return _encode_into(out, header, payload)
     h = xxhash.xxh3_64(header)
