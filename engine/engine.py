@@ -323,15 +323,17 @@ class Engine:
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids.update(self.model.eos_token_ids)
+        decode = self.model.tokenizer.decode
         while True:
-            text = self.model.tokenizer.decode(output, skip_special_tokens=True)
-            cut = min((i for s in params.stop if (i := text.find(s)) >= 0), default=None)
-            if cut is not None:
-                return "stop", text[:cut]
+            if params.stop:  # stop strings need the text so far; otherwise decode once at the end
+                text = decode(output, skip_special_tokens=True)
+                cut = min((i for s in params.stop if (i := text.find(s)) >= 0), default=None)
+                if cut is not None:
+                    return "stop", text[:cut]
             if output[-1] in stop_ids:
-                return "stop", text
+                return "stop", decode(output, skip_special_tokens=True)
             if len(output) >= params.max_new_tokens:
-                return "length", text
+                return "length", decode(output, skip_special_tokens=True)
             output.append(sampler(self._forward(output[-1:], past)))
             emit(output[-1])
 
