@@ -6,21 +6,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.faults import (
-    Context,
-    FaultOutcome,
-    Scale,
-    collisions,
-    concurrent_writers,
-    corruption,
-    killed_writers,
-    leaks,
-    lmdb_full,
-    micro_model,
-    redis_eviction,
-    redis_outage,
-    tenant_isolation,
-)
+from bench.faults.common import Context, FaultOutcome, Scale, micro_model
+from bench.faults.outage import redis_outage
+from bench.faults.processes import concurrent_writers, killed_writers, leaks
+from bench.faults.storage import collisions, corruption, lmdb_full, redis_eviction
+from bench.faults.tenants import tenant_isolation
 from engine.model import LoadedModel
 
 pytestmark = [pytest.mark.reliability, pytest.mark.integration]

@@ -1,0 +1,237 @@
+"""The shared parts of the fault scenarios: the micro model, the no-cache reference
+check, request helpers, client threads and a private redis-server the scenarios may kill."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple, Protocol
+
+import numpy as np
+import redis
+import torch
+from transformers import LlamaConfig
+
+from bench.io import _free_port, _wait_ready
+from engine.engine import Engine, GenerateResult, SamplingParams
+from engine.model import BYTE_VOCAB_SIZE, LoadedModel, byte_tokenizer, random_model, wrap_model
+from kvstore.codec import FIXED_HEADER_BYTES, ID_BYTES
+from kvstore.config import CacheConfig
+
+BS = 4
+TOL = 1e-4  # fp32 contract: logits within 1e-4 absolute
+PARAMS = SamplingParams(max_new_tokens=4)
+PROMPT_LEN = 10 * BS + 1  # 10 whole blocks can hit, the last token is always computed
+NAMESPACE_AT = FIXED_HEADER_BYTES - 4 * ID_BYTES  # namespace, key, digest, parent end the header
+
+
+@dataclass(frozen=True)
+class Scale:
+    requests: int  # per load scenario
+    collision_trials: int
+    leak_requests: int
+    outage_s: float  # length of each Redis pause / downtime
+    kill_rounds: int = 5  # writer processes SIGKILLed
+
+
+SCALES = {
+    "ci": Scale(requests=24, collision_trials=300, leak_requests=300, outage_s=0.6),
+    "full": Scale(
+        requests=120, collision_trials=10_000, leak_requests=10_000, outage_s=2.0, kill_rounds=100
+    ),
+}
+
+
+@dataclass
+class FaultOutcome:
+    name: str
+    injected: str  # how the fault was injected
+    requests: int
+    succeeded: int
+    wrong_outputs: int  # vs the no-cache reference, beyond the contract's tolerance
+    lost_entries: int  # acknowledged writes missing with no eviction/verification to explain
+    corrupt_injected: int
+    corrupt_detected: int
+    recovery_s: float | None = None
+    note: str = ""
+    figures: dict[str, float] = field(default_factory=dict)  # scenario-specific counts
+
+
+class RedisControl(Protocol):
+    """A private redis-server the scenarios may kill, pause and restart."""
+
+    url: str
+
+    def kill(self) -> None: ...
+    def restart(self) -> None: ...
+    def pause(self) -> None: ...
+    def resume(self) -> None: ...
+
+
+class Context(NamedTuple):
+    model: LoadedModel
+    redis: RedisControl
+    workdir: Path
+    scale: Scale
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+def micro_model(seed: int = 1) -> LoadedModel:
+    config = LlamaConfig(
+        vocab_size=BYTE_VOCAB_SIZE, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=256, initializer_range=0.1, tie_word_embeddings=False,
+        bos_token_id=256, eos_token_id=257, pad_token_id=258,
+    )  # fmt: skip
+    return wrap_model(random_model(config, seed), byte_tokenizer(), f"micro-{seed}")
+
+
+def matches_reference(model: LoadedModel, prompt: list[int], output: list[int]) -> bool:
+    """Greedy output equals a full no-cache forward's argmax wherever its top-2 gap > TOL."""
+    with torch.inference_mode():
+        ids = torch.tensor([prompt + output[:-1]], device=model.device)
+        ref = model.model(input_ids=ids, use_cache=False).logits[0, len(prompt) - 1 :].float()
+    top2 = torch.topk(ref, 2, dim=-1).values
+    decisive = (top2[:, 0] - top2[:, 1]) > TOL
+    return bool(((ref.argmax(-1).cpu() == torch.tensor(output)) | ~decisive.cpu()).all())
+
+
+def cache_config(**overrides: object) -> CacheConfig:
+    values = {"block_size": BS, "device": "cpu", "device_blocks": 256, **overrides}
+    values.setdefault("lookup_deadline_ms", 100.0)
+    return CacheConfig(**values)
+
+
+def make_prompts(n: int, seed: int, length: int = PROMPT_LEN) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, length).tolist() for _ in range(n)]
+
+
+def serve(engine: Engine, prompts: list[list[int]], salt: str = "") -> list[GenerateResult | None]:
+    """One request per prompt; a failed request is None (counted, never raised)."""
+    results: list[GenerateResult | None] = []
+    for prompt in prompts:
+        try:
+            results.append(engine.generate([prompt], PARAMS, cache_salt=salt)[0])
+        except Exception:
+            results.append(None)
+    return results
+
+
+def count_wrong(model: LoadedModel, prompts: list[list[int]], results: list) -> int:
+    return sum(
+        r is not None and not matches_reference(model, p, r.output_token_ids)
+        for p, r in zip(prompts, results, strict=True)
+    )
+
+
+def outcome(
+    ctx: Context, name: str, injected: str, prompts: list, results: list, **kw: object
+) -> FaultOutcome:
+    values = {"lost_entries": 0, "corrupt_injected": 0, "corrupt_detected": 0, **kw}
+    ok = sum(r is not None for r in results)
+    wrong = count_wrong(ctx.model, prompts, results) + int(values.pop("wrong_outputs_extra", 0))
+    return FaultOutcome(name, injected, len(prompts), ok, wrong, **values)  # type: ignore[arg-type]
+
+
+def flush_redis(url: str) -> None:
+    with redis.Redis.from_url(url, socket_timeout=5) as client:
+        client.flushall()
+
+
+def tier_config(ctx: Context, tier: str, tag: str, **kw: object) -> CacheConfig:
+    if tier == "lmdb":
+        return cache_config(lmdb_dir=str(ctx.workdir / f"lmdb-{tag}"), **kw)
+    return cache_config(redis_url=ctx.redis.url, **kw)
+
+
+class Timed(NamedTuple):
+    done_at: float  # perf_counter when the request finished
+    prompt: list[int]
+    result: GenerateResult | None
+
+
+def load_threads(
+    engine: Engine,
+    prompts: list[list[int]],
+    stop: threading.Event,
+    out: list[Timed],
+    errors: list[str],
+    n: int = 4,
+) -> list[threading.Thread]:
+    """`n` client threads submitting random prompts to one engine until `stop`."""
+
+    def client(seed: int) -> None:
+        rng = random.Random(seed)
+        while not stop.is_set():
+            prompt = rng.choice(prompts)
+            try:
+                result = engine.submit(prompt, PARAMS).result()
+            except Exception as e:
+                result = None
+                errors.append(f"{type(e).__name__}: {e}")
+            out.append(Timed(time.perf_counter(), prompt, result))
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float) -> bool:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return condition()
+
+
+class RedisProcess:
+    """A private redis-server on a free loopback port, no persistence."""
+
+    def __init__(self, workdir: Path):
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise SystemExit("redis-server is not installed")
+        self.port = _free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self._args = [binary, "--bind", "127.0.0.1", "--port", str(self.port),
+                      "--dir", str(workdir), "--save", "", "--appendonly", "no"]  # fmt: skip
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            self._args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        _wait_ready(self.url, self.proc)
+
+    def _signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+
+    def pause(self) -> None:
+        self._signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self._signal(signal.SIGCONT)
+
+    def kill(self) -> None:
+        self.resume()
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def restart(self) -> None:
+        self.kill()
+        self.start()
