@@ -6,103 +6,33 @@ Layout of the environment (one per directory, shared by all namespaces: keys are
 - sub-db "seq":    block key -> its 8-byte sequence (to delete its "order" record)
 - sub-db "meta":   b"generation" -> 8-byte counter, bumped after each eviction
 
-A full map is an error in LMDB, so writes evict ahead of time: when live pages + the batch
-would pass `high_water` of the map, the oldest entries are deleted (in their own
-transaction) down to `low_water`. Pages freed by transaction N are reusable only from
-N + 2 on, so an eviction is followed by a tiny transaction on sub-db "meta" before the
-write. A MapFullError that still happens triggers one forced eviction and retry, then the
-batch is dropped and counted. Environments are shared per process and reopened (lazily)
-in a forked child.
+A full map is an error in LMDB, so writes evict ahead of time. Copy-on-write makes the
+live page count an underestimate of what a write needs: an insert copies every leaf it
+touches (random keys: one in "blocks" and one in "seq" per entry), and the pages the
+previous commit replaced are reusable only once no snapshot can see them. So a batch
+"costs" its data pages plus twice its copied pages, and when live pages + cost would pass
+`high_water` of the map, the oldest entries are deleted down to `low_water` - cost, in
+chunks of a bounded number of entries per transaction (a delete copies leaves too), each
+chunk followed by a tiny transaction on sub-db "meta" that makes the freed pages reusable.
+A MapFullError that still happens (a reader pinning old pages, another process writing)
+triggers one forced eviction down to half the live pages and a retry; then the batch is
+dropped and counted. Environments are shared per process and reopened (lazily) in a
+forked child.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import threading
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import TypeVar
 
 import lmdb
 
 from kvstore.stores.base import Counters, SpillStore, StoreStats
+from kvstore.stores.lmdb_env import SharedEnv, acquire, release
 
 T = TypeVar("T")
-_DB_NAMES = (b"blocks", b"order", b"seq", b"meta")
-_ENTRY_OVERHEAD = 64  # node header + "order"/"seq" records, per entry, in bytes (estimate)
-
-
-@dataclass
-class _SharedEnv:
-    """One process's handle on an environment; LMDB forbids opening a path twice per process."""
-
-    env: lmdb.Environment
-    blocks: lmdb._Database
-    order: lmdb._Database
-    seq: lmdb._Database
-    meta: lmdb._Database
-    main: lmdb._Database
-    pid: int
-    refs: int = 1
-
-
-_registry_lock = threading.Lock()
-_open_envs: dict[str, _SharedEnv] = {}
-_inherited: dict[str, lmdb.Environment] = {}  # opened by the parent before a fork
-
-
-def _after_fork_in_child() -> None:
-    global _registry_lock
-    _registry_lock = threading.Lock()
-    _inherited.update((path, shared.env) for path, shared in _open_envs.items())
-    _open_envs.clear()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def _open_env(path: str, map_size_bytes: int) -> _SharedEnv:
-    os.makedirs(path, exist_ok=True)
-    env = lmdb.open(
-        path,
-        map_size=map_size_bytes,
-        subdir=True,
-        max_dbs=len(_DB_NAMES),
-        sync=False,
-        metasync=False,
-        readahead=False,
-        lock=True,
-    )
-    env.reader_check()  # clear reader slots left by dead processes
-    blocks, order, seq, meta = (env.open_db(name) for name in _DB_NAMES)
-    return _SharedEnv(env, blocks, order, seq, meta, env.open_db(), os.getpid())
-
-
-def _acquire(path: str, map_size_bytes: int) -> _SharedEnv:
-    with _registry_lock:
-        shared = _open_envs.get(path)
-        if shared is not None:
-            shared.refs += 1
-            return shared
-        inherited = _inherited.pop(path, None)
-        if inherited is not None:
-            # The binding refuses a second open of the same files until the inherited handle
-            # is closed. Closing it also frees the parent's reader slots; a parent read racing
-            # with this can then see recycled pages, which entry checksums turn into a miss.
-            inherited.close()
-        shared = _open_envs[path] = _open_env(path, map_size_bytes)
-        return shared
-
-
-def _release(path: str, shared: _SharedEnv) -> None:
-    with _registry_lock:
-        if shared.pid != os.getpid() or _open_envs.get(path) is not shared:
-            return
-        shared.refs -= 1
-        if shared.refs == 0:
-            del _open_envs[path]
-            shared.env.close()
 
 
 class LmdbStore(SpillStore):
@@ -129,19 +59,19 @@ class LmdbStore(SpillStore):
         self.high_water, self.low_water = high_water, low_water
         self._requested_map_size = map_size_bytes
         self._counters = Counters()
-        self._shared: _SharedEnv | None = _acquire(self.path, map_size_bytes)
+        self._shared: SharedEnv | None = acquire(self.path, map_size_bytes)
 
     # --------------------------------------------------------------- environment
 
-    def _handle(self) -> _SharedEnv:
+    def _handle(self) -> SharedEnv:
         shared = self._shared
         if shared is None:
             raise RuntimeError(f"LmdbStore({self.path!r}) is closed")
         if shared.pid != os.getpid():  # forked: this process needs its own environment
-            shared = self._shared = _acquire(self.path, self._requested_map_size)
+            shared = self._shared = acquire(self.path, self._requested_map_size)
         return shared
 
-    def _run(self, fn: Callable[[_SharedEnv], T]) -> T:
+    def _run(self, fn: Callable[[SharedEnv], T]) -> T:
         """Run `fn`, adopting a map grown by another process (MapResizedError) once."""
         shared = self._handle()
         try:
@@ -150,23 +80,29 @@ class LmdbStore(SpillStore):
             shared.env.set_mapsize(0)
             return fn(shared)
 
-    def _pages(self, shared: _SharedEnv) -> tuple[int, int]:
+    def _pages(self, shared: SharedEnv) -> tuple[int, int]:
         """(page size, map size in pages)."""
         psize = shared.env.stat()["psize"]
         return psize, shared.env.info()["map_size"] // psize
 
     @staticmethod
-    def _used_pages(txn: lmdb.Transaction, shared: _SharedEnv) -> int:
-        total = 0
+    def _page_counts(txn: lmdb.Transaction, shared: SharedEnv) -> tuple[int, int]:
+        """(live pages, of which branch and leaf pages: the ones a write copies)."""
+        live = tree = 0
         for db in (shared.main, shared.blocks, shared.order, shared.seq, shared.meta):
             st = txn.stat(db)
-            total += st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]
-        return total
+            tree += st["branch_pages"] + st["leaf_pages"]
+            live += st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]
+        return live, tree
+
+    @classmethod
+    def _used_pages(cls, txn: lmdb.Transaction, shared: SharedEnv) -> int:
+        return cls._page_counts(txn, shared)[0]
 
     # --------------------------------------------------------------- reads
 
     def count_prefix(self, keys: Sequence[bytes]) -> int:
-        def count(shared: _SharedEnv) -> int:
+        def count(shared: SharedEnv) -> int:
             with shared.env.begin(db=shared.blocks, buffers=True) as txn:
                 cursor = txn.cursor()
                 for i, key in enumerate(keys):
@@ -181,7 +117,7 @@ class LmdbStore(SpillStore):
             return 0
 
     def _fetch(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        def get(shared: _SharedEnv) -> list[bytes | None]:
+        def get(shared: SharedEnv) -> list[bytes | None]:
             with shared.env.begin(db=shared.blocks) as txn:
                 return [txn.get(self._prefix + key) for key in keys]
 
@@ -229,18 +165,18 @@ class LmdbStore(SpillStore):
         items = [(self._prefix + key, value) for key, value in items]
         psize, map_pages = self._pages(self._handle())
         max_batch = int((self.high_water - self.low_water) * map_pages)
-        cost = [-(-(len(v) + _ENTRY_OVERHEAD) // psize) for _, v in items]
+        cost = [_data_pages(len(key), len(value), psize) for key, value in items]
         too_big = sum(c > max_batch for c in cost)
         fits = [(item, c) for item, c in zip(items, cost, strict=True) if c <= max_batch]
         written = sum(self._put_batch(batch, need) for batch, need in _batches(fits, max_batch))
         self._counters.add(writes=written, dropped_writes=too_big)
         return written
 
-    def _put_batch(self, batch: list[tuple[bytes, bytes]], need: int) -> int:
+    def _put_batch(self, batch: list[tuple[bytes, bytes]], data_pages: float) -> int:
         for force_evict in (False, True):
             try:
                 return self._run(
-                    lambda shared, force=force_evict: self._write(shared, batch, need, force)
+                    lambda shared, force=force_evict: self._write(shared, batch, data_pages, force)
                 )
             except lmdb.MapFullError:
                 continue
@@ -251,47 +187,62 @@ class LmdbStore(SpillStore):
         return 0
 
     def _write(
-        self, shared: _SharedEnv, batch: list[tuple[bytes, bytes]], need: int, force_evict: bool
+        self, shared: SharedEnv, batch: list[tuple[bytes, bytes]], data_pages: float, force: bool
     ) -> int:
         _, map_pages = self._pages(shared)
-        txn = shared.env.begin(write=True)
-        try:
-            used = self._used_pages(txn, shared)
-            if force_evict or used + need > self.high_water * map_pages:
-                target = max(0, int(self.low_water * map_pages) - need)
-                if force_evict:  # the map filled below the mark (free pages not yet reusable)
-                    target = min(target, used // 2)
-                self._evict(txn, shared, target)
-                txn.commit()
-                self._advance(shared)
-                txn = shared.env.begin(write=True)
-            written = self._insert(txn, shared, batch)
-            txn.commit()
-            return written
-        finally:
-            txn.abort()  # no-op after commit
+        with shared.env.begin() as txn:
+            live, tree = self._page_counts(txn, shared)
+        # this commit's copies + the previous commit's replaced pages (not reusable yet)
+        need = data_pages + 2 * min(2 * len(batch) + 6, tree + 3)
+        if force or live + need > self.high_water * map_pages:
+            target = max(0, int(self.low_water * map_pages - need))
+            self._evict(shared, min(target, live // 2) if force else target, map_pages)
+        with shared.env.begin(write=True) as txn:  # commits unless an exception escapes
+            return self._insert(txn, shared, batch)
 
     @staticmethod
-    def _advance(shared: _SharedEnv) -> None:
+    def _advance(shared: SharedEnv) -> None:
         """Commit one tiny transaction: pages freed by transaction N are reusable from N + 2."""
         with shared.env.begin(write=True, db=shared.meta) as txn:
             generation = int.from_bytes(txn.get(b"generation", b""), "big") + 1
             txn.put(b"generation", generation.to_bytes(8, "big"))
 
-    def _evict(self, txn: lmdb.Transaction, shared: _SharedEnv, target_pages: int) -> None:
-        """Delete the oldest entries until live pages <= target_pages (FIFO)."""
+    def _evict(self, shared: SharedEnv, target_pages: int, map_pages: int) -> None:
+        """Delete the oldest entries (FIFO) until live pages <= target_pages, a chunk per
+        transaction; a chunk that hits MapFull is retried at half the size."""
+        chunk = max(1, int((1.0 - self.high_water) * map_pages) // 4)
+        while True:
+            try:
+                with shared.env.begin(write=True) as txn:
+                    done = self._evict_chunk(txn, shared, target_pages, chunk)
+                self._advance(shared)
+            except lmdb.MapFullError:
+                if chunk == 1:
+                    raise
+                chunk //= 2
+                continue
+            if done:
+                return
+
+    def _evict_chunk(
+        self, txn: lmdb.Transaction, shared: SharedEnv, target_pages: int, chunk: int
+    ) -> bool:
+        """Delete up to `chunk` oldest entries; True once live pages <= target or none left."""
         cursor = txn.cursor(db=shared.order)
         evicted = 0
-        while self._used_pages(txn, shared) > target_pages and cursor.first():
+        while evicted < chunk:
+            if self._used_pages(txn, shared) <= target_pages or not cursor.first():
+                break
             key = cursor.value()
             cursor.delete()
             txn.delete(key, db=shared.seq)
             txn.delete(key, db=shared.blocks)
             evicted += 1
         self._counters.add(evictions=evicted)
+        return evicted < chunk
 
     @staticmethod
-    def _insert(txn: lmdb.Transaction, shared: _SharedEnv, batch: list[tuple[bytes, bytes]]) -> int:
+    def _insert(txn: lmdb.Transaction, shared: SharedEnv, batch: list[tuple[bytes, bytes]]) -> int:
         cursor = txn.cursor(db=shared.order)
         seq = int.from_bytes(cursor.key(), "big") + 1 if cursor.last() else 0
         written = 0
@@ -306,7 +257,7 @@ class LmdbStore(SpillStore):
         return written
 
     def delete(self, keys: Sequence[bytes]) -> int:
-        def remove(shared: _SharedEnv) -> int:
+        def remove(shared: SharedEnv) -> int:
             removed = 0
             with shared.env.begin(write=True) as txn:
                 for key in keys:
@@ -322,7 +273,7 @@ class LmdbStore(SpillStore):
     # --------------------------------------------------------------- admin
 
     def stats(self) -> StoreStats:
-        def measure(shared: _SharedEnv) -> tuple[int, int]:
+        def measure(shared: SharedEnv) -> tuple[int, int]:
             with shared.env.begin() as txn:
                 return txn.stat(shared.blocks)["entries"], self._used_pages(txn, shared)
 
@@ -332,7 +283,7 @@ class LmdbStore(SpillStore):
         return self._stats(entries, used * psize, map_pages * psize)
 
     @staticmethod
-    def _remove(txn: lmdb.Transaction, shared: _SharedEnv, full_key: bytes) -> int:
+    def _remove(txn: lmdb.Transaction, shared: SharedEnv, full_key: bytes) -> int:
         seq_key = txn.pop(full_key, db=shared.seq)
         if seq_key is not None:
             txn.delete(seq_key, db=shared.order)
@@ -341,14 +292,14 @@ class LmdbStore(SpillStore):
     def clear(self) -> int:
         """Delete this namespace's entries (every entry when the store has no namespace id)."""
 
-        def drop_all(shared: _SharedEnv) -> int:
+        def drop_all(shared: SharedEnv) -> int:
             with shared.env.begin(write=True) as txn:
                 removed = txn.stat(shared.blocks)["entries"]
                 for db in (shared.blocks, shared.order, shared.seq):
                     txn.drop(db, delete=False)
             return removed
 
-        def drop_namespace(shared: _SharedEnv) -> int:
+        def drop_namespace(shared: SharedEnv) -> int:
             with shared.env.begin(write=True) as txn:
                 cursor, keys = txn.cursor(db=shared.blocks), []
                 if cursor.set_range(self._prefix):
@@ -363,19 +314,33 @@ class LmdbStore(SpillStore):
     def close(self) -> None:
         shared, self._shared = self._shared, None
         if shared is not None:
-            _release(self.path, shared)
+            release(self.path, shared)
+
+
+_NODE_HEADER = 8  # bytes before a key in a leaf node
+_PAGE_HEADER = 16
+_ORDER_SEQ_BYTES = 2 * (_NODE_HEADER + 8 + 24)  # its "order" and "seq" records
+
+
+def _data_pages(key_bytes: int, value_bytes: int, psize: int) -> float:
+    """Pages an entry adds: a leaf node (a share of a page) or, when the node would exceed
+    half a page, an overflow run; plus its "order" and "seq" records."""
+    node = _NODE_HEADER + key_bytes + value_bytes
+    if node > (psize - _PAGE_HEADER) // 2:
+        return -(-(value_bytes + _PAGE_HEADER) // psize) + _ORDER_SEQ_BYTES / psize
+    return (node + _ORDER_SEQ_BYTES) / psize
 
 
 def _batches(
-    items: list[tuple[tuple[bytes, bytes], int]], max_pages: int
-) -> Iterator[tuple[list[tuple[bytes, bytes]], int]]:
+    items: list[tuple[tuple[bytes, bytes], float]], max_pages: int
+) -> Iterator[tuple[list[tuple[bytes, bytes]], float]]:
     """Split (item, cost) pairs into batches of at most `max_pages` estimated pages."""
     batch: list[tuple[bytes, bytes]] = []
-    need = 0
+    need = 0.0
     for item, cost in items:
         if batch and need + cost > max_pages:
             yield batch, need
-            batch, need = [], 0
+            batch, need = [], 0.0
         batch.append(item)
         need += cost
     if batch:
