@@ -159,9 +159,12 @@ class Paths:
     def read(self) -> None:
         """PrefixCache.lookup for a device miss: fetch + verify, promote into the pool."""
         scope = self.tiers.scope(self.batch.hasher)
-        dst = [self.pool.kv[i] for i in self.block_ids]
         segments = self.tiers.fetch_into(
-            scope, self.batch.keys, self.batch.tokens, 0, lambda n: dst[:n]
+            scope,
+            self.batch.keys,
+            self.batch.tokens,
+            0,
+            lambda n: self.pool.destinations(self.block_ids[:n]),  # as PrefixCache allocates
         )
         _check_count(self.store, sum(s.num_blocks for s in segments), BATCH_BLOCKS)
 

@@ -146,12 +146,12 @@ class PrefixCache:
         """Copy verified tier blocks into fresh pool blocks, index them, move the hit's lock."""
         new_ids: list[int] = []
 
-        def allocate(n: int) -> list[torch.Tensor]:
+        def allocate(n: int) -> list[torch.Tensor | memoryview]:
             with self._lock:
                 n = min(n, self._quota_left(owner) - len(new_ids))
                 ids = self._allocate(n) if n > 0 else []
             new_ids.extend(ids)
-            return [self.pool.kv[i] for i in ids]
+            return self.pool.destinations(ids)
 
         start = len(hit.block_ids)
         try:

@@ -315,26 +315,33 @@ class EntryTemplate:
         digest: bytes,
         parent: bytes,
         tokens: bytes,
-        dst: torch.Tensor,
+        dst: torch.Tensor | memoryview,
     ) -> bool:
-        """Copy the payload of the expected entry into `dst` (contiguous CPU, `shape`, `dtype`)
-        and verify the checksum over the copy, which is then hot in cache: one pass over cold
-        memory instead of two. False (dst then holds garbage) if `data` is anything else."""
+        """Copy the payload of the expected entry into `dst` (a contiguous CPU tensor of
+        `shape` and `dtype`, or its raw bytes) and verify the checksum over the copy, which
+        is then hot in cache: one pass over cold memory instead of two. False (dst then holds
+        garbage) if `data` is anything else."""
         mv = memoryview(data)
         if mv.ndim != 1 or mv.format != "B":
             mv = mv.cast("B")
         n = self.header_bytes
         if len(mv) != self.total_bytes or bytes(mv[:n]) != self.header(key, digest, parent, tokens):
             return False
-        if sys.byteorder != "little" or dst.dtype != self.dtype or dst.numel() != self.numel:
+        out = dst if isinstance(dst, memoryview) else self._tensor_out(dst)
+        if out is None or out.nbytes != self.total_bytes - n - CHECKSUM_BYTES:
             return False
-        if dst.device.type != "cpu" or not dst.is_contiguous():
-            return False
-        out = memoryview(_tensor_bytes(dst))
         out[:] = mv[n:-CHECKSUM_BYTES]
         h = xxhash.xxh3_64(mv[:n])
         h.update(out)
         return h.intdigest() == int.from_bytes(mv[-CHECKSUM_BYTES:], "little")
+
+    def _tensor_out(self, dst: torch.Tensor) -> memoryview | None:
+        """The raw bytes of `dst` if the payload can be copied into them as they are."""
+        if sys.byteorder != "little" or dst.dtype != self.dtype or dst.numel() != self.numel:
+            return None
+        if dst.device.type != "cpu" or not dst.is_contiguous():
+            return None
+        return memoryview(_tensor_bytes(dst))
 
     def kv(
         self, data: bytes | memoryview, key: bytes, digest: bytes, parent: bytes, tokens: bytes

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 import numpy as np
@@ -53,6 +54,8 @@ class BlockPool:
         # [num_blocks, layers, 2, kv_heads, block_size, head_dim]; torch.empty commits no pages
         shape = (num_blocks, ns.num_layers, 2, ns.num_kv_heads, ns.block_size, ns.head_dim)
         self.kv = torch.empty(shape, dtype=self.dtype, device=device)
+        self.bytes_per_block = self.kv[0].numel() * self.kv.element_size()
+        self._raw = _raw_bytes(self.kv) if device.type == "cpu" else None  # flat, writable
         self.ref_cnt = np.zeros(num_blocks, dtype=np.int32)
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # stack: pops 0, 1, 2...
 
@@ -71,6 +74,14 @@ class BlockPool:
         ids = [self._free.pop() for _ in range(n)]
         self.ref_cnt[ids] = 1
         return ids
+
+    def destinations(self, block_ids: Sequence[int]) -> list[torch.Tensor | memoryview]:
+        """Where tier reads land: each block's raw bytes (a CPU pool: no tensor per block)
+        or its tensor [layers, 2, kv_heads, block_size, head_dim]."""
+        raw, size = self._raw, self.bytes_per_block
+        if raw is None:
+            return [self.kv[i] for i in block_ids]
+        return [raw[i * size : (i + 1) * size] for i in block_ids]
 
     def incref(self, block_ids: Sequence[int]) -> None:
         for block_id in block_ids:
@@ -133,3 +144,12 @@ class BlockPool:
 
     def free_block_ids(self) -> list[int]:
         return list(self._free)
+
+
+def _raw_bytes(kv: torch.Tensor) -> memoryview | None:
+    """The pool's bytes as one flat writable view, in the entry payload's order (C order,
+    little-endian), or None where they differ (a big-endian host)."""
+    if sys.byteorder != "little":
+        return None
+    view = kv.view(torch.int16) if kv.dtype == torch.bfloat16 else kv  # numpy has no bf16
+    return memoryview(view.numpy()).cast("B")

@@ -43,7 +43,7 @@ from kvstore.codec import (
 )
 from kvstore.config import CacheConfig
 from kvstore.metrics import CacheMetrics
-from kvstore.pool import BlockPool
+from kvstore.pool import DTYPES, BlockPool
 from kvstore.stores import SpillStore
 
 ARENA_BYTES = 32 * 2**20  # bound of the writer's reused encode buffer
@@ -86,7 +86,7 @@ class Segment(NamedTuple):
     num_blocks: int
 
 
-Allocate = Callable[[int], list[torch.Tensor]]  # up to n destination blocks
+Allocate = Callable[[int], list[torch.Tensor | memoryview]]  # up to n destination blocks
 
 
 class TierWriter:
@@ -334,11 +334,12 @@ class Tiers:
         token_ids: np.ndarray,
         ends: list[int],
         pos: int,
-        dst: list[torch.Tensor],
+        dst: list[torch.Tensor | memoryview],
     ) -> int:
         """Copy blocks [pos, pos + len(dst)) of the leading chunks that verify (chunk i ends
         at ends[i]) into dst; returns how many were copied."""
         n, bs, template, done = self.chunk_blocks, scope.hasher.block_size, scope.template, 0
+        pool_dtype = DTYPES[scope.hasher.namespace.kv_dtype]
         token_bytes = token_ids.astype("<u4", copy=False).tobytes()
         for value, end in zip(values, ends, strict=False):  # values: a prefix
             if done == len(dst):
@@ -358,7 +359,7 @@ class Tiers:
                     break  # a miss from this chunk on
             blocks = _split_blocks(kv, n)[max(pos + done, first) - first :]
             for block in blocks[: len(dst) - done]:
-                dst[done].copy_(block)  # while the verified bytes are still in cache
+                _as_tensor(dst[done], block.shape, pool_dtype).copy_(block)  # bytes still hot
                 done += 1
         return done
 
@@ -466,3 +467,13 @@ def _flush_at_exit(tiers: Tiers) -> None:
             live.writer.flush(live.config.flush_timeout_s)
 
     atexit.register(flush)
+
+
+def _as_tensor(
+    dst: torch.Tensor | memoryview, shape: torch.Size, dtype: torch.dtype
+) -> torch.Tensor:
+    """A destination block as a tensor (raw bytes of a CPU pool block are viewed, no copy)."""
+    if isinstance(dst, torch.Tensor):
+        return dst
+    raw_dtype = torch.int16 if dtype == torch.bfloat16 else dtype
+    return torch.frombuffer(dst, dtype=raw_dtype).view(dtype).view(shape)
