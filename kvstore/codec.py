@@ -115,7 +115,7 @@ def _align(n: int) -> int:
 # ----------------------------------------------------------------------------- payload
 
 
-def _tensor_bytes(t: torch.Tensor) -> memoryview:
+def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The raw little-endian bytes of a contiguous CPU tensor, without a copy."""
     view = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
     arr = view.numpy()
@@ -188,13 +188,13 @@ def _silence_readonly_warning() -> None:
         torch.from_numpy(np.frombuffer(bytes(4), dtype=np.uint8))
 
 
-_NP_DTYPES = {torch.float32: np.dtype(np.float32), torch.float16: np.dtype(np.float16)}
+NP_DTYPES = {torch.float32: np.dtype(np.float32), torch.float16: np.dtype(np.float16)}
 
 
 _silence_readonly_warning()
 
 
-def _frombuffer(
+def frombuffer_le(
     buf: bytes | memoryview | np.ndarray, dtype: torch.dtype, count: int
 ) -> torch.Tensor:
     t = torch.frombuffer(buf, dtype=dtype, count=count)
@@ -234,7 +234,7 @@ def _stored_tensor(kv: torch.Tensor, codec: str) -> torch.Tensor:
     return kv.detach().to("cpu").contiguous()
 
 
-def _pack_header(
+def pack_header(
     entry: BlockEntry,
     tokens: np.ndarray,
     stored_code: int,
@@ -256,114 +256,9 @@ def _pack_header(
     return b"".join((fixed, shape, tokens.astype("<u4", copy=False).data, pad))
 
 
-class EntryTemplate:
-    """The entries of one namespace, dtype and KV shape with codec "none", for the hot paths.
-
-    `kv()` verifies an entry the reader knows exactly (ids, parent, shape, token ids and
-    lengths in one comparison of the whole header, then the checksum); on None the caller
-    falls back to `decode_entry`, which says why (or accepts an entry of another codec).
-    `encode()` writes such an entry from its parts, without per-field validation.
-    """
-
-    def __init__(
-        self, namespace: bytes, dtype: torch.dtype, shape: tuple[int, ...], num_blocks: int = 1
-    ):
-        self.namespace, self.num_blocks = namespace, num_blocks
-        self.dtype, self.shape = dtype, tuple(shape)
-        self.numel = math.prod(shape)
-        num_tokens = shape[3]
-        zeros, tokens = bytes(ID_BYTES), np.zeros(num_tokens, np.uint32)
-        like = torch.empty((), dtype=dtype).expand(shape)
-        entry = BlockEntry(namespace, zeros, zeros, zeros, tokens, like, num_blocks)
-        nbytes = self.numel * dtype.itemsize
-        header = _pack_header(entry, entry.token_ids, DTYPE_CODES[dtype], "none", 0, nbytes, nbytes)
-        tokens_at = FIXED_HEADER_BYTES + 4 * len(shape)
-        self._head = header[: FIXED_HEADER_BYTES - 3 * ID_BYTES]  # up to key, digest, parent
-        self._shape = header[FIXED_HEADER_BYTES:tokens_at]
-        self._pad = header[tokens_at + 4 * num_tokens :]
-        self.header_bytes = len(header)
-        self._part_sizes = (ID_BYTES, ID_BYTES, ID_BYTES, 4 * num_tokens, nbytes)
-        little = sys.byteorder == "little"  # numpy has no bfloat16: torch.frombuffer for it
-        self._np_dtype = _NP_DTYPES.get(dtype) if little else None
-        self.total_bytes = len(header) + nbytes + CHECKSUM_BYTES
-
-    def header(self, key: bytes, digest: bytes, parent: bytes, tokens: bytes) -> bytes:
-        """The header of the entry; `tokens`: its token ids as little-endian uint32 bytes."""
-        return b"".join((self._head, key, digest, parent, self._shape, tokens, self._pad))
-
-    def encode(
-        self,
-        key: bytes,
-        digest: bytes,
-        parent: bytes,
-        tokens: bytes,
-        payload: memoryview,
-        out: bytearray | memoryview | None = None,
-    ) -> bytes | memoryview:
-        """`encode_entry` of the expected entry, from its parts: `tokens` as little-endian
-        uint32 bytes, `payload` the raw KV bytes in C order (as `encode_entry` with `out`)."""
-        sizes = (len(key), len(digest), len(parent), len(tokens), payload.nbytes)
-        if sizes != self._part_sizes:
-            raise EntryError("input", f"parts have sizes {sizes}, the template {self._part_sizes}")
-        header = self.header(key, digest, parent, tokens)
-        return _assemble(header, payload, out)
-
-    def copy_verified(
-        self,
-        data: bytes | memoryview,
-        key: bytes,
-        digest: bytes,
-        parent: bytes,
-        tokens: bytes,
-        dst: torch.Tensor | memoryview,
-    ) -> bool:
-        """Copy the payload of the expected entry into `dst` (a contiguous CPU tensor of
-        `shape` and `dtype`, or its raw bytes) and verify the checksum over the copy, which
-        is then hot in cache: one pass over cold memory instead of two. False (dst then holds
-        garbage) if `data` is anything else."""
-        mv = memoryview(data)
-        if mv.ndim != 1 or mv.format != "B":
-            mv = mv.cast("B")
-        n = self.header_bytes
-        if len(mv) != self.total_bytes or bytes(mv[:n]) != self.header(key, digest, parent, tokens):
-            return False
-        out = dst if isinstance(dst, memoryview) else self._tensor_out(dst)
-        if out is None or out.nbytes != self.total_bytes - n - CHECKSUM_BYTES:
-            return False
-        out[:] = mv[n:-CHECKSUM_BYTES]
-        h = xxhash.xxh3_64(mv[:n])
-        h.update(out)
-        return h.intdigest() == int.from_bytes(mv[-CHECKSUM_BYTES:], "little")
-
-    def _tensor_out(self, dst: torch.Tensor) -> memoryview | None:
-        """The raw bytes of `dst` if the payload can be copied into them as they are."""
-        if sys.byteorder != "little" or dst.dtype != self.dtype or dst.numel() != self.numel:
-            return None
-        if dst.device.type != "cpu" or not dst.is_contiguous():
-            return None
-        return memoryview(_tensor_bytes(dst))
-
-    def kv(
-        self, data: bytes | memoryview, key: bytes, digest: bytes, parent: bytes, tokens: bytes
-    ) -> torch.Tensor | None:
-        """The zero-copy KV view of `data` if it is exactly the expected entry, else None."""
-        mv = memoryview(data)
-        if mv.ndim != 1 or mv.format != "B":
-            mv = mv.cast("B")
-        n, header = self.header_bytes, self.header(key, digest, parent, tokens)
-        if len(mv) != self.total_bytes or bytes(data[:n]) != header:
-            return None
-        checksum = int.from_bytes(mv[-CHECKSUM_BYTES:], "little")
-        if xxhash.xxh3_64_intdigest(mv[:-CHECKSUM_BYTES]) != checksum:
-            return None
-        if self._np_dtype is None:
-            return _frombuffer(mv[n:-CHECKSUM_BYTES], self.dtype, self.numel).view(self.shape)
-        return torch.from_numpy(np.ndarray(self.shape, self._np_dtype, mv, n))  # zero-copy
-
-
 def payload_bytes(kv: torch.Tensor) -> memoryview:
     """The payload bytes `encode_entry` stores for `kv` with codec "none" (C order, LE)."""
-    return _tensor_bytes(kv.detach().to("cpu").contiguous())
+    return tensor_bytes(kv.detach().to("cpu").contiguous())
 
 
 def max_entry_bytes(entry: BlockEntry) -> int:
@@ -389,17 +284,17 @@ def encode_entry(
     stored_t = _stored_tensor(entry.kv, codec)
     if codec in _DOWNCAST and stored_t.dtype == entry.kv.dtype:
         codec = "none"  # no downcast happened: record what is really stored
-    raw = _tensor_bytes(stored_t)
+    raw = tensor_bytes(stored_t)
     payload, flags = _compress(raw, codec, stored_t.element_size())
     if flags and len(payload) >= raw.nbytes:  # incompressible: store raw, say so in the header
         payload, flags, codec = raw, 0, "none"
-    header = _pack_header(
+    header = pack_header(
         entry, tokens, DTYPE_CODES[stored_t.dtype], codec, flags, raw.nbytes, len(payload)
     )
-    return _assemble(header, payload, out)
+    return assemble_entry(header, payload, out)
 
 
-def _assemble(
+def assemble_entry(
     header: bytes, payload: bytes | memoryview, out: bytearray | memoryview | None
 ) -> bytes | memoryview:
     """header + payload + xxh3_64 of both: into `out` when given, else a new bytes."""
@@ -525,7 +420,7 @@ def decode_entry(
         raise EntryError("tokens", "entry token ids differ from the prompt's")
     payload = _decompress(mv[h.header_bytes : h.header_bytes + h.stored_bytes], h)
     numel = h.raw_bytes // h.stored_dtype.itemsize
-    kv = _frombuffer(payload, h.stored_dtype, numel).view(h.shape)
+    kv = frombuffer_le(payload, h.stored_dtype, numel).view(h.shape)
     if kv.dtype != dtype:
         kv = kv.to(dtype)
     return BlockEntry(h.namespace, h.key, h.digest, h.parent, tokens, kv, h.num_blocks)

@@ -35,7 +35,6 @@ from hashing import BlockHasher
 from kvstore.codec import (
     BlockEntry,
     EntryError,
-    EntryTemplate,
     decode_entry,
     encode_entry,
     max_entry_bytes,
@@ -45,6 +44,7 @@ from kvstore.config import CacheConfig
 from kvstore.metrics import CacheMetrics
 from kvstore.pool import DTYPES, BlockPool
 from kvstore.stores import SpillStore
+from kvstore.template import EntryTemplate
 
 ARENA_BYTES = 32 * 2**20  # bound of the writer's reused encode buffer
 MAX_SCOPES = 4096  # namespaces (tenant salts) whose entry templates are kept
@@ -155,10 +155,10 @@ class TierWriter:
     def write(self, write: PendingWrite) -> None:
         """Encode `write` and put it to its targets now, on this thread (what the background
         thread does with each queued write)."""
-        (encode, bound), n = self._encoder(write), len(write.keys)
         if not all(self._stores[t].copies_values for t in write.targets):
-            self._put(write, [(write.keys[i], encode(i, None)) for i in range(n)])
+            self._put(write, list(zip(write.keys, self._encode_all(write), strict=True)))
             return
+        (encode, bound), n = self._encoder(write), len(write.keys)
         step = max(1, self._arena_bytes // bound)
         with self._arena_lock:  # these stores copy values: encode into a reused buffer
             for start in range(0, n, step):
@@ -170,6 +170,17 @@ class TierWriter:
                     items.append((write.keys[i], encode(i, arena[offset:])))
                     offset += len(items[-1][1])
                 self._put(write, items)
+
+    def _encode_all(self, write: PendingWrite) -> list[bytes]:
+        """Every entry of `write` as new bytes (for stores that keep the values they get)."""
+        template = write.scope.template
+        if template is None:
+            encode, _ = self._encoder(write)
+            return [encode(i, None) for i in range(len(write.keys))]
+        kv = _entry_layout(write.kv, write.num_blocks // len(write.keys))
+        tokens = write.token_ids.astype("<u4", copy=False).tobytes()
+        parents = [write.parent, *write.keys[:-1]]
+        return template.encode_many(write.keys, write.digests, parents, tokens, payload_bytes(kv))
 
     def _encoder(self, write: PendingWrite) -> tuple[Encoder, int]:
         """encode(i, out): entry i of `write` (into `out` if given); and a bound of its size."""

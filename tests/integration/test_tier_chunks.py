@@ -7,8 +7,9 @@ import torch
 
 from hashing import BlockHasher, Namespace
 from kvstore.cache import PrefixCache
-from kvstore.codec import EntryTemplate, read_header
+from kvstore.codec import read_header
 from kvstore.config import CacheConfig
+from kvstore.template import EntryTemplate
 
 LAYERS, HEADS, BS, DIM = 2, 2, 4, 8
 NS = Namespace("fp-chunks", "float32", LAYERS, HEADS, DIM, BS)
@@ -225,9 +226,10 @@ def test_selective_write_through_writes_whole_chunks_once_hit_n_times():
 
 
 def test_a_write_larger_than_the_writer_buffer_goes_out_in_verified_batches(tmp_path, chunk):
-    from kvstore.codec import EntryTemplate, decode_entry
+    from kvstore.codec import decode_entry
     from kvstore.metrics import CacheMetrics
     from kvstore.stores import LmdbStore
+    from kvstore.template import EntryTemplate
     from kvstore.tiers import PendingWrite, Scope, TierWriter
 
     hasher = BlockHasher(NS)

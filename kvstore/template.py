@@ -1,0 +1,164 @@
+"""EntryTemplate: the entries of one namespace, dtype and shape with codec "none", encoded
+and verified on the hot paths with one comparison of the whole header (see codec.py)."""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import xxhash
+
+from kvstore.codec import (
+    CHECKSUM_BYTES,
+    DTYPE_CODES,
+    FIXED_HEADER_BYTES,
+    ID_BYTES,
+    NP_DTYPES,
+    BlockEntry,
+    EntryError,
+    assemble_entry,
+    frombuffer_le,
+    pack_header,
+    tensor_bytes,
+)
+
+
+class EntryTemplate:
+    """The entries of one namespace, dtype and KV shape with codec "none", for the hot paths.
+
+    `kv()` verifies an entry the reader knows exactly (ids, parent, shape, token ids and
+    lengths in one comparison of the whole header, then the checksum); on None the caller
+    falls back to `decode_entry`, which says why (or accepts an entry of another codec).
+    `encode()` writes such an entry from its parts, without per-field validation.
+    """
+
+    def __init__(
+        self, namespace: bytes, dtype: torch.dtype, shape: tuple[int, ...], num_blocks: int = 1
+    ):
+        self.namespace, self.num_blocks = namespace, num_blocks
+        self.dtype, self.shape = dtype, tuple(shape)
+        self.numel = math.prod(shape)
+        num_tokens = shape[3]
+        zeros, tokens = bytes(ID_BYTES), np.zeros(num_tokens, np.uint32)
+        like = torch.empty((), dtype=dtype).expand(shape)
+        entry = BlockEntry(namespace, zeros, zeros, zeros, tokens, like, num_blocks)
+        nbytes = self.numel * dtype.itemsize
+        header = pack_header(entry, entry.token_ids, DTYPE_CODES[dtype], "none", 0, nbytes, nbytes)
+        tokens_at = FIXED_HEADER_BYTES + 4 * len(shape)
+        self._head = header[: FIXED_HEADER_BYTES - 3 * ID_BYTES]  # up to key, digest, parent
+        self._shape = header[FIXED_HEADER_BYTES:tokens_at]
+        self._pad = header[tokens_at + 4 * num_tokens :]
+        self.header_bytes = len(header)
+        self._part_sizes = (ID_BYTES, ID_BYTES, ID_BYTES, 4 * num_tokens, nbytes)
+        little = sys.byteorder == "little"  # numpy has no bfloat16: torch.frombuffer for it
+        self._np_dtype = NP_DTYPES.get(dtype) if little else None
+        self.total_bytes = len(header) + nbytes + CHECKSUM_BYTES
+
+    def header(self, key: bytes, digest: bytes, parent: bytes, tokens: bytes) -> bytes:
+        """The header of the entry; `tokens`: its token ids as little-endian uint32 bytes."""
+        return b"".join((self._head, key, digest, parent, self._shape, tokens, self._pad))
+
+    def encode(
+        self,
+        key: bytes,
+        digest: bytes,
+        parent: bytes,
+        tokens: bytes,
+        payload: memoryview,
+        out: bytearray | memoryview | None = None,
+    ) -> bytes | memoryview:
+        """`encode_entry` of the expected entry, from its parts: `tokens` as little-endian
+        uint32 bytes, `payload` the raw KV bytes in C order (as `encode_entry` with `out`)."""
+        sizes = (len(key), len(digest), len(parent), len(tokens), payload.nbytes)
+        if sizes != self._part_sizes:
+            raise EntryError("input", f"parts have sizes {sizes}, the template {self._part_sizes}")
+        header = self.header(key, digest, parent, tokens)
+        return assemble_entry(header, payload, out)
+
+    def encode_many(
+        self,
+        keys: Sequence[bytes],
+        digests: Sequence[bytes],
+        parents: Sequence[bytes],
+        tokens: bytes,
+        payload: memoryview,
+    ) -> list[bytes]:
+        """`encode()` of len(keys) consecutive entries as new bytes each; `tokens` and
+        `payload` hold theirs back to back. Sizes are checked once, not per entry."""
+        n = len(keys)
+        step, size = 4 * self.shape[3], self._part_sizes[-1]
+        if len(tokens) != n * step or payload.nbytes != n * size:
+            raise EntryError("input", f"{n} entries need {n * step} token and {n * size} KV bytes")
+        if {len(x) for x in (*keys, *digests, *parents)} != {ID_BYTES}:
+            raise EntryError("input", f"keys, digests and parents must be {ID_BYTES} bytes")
+        head, shape, pad, out = self._head, self._shape, self._pad, []
+        for i in range(n):
+            parts = (
+                head,
+                keys[i],
+                digests[i],
+                parents[i],
+                shape,
+                tokens[i * step : (i + 1) * step],
+            )
+            header = b"".join((*parts, pad))
+            part = payload[i * size : (i + 1) * size]
+            h = xxhash.xxh3_64(header)
+            h.update(part)
+            out.append(b"".join((header, part, h.intdigest().to_bytes(CHECKSUM_BYTES, "little"))))
+        return out
+
+    def copy_verified(
+        self,
+        data: bytes | memoryview,
+        key: bytes,
+        digest: bytes,
+        parent: bytes,
+        tokens: bytes,
+        dst: torch.Tensor | memoryview,
+    ) -> bool:
+        """Copy the payload of the expected entry into `dst` (a contiguous CPU tensor of
+        `shape` and `dtype`, or its raw bytes) and verify the checksum over the copy, which
+        is then hot in cache: one pass over cold memory instead of two. False (dst then holds
+        garbage) if `data` is anything else."""
+        mv = memoryview(data)
+        if mv.ndim != 1 or mv.format != "B":
+            mv = mv.cast("B")
+        n = self.header_bytes
+        if len(mv) != self.total_bytes or bytes(mv[:n]) != self.header(key, digest, parent, tokens):
+            return False
+        out = dst if isinstance(dst, memoryview) else self._tensor_out(dst)
+        if out is None or out.nbytes != self.total_bytes - n - CHECKSUM_BYTES:
+            return False
+        out[:] = mv[n:-CHECKSUM_BYTES]
+        h = xxhash.xxh3_64(mv[:n])
+        h.update(out)
+        return h.intdigest() == int.from_bytes(mv[-CHECKSUM_BYTES:], "little")
+
+    def _tensor_out(self, dst: torch.Tensor) -> memoryview | None:
+        """The raw bytes of `dst` if the payload can be copied into them as they are."""
+        if sys.byteorder != "little" or dst.dtype != self.dtype or dst.numel() != self.numel:
+            return None
+        if dst.device.type != "cpu" or not dst.is_contiguous():
+            return None
+        return memoryview(tensor_bytes(dst))
+
+    def kv(
+        self, data: bytes | memoryview, key: bytes, digest: bytes, parent: bytes, tokens: bytes
+    ) -> torch.Tensor | None:
+        """The zero-copy KV view of `data` if it is exactly the expected entry, else None."""
+        mv = memoryview(data)
+        if mv.ndim != 1 or mv.format != "B":
+            mv = mv.cast("B")
+        n, header = self.header_bytes, self.header(key, digest, parent, tokens)
+        if len(mv) != self.total_bytes or bytes(data[:n]) != header:
+            return None
+        checksum = int.from_bytes(mv[-CHECKSUM_BYTES:], "little")
+        if xxhash.xxh3_64_intdigest(mv[:-CHECKSUM_BYTES]) != checksum:
+            return None
+        if self._np_dtype is None:
+            return frombuffer_le(mv[n:-CHECKSUM_BYTES], self.dtype, self.numel).view(self.shape)
+        return torch.from_numpy(np.ndarray(self.shape, self._np_dtype, mv, n))  # zero-copy
