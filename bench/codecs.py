@@ -21,10 +21,7 @@ from tqdm import tqdm
 
 from hashing import BlockHasher
 from kvstore.codec import BlockEntry, decode_entry, encode_entry
-from kvstore.config import CODEC_NAMES
-
-# max |logit change| a lossy codec may cause: the contract's 16-bit tolerance (lossless: 0)
-LOSSY_TOLERANCE = {"fp16": 2e-2, "bf16": 2e-2}
+from kvstore.config import CODEC_NAMES, CODEC_TOLERANCE
 
 
 def _median_s(fn, rounds: int) -> float:
@@ -126,8 +123,8 @@ def run(num_tokens: int, rounds: int, block_size: int = 16) -> dict:
                 "decode_gbps": raw_bytes / med["decode"] / 1e9,
                 "copy_gbps": raw_bytes / med["copy"] / 1e9,
                 "max_logit_error": error,
-                "tolerance": LOSSY_TOLERANCE.get(codec, 0.0),
-                "within_tolerance": error <= LOSSY_TOLERANCE.get(codec, 0.0),
+                "tolerance": CODEC_TOLERANCE[codec],
+                "within_tolerance": error <= CODEC_TOLERANCE[codec],
             }
         )
     return {"prompt_tokens": len(tokens), "raw_bytes": raw_bytes, "results": results}

@@ -8,6 +8,10 @@ from hashing.namespace import validate_salt
 
 POLICY_NAMES = ("lru", "lfu", "slru", "s3fifo", "as3fifo", "arc")
 CODEC_NAMES = ("none", "fp16", "bf16", "lz4", "zstd")
+# Max |logit change| each tier codec may cause against the no-cache reference. Lossless: the
+# fp32 contract. fp16 keeps 11 significant bits: the contract's 16-bit tolerance. bf16 keeps
+# 8: eight times fp16's rounding error, so eight times its tolerance.
+CODEC_TOLERANCE = {"none": 1e-4, "lz4": 1e-4, "zstd": 1e-4, "fp16": 2e-2, "bf16": 8 * 2e-2}
 WRITE_POLICIES = ("write-through", "write-back", "selective", "off")
 
 
