@@ -53,7 +53,8 @@ from kvstore.config import CacheConfig
 from kvstore.metrics import CacheMetrics
 from kvstore.pool import BlockPool
 from kvstore.stores import LmdbStore, MemoryStore, RedisStore, SpillStore
-from kvstore.tiers import PendingWrite, Scope, Tiers
+from kvstore.tiers import Tiers
+from kvstore.writer import PendingWrite, Scope
 
 LAYERS, KV_HEADS, BLOCK_SIZE, HEAD_DIM = 8, 2, 16, 64  # the pinned tiny model
 BATCH_BLOCKS = 112  # a 1792-token prefix

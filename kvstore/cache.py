@@ -27,7 +27,8 @@ from kvstore.metrics import CacheMetrics
 from kvstore.policy import make_policy
 from kvstore.pool import BlockPool, LayerKV, PoolExhausted
 from kvstore.stores import SpillStore, make_stores
-from kvstore.tiers import Scope, Tiers
+from kvstore.tiers import Tiers
+from kvstore.writer import Scope
 
 MAX_SALTS = 4096  # request salts whose hashers are kept
 

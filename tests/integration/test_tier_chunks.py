@@ -230,7 +230,7 @@ def test_a_write_larger_than_the_writer_buffer_goes_out_in_verified_batches(tmp_
     from kvstore.metrics import CacheMetrics
     from kvstore.stores import LmdbStore
     from kvstore.template import EntryTemplate
-    from kvstore.tiers import PendingWrite, Scope, TierWriter
+    from kvstore.writer import PendingWrite, Scope, TierWriter
 
     hasher = BlockHasher(NS)
     prompt = tokens(8 * BS, seed=9)

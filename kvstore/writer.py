@@ -1,0 +1,197 @@
+"""TierWriter: the background thread that encodes queued writes and puts them to the stores.
+
+A queued write (`PendingWrite`) holds an independent copy of its blocks, taken while they
+were still owned, so a block id reused after eviction can never be written under another
+block's key. The queue is bounded in blocks; a write that does not fit is dropped and
+counted. Stores that copy what they get are fed from one reused encode buffer (the arena);
+the others get new bytes per entry.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from hashing import BlockHasher
+from kvstore.codec import (
+    BlockEntry,
+    encode_entry,
+    max_entry_bytes,
+    payload_bytes,
+)
+from kvstore.metrics import CacheMetrics
+from kvstore.stores import SpillStore
+from kvstore.template import EntryTemplate
+
+ARENA_BYTES = 32 * 2**20  # bound of the writer's reused encode buffer
+
+Encoder = Callable[[int, "memoryview | None"], "bytes | memoryview"]
+
+
+class PendingWrite(NamedTuple):
+    """Consecutive entries of one prefix, to be written to `targets` (indices into stores).
+
+    Entry i holds blocks [i*N, (i+1)*N) of `kv`, N = num_blocks / len(keys); keys[i] and
+    digests[i] are those of its last block.
+    """
+
+    keys: list[bytes]
+    digests: list[bytes]
+    parent: bytes  # lookup key of the block before the first entry
+    token_ids: np.ndarray  # [num_blocks * block_size] uint32
+    kv: torch.Tensor  # [num_blocks, layers, 2, kv_heads, block_size, head_dim], independent copy
+    targets: tuple[int, ...]
+    scope: Scope  # the namespace the entries belong to
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.kv.shape[0])
+
+
+class Scope(NamedTuple):
+    """One namespace's view of the tiers (a cache serves one per tenant salt)."""
+
+    hasher: BlockHasher
+    root: bytes  # Namespace.root(): the namespace field of its entries
+    template: EntryTemplate | None  # the exact entries it writes (codec "none"): fast verify
+
+
+class TierWriter:
+    """One background thread that encodes queued writes and puts them to their stores."""
+
+    def __init__(
+        self,
+        stores: Sequence[SpillStore],
+        codec: str,
+        max_blocks: int,
+        metrics: CacheMetrics,
+        arena_bytes: int = ARENA_BYTES,
+    ):
+        """`arena_bytes`: bound of the encode buffer it reuses for stores that copy values."""
+        self._stores, self._codec, self._arena_bytes = stores, codec, arena_bytes
+        self._max_blocks, self._metrics = max_blocks, metrics
+        self._queue: deque[PendingWrite] = deque()
+        self._pending_blocks = 0  # queued + in flight
+        self._cond = threading.Condition()
+        self._closed = False
+        self._arena, self._arena_lock = bytearray(), threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="kvstore-tier-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, write: PendingWrite) -> bool:
+        n = write.num_blocks
+        with self._cond:
+            if self._closed or self._pending_blocks + n > self._max_blocks:
+                self._metrics.inc("dropped_writes_blocks_total", n)
+                return False
+            self._queue.append(write)
+            self._pending_blocks += n
+            self._cond.notify_all()
+        return True
+
+    def flush(self, timeout: float) -> bool:
+        """Wait until every queued write is done; False if `timeout` ran out first."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._pending_blocks == 0, timeout)
+
+    def close(self, timeout: float) -> bool:
+        """Flush (bounded by `timeout`), then stop the thread; no thread outlives its cache."""
+        done = self.flush(timeout)
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if done:
+            self._thread.join(timeout)
+        return done
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._queue or self._closed)
+                if not self._queue:
+                    return
+                write = self._queue.popleft()
+            try:
+                self.write(write)
+            except Exception:  # a tier must never take the writer down
+                self._metrics.inc("dropped_writes_blocks_total", write.num_blocks)
+            with self._cond:
+                self._pending_blocks -= write.num_blocks
+                self._cond.notify_all()
+
+    def write(self, write: PendingWrite) -> None:
+        """Encode `write` and put it to its targets now, on this thread (what the background
+        thread does with each queued write)."""
+        if not all(self._stores[t].copies_values for t in write.targets):
+            self._put(write, list(zip(write.keys, self._encode_all(write), strict=True)))
+            return
+        (encode, bound), n = self._encoder(write), len(write.keys)
+        step = max(1, self._arena_bytes // bound)
+        with self._arena_lock:  # these stores copy values: encode into a reused buffer
+            for start in range(0, n, step):
+                stop = min(n, start + step)
+                if len(self._arena) < (stop - start) * bound:
+                    self._arena = bytearray((stop - start) * bound)  # replaced, never resized
+                arena, items, offset = memoryview(self._arena), [], 0
+                for i in range(start, stop):
+                    items.append((write.keys[i], encode(i, arena[offset:])))
+                    offset += len(items[-1][1])
+                self._put(write, items)
+
+    def _encode_all(self, write: PendingWrite) -> list[bytes]:
+        """Every entry of `write` as new bytes (for stores that keep the values they get)."""
+        template = write.scope.template
+        if template is None:
+            encode, _ = self._encoder(write)
+            return [encode(i, None) for i in range(len(write.keys))]
+        kv = entry_layout(write.kv, write.num_blocks // len(write.keys))
+        tokens = write.token_ids.astype("<u4", copy=False).tobytes()
+        parents = [write.parent, *write.keys[:-1]]
+        return template.encode_many(write.keys, write.digests, parents, tokens, payload_bytes(kv))
+
+    def _encoder(self, write: PendingWrite) -> tuple[Encoder, int]:
+        """encode(i, out): entry i of `write` (into `out` if given); and a bound of its size."""
+        n = len(write.keys)
+        per, tokens_per = write.num_blocks // n, len(write.token_ids) // n
+        kv = entry_layout(write.kv, per)  # one copy at most, for the whole write
+        keys, digests, parents = write.keys, write.digests, [write.parent, *write.keys[:-1]]
+        template, root = write.scope.template, write.scope.root
+        if template is None:
+
+            def entry(i: int) -> BlockEntry:
+                tokens = write.token_ids[i * tokens_per : (i + 1) * tokens_per]
+                return BlockEntry(root, keys[i], digests[i], parents[i], tokens, kv[i], per)
+
+            return lambda i, out: encode_entry(entry(i), self._codec, out), max_entry_bytes(
+                entry(0)
+            )
+        payload, tokens = payload_bytes(kv), write.token_ids.astype("<u4", copy=False).tobytes()
+        size, step = payload.nbytes // n, 4 * tokens_per
+
+        def encode(i: int, out: memoryview | None) -> bytes | memoryview:
+            token_part, part = tokens[i * step : (i + 1) * step], payload[i * size : (i + 1) * size]
+            return template.encode(keys[i], digests[i], parents[i], token_part, part, out)
+
+        return encode, template.total_bytes
+
+    def _put(self, write: PendingWrite, items: list[tuple[bytes, bytes | memoryview]]) -> None:
+        per = write.num_blocks // len(write.keys)
+        for target in write.targets:
+            written = self._stores[target].put_many(items) * per
+            self._metrics.inc("tier_writes_blocks_total", written, tier=self._stores[target].name)
+
+
+def entry_layout(blocks: torch.Tensor, n: int) -> torch.Tensor:
+    """[E * n, layers, 2, kv_heads, bs, head_dim] -> contiguous CPU [E, layers, 2, kv_heads,
+    n * bs, head_dim]: the KV of each entry of n blocks, in the layout `encode_entry` stores."""
+    blocks = blocks.detach().to("cpu")
+    if n == 1:
+        return blocks.contiguous()
+    e, layers, _, heads, bs, dim = blocks.shape
+    grouped = blocks.view(e // n, n, layers, 2, heads, bs, dim).permute(0, 2, 3, 4, 1, 5, 6)
+    return grouped.contiguous().view(e // n, layers, 2, heads, n * bs, dim)
