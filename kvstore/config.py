@@ -6,7 +6,7 @@ from dataclasses import dataclass, fields
 
 from hashing.namespace import validate_salt
 
-POLICY_NAMES = ("lru", "lfu", "slru", "s3fifo", "as3fifo", "arc")
+POLICY_NAMES = ("lru", "lfu", "slru", "s3fifo", "as3fifo", "arc", "lhd")
 CODEC_NAMES = ("none", "fp16", "bf16", "lz4", "zstd")
 # Max |logit change| each tier codec may cause against the no-cache reference. Lossless: the
 # fp32 contract. fp16 keeps 11 significant bits: the contract's 16-bit tolerance. bf16 keeps

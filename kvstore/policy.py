@@ -5,72 +5,22 @@ evictable flag per entry; `victim()` names the evictable entry to evict next. Th
 flips the flag as nodes gain or lose children and locks, and either removes the victim or
 shrinks it (partial eviction from a leaf's tail).
 
-Every policy here orders evictable entries in lazy min-heaps: an update pushes a fresh
+Every policy in this module orders evictable entries in lazy min-heaps: an update pushes a fresh
 `(priority, key)` and leaves the old item behind; an item is live iff its entry still exists,
 is evictable and still has that priority. Stale items are dropped when they reach the top,
 and the heaps are rebuilt once they hold twice as many items as there are entries, so every
-operation is O(log n) amortized and no eviction scans the entries.
+operation is O(log n) amortized and no eviction scans the entries. `lhd` (in
+`kvstore.policy_lhd`) ranks by a score that changes with age, so it samples instead.
 """
 
 from __future__ import annotations
 
 import heapq
-from abc import ABC, abstractmethod
 from collections import OrderedDict
 from typing import Any
 
-
-class IntegrityError(AssertionError):
-    """An internal invariant of the index or of its policy does not hold."""
-
-
-class Policy(ABC):
-    """Orders evictable entries (opaque int keys, each with a size in blocks).
-
-    Protocol: `insert` a new entry (not evictable until `set_evictable(key, True)`), report
-    hits with `access` and later uses by the same request with `touch`, keep sizes current
-    with `resize`, and `remove` an entry when its blocks are gone. `victim` never removes
-    anything: the caller evicts the named entry (`remove`) or part of it (`resize`).
-
-    `tag` is a content fingerprint of a run of blocks (e.g. its first block hash as an int);
-    policies that remember evicted content (S3-FIFO's ghost queue) use it, others ignore it.
-    """
-
-    @abstractmethod
-    def insert(self, key: int, size: int, tag: int | None = None, like: int | None = None) -> None:
-        """Add an entry. `like` names an entry whose history the new one inherits (a split)."""
-
-    @abstractmethod
-    def remove(self, key: int, tag: int | None = None) -> None:
-        """Drop an entry whose blocks were evicted; `tag` fingerprints the evicted run."""
-
-    @abstractmethod
-    def resize(self, key: int, size: int, tag: int | None = None) -> None:
-        """Change an entry's size; `tag` (set when blocks were evicted) fingerprints them."""
-
-    @abstractmethod
-    def access(self, key: int) -> None:
-        """A hit: a request reused the entry."""
-
-    @abstractmethod
-    def touch(self, key: int) -> None:
-        """The request that holds the entry used it again (refreshes recency, not frequency)."""
-
-    @abstractmethod
-    def set_evictable(self, key: int, flag: bool) -> None:
-        """Mark whether the entry may be chosen by `victim`."""
-
-    @abstractmethod
-    def victim(self) -> int | None:
-        """Key of the evictable entry to evict next, or None when nothing is evictable."""
-
-    @abstractmethod
-    def entries(self) -> dict[int, tuple[int, bool]]:
-        """Every tracked entry as key -> (size, evictable), for integrity checks."""
-
-    @abstractmethod
-    def check_integrity(self) -> None:
-        """Raise IntegrityError if the policy's internal state is inconsistent."""
+from kvstore.policy_base import IntegrityError, Policy
+from kvstore.policy_lhd import LHDPolicy
 
 
 class _Entry:
@@ -498,6 +448,7 @@ POLICIES: dict[str, type[Policy]] = {
     "s3fifo": S3FIFOPolicy,
     "as3fifo": AdaptiveS3FIFOPolicy,
     "arc": ARCPolicy,
+    "lhd": LHDPolicy,
 }
 
 
