@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from bench.faults.common import SCALES, Context, FaultOutcome, RedisProcess, micro_model
+from bench.faults.http import http_fuzz
 from bench.faults.outage import redis_outage
 from bench.faults.processes import concurrent_writers, killed_writers, leaks
 from bench.faults.storage import collisions, corruption, lmdb_full, redis_eviction
@@ -35,6 +36,7 @@ SCENARIOS: dict[str, Callable[[Context], FaultOutcome | None]] = {
     "lmdb-full": lambda ctx: lmdb_full(ctx, disk=False),
     "disk-full": lambda ctx: lmdb_full(ctx, disk=True),
     "tenants": tenant_isolation,
+    "http-fuzz": http_fuzz,
     "leaks": leaks,
 }
 

@@ -55,7 +55,7 @@ class _Common(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)  # what torch can seed
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -176,7 +176,7 @@ def parse_body(model: type[BaseModel], data: object) -> Any:
     if not isinstance(data, dict):
         raise bad_request("the request body must be a JSON object")
     try:
-        request = model.model_validate(data)
+        request = model.model_validate(data, strict=True)  # "1", 1.0 or true is no int
     except ValidationError as e:
         err = e.errors()[0]
         param = ".".join(str(p) for p in err["loc"]) or None

@@ -50,9 +50,20 @@ async def read_json(request: Request, limit: int) -> object:
             raise p.ApiError(413, f"the request body is over the {limit}-byte limit")
         body += chunk
     try:
-        return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        data = json.loads(body, parse_constant=_not_json)
+        json.dumps(data, ensure_ascii=False).encode()  # a lone surrogate (\ud800) is no text
+    except UnicodeEncodeError:
+        raise p.bad_request("the request body has a string that is not valid Unicode") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, NaN or Infinity
         raise p.bad_request(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise p.bad_request("the request body is not valid JSON: nested too deeply") from None
+    return data
+
+
+def _not_json(name: str) -> object:
+    """Python's parser takes NaN, Infinity and -Infinity; JSON has no such values."""
+    raise ValueError(f"{name} is not a JSON value")
 
 
 class Service:
