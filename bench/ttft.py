@@ -10,13 +10,8 @@ Times are medians over `--runs` rounds after one warm-up round; ratio_to_ideal i
 of the per-round kvstore/ideal ratios (the two run back to back, so load from other
 processes on the machine cancels). The pinned `tiny` model in fp32.
 
-`--sweep` measures every prompt length in `--lengths` x cached fraction in `--fractions`
-for each tier (default device,memory,lmdb, plus redis with --redis-url; tier "none" is the
-nocache column of every point), with 3 rounds per point unless `--runs` says otherwise. Each
-point also carries the peer `ttft_hf_generate_s`: HF `model.generate` with no prefix cache,
-time to its first token (median over the rounds, measured once per prompt length since it
-does not depend on the cached fraction). With `--out DIR` it writes DIR/ttft_sweep.png: TTFT
-against cached fraction, one panel per prompt length, one line per tier.
+`--sweep` measures a grid of prompt lengths x cached fractions, with HF `generate` and
+transformers continuous batching as peers, and plots it: see `bench.ttft_sweep`.
 """
 
 from __future__ import annotations
@@ -28,7 +23,7 @@ import random
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from transformers import DynamicCache
@@ -53,6 +48,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="sweep: directory for ttft_sweep.png")
     args = p.parse_args(argv)
     if args.sweep:
+        from bench.ttft_sweep import sweep_args
+
         return sweep_args(p, args)
     args.runs = 9 if args.runs is None else args.runs
     args.tiers = [t.strip() for t in (args.tier or "device").split(",") if t.strip()]
@@ -63,32 +60,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for cached in args.points:
         if cached % args.block_size or not 0 < cached < args.prompt_tokens:
             p.error(f"--cached {cached}: must be a multiple of --block-size below --prompt-tokens")
-    return args
-
-
-def sweep_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
-    """Sweep grid: args.grid is [(prompt_tokens, cached_fraction, cached_tokens)]."""
-    args.runs = 3 if args.runs is None else args.runs
-    default = "device,memory,lmdb" + (",redis" if args.redis_url else "")
-    names = [t.strip() for t in (args.tier or default).split(",") if t.strip()]
-    args.tiers = [t for t in names if t != "none"]
-    for tier in args.tiers:
-        if tier not in TIERS:
-            p.error(f"--tier: unknown tier {tier!r}; choose from none,{','.join(TIERS)}")
-    try:
-        lengths = [int(n) for n in args.lengths.split(",") if n.strip()]
-        fractions = [float(f) for f in args.fractions.split(",") if f.strip()]
-    except ValueError as e:
-        p.error(f"--lengths / --fractions: {e}")
-    args.grid = []
-    for n in lengths:
-        for f in fractions:
-            cached = round(f * n / args.block_size) * args.block_size
-            if not 0 < cached < n:
-                p.error(
-                    f"fraction {f} of {n} tokens gives {cached} cached tokens; need 0 < c < {n}"
-                )
-            args.grid.append((n, f, cached))
     return args
 
 
@@ -219,18 +190,19 @@ def summarize(times: dict, tier: str, prompt_tokens: int, cached: int, same: boo
     }
 
 
-def print_table(points: list[dict], args: argparse.Namespace) -> None:
+def print_table(
+    points: list[dict], args: argparse.Namespace, extra: Sequence[tuple[str, Callable]] = ()
+) -> None:
+    """`extra`: (column, point -> cell text) pairs after the fixed columns."""
     from rich.console import Console
     from rich.table import Table
 
     title = f"TTFT, tiny model fp32, {args.threads} threads, median of {args.runs}"
     table = Table(title=title)
-    sweep = "ttft_hf_generate_s" in points[0]
     cols = ("tier", "prompt", "cached", "no cache ms", "ideal ms", "kvstore ms", "ratio")
-    for col in cols + (("HF generate ms",) if sweep else ()):
+    for col in cols + tuple(name for name, _ in extra):
         table.add_column(col, justify="right")
     for p in points:
-        extra = (f"{p['ttft_hf_generate_s'] * 1e3:.1f}",) if sweep else ()
         table.add_row(
             p["tier"],
             str(p["prompt_tokens"]),
@@ -239,7 +211,7 @@ def print_table(points: list[dict], args: argparse.Namespace) -> None:
             f"{p['ttft_ideal_s'] * 1e3:.1f}",
             f"{p['ttft_kvstore_s'] * 1e3:.1f}",
             f"{p['ratio_to_ideal']:.3f}",
-            *extra,
+            *(cell(p) for _, cell in extra),
         )
     Console().print(table)
 
@@ -259,96 +231,8 @@ class FirstTokenClock:
         pass
 
 
-def hf_generate_ttft(model, ids: list[int], runs: int) -> float:
-    """Median time to the first token of HF `model.generate` (no prefix cache), 1 warm-up."""
-    times = []
-    with torch.inference_mode():
-        for round_ in range(runs + 1):
-            clock = FirstTokenClock()
-            gc.collect()
-            start = time.perf_counter()
-            model.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=1,
-                do_sample=False,
-                streamer=clock,
-                pad_token_id=model.config.pad_token_id,
-            )
-            if round_:
-                times.append(clock.first - start)
-    return statistics.median(times)
-
-
-def run_sweep(lm, args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
-    rng = random.Random(0)
-    points = []
-    with tqdm(total=len(args.grid) * len(args.tiers), desc="ttft sweep") as bar:
-        for n in sorted({n for n, _, _ in args.grid}):
-            ids = [rng.randrange(256) for _ in range(n)]
-            kv = full_kv(lm.model, ids)
-            hf_s = hf_generate_ttft(lm.model, ids, args.runs)
-            for tier in args.tiers:
-                for _, fraction, cached in (g for g in args.grid if g[0] == n):
-                    point = measure_point(lm, ids, kv, tier, cached, args)
-                    points.append(
-                        {**point, "cached_fraction": fraction, "ttft_hf_generate_s": hf_s}
-                    )
-                    bar.update(1)
-    if args.out:
-        plot_sweep(points, args.out)
-    if args.json:
-        print(json.dumps({"points": points}))
-    else:
-        print_table(points, args)
-    return 0 if all(p["same_first_token"] for p in points) else 1
-
-
-def plot_sweep(points: list[dict], out_dir: str) -> str:
-    """DIR/ttft_sweep.png: TTFT (ms) vs cached fraction, a panel per prompt length."""
-    import os
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    lengths = sorted({p["prompt_tokens"] for p in points})
-    fig, axes = plt.subplots(1, len(lengths), figsize=(5 * len(lengths), 4), squeeze=False)
-    for ax, n in zip(axes[0], lengths, strict=True):
-        rows = [p for p in points if p["prompt_tokens"] == n]
-        for label, xs, ys in sweep_lines(rows):
-            ax.plot(xs, [y * 1e3 for y in ys], marker="o", label=label)
-        ax.set(title=f"{n}-token prompt", xlabel="cached fraction", ylabel="TTFT (ms)")
-        ax.grid(alpha=0.3)
-    axes[0][0].legend()
-    fig.tight_layout()
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, "ttft_sweep.png")
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-
-def sweep_lines(rows: list[dict]) -> list[tuple[str, list[float], list[float]]]:
-    """(label, cached fractions, TTFT s): none, HF generate, ideal, then one line per tier."""
-    first = [p for p in rows if p["tier"] == rows[0]["tier"]]
-    xs = [p["cached_fraction"] for p in first]
-    lines = [
-        ("none (no cache)", xs, [p["ttft_nocache_s"] for p in first]),
-        ("HF generate, no cache", xs, [p["ttft_hf_generate_s"] for p in first]),
-        ("ideal (suffix only)", xs, [p["ttft_ideal_s"] for p in first]),
-    ]
-    for tier in dict.fromkeys(p["tier"] for p in rows):
-        tier_rows = [p for p in rows if p["tier"] == tier]
-        lines.append((tier, [p["cached_fraction"] for p in tier_rows],
-                      [p["ttft_kvstore_s"] for p in tier_rows]))  # fmt: skip
-    return lines
-
-
-def main(argv: list[str]) -> int:
+def main(argv: list[str], model=None) -> int:
+    """`model` (a LoadedModel) replaces the pinned tiny model, for tests."""
     from transformers.utils import logging as hf_logging
 
     from engine.model import load_model
@@ -356,8 +240,10 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     hf_logging.disable_progress_bar()
-    lm = load_model("tiny", "float32", "cpu")
+    lm = model or load_model("tiny", "float32", "cpu")
     if args.sweep:
+        from bench.ttft_sweep import run_sweep
+
         return run_sweep(lm, args)
     rng = random.Random(0)
     ids = [rng.randrange(256) for _ in range(args.prompt_tokens)]
