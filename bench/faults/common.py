@@ -117,12 +117,14 @@ def make_prompts(n: int, seed: int, length: int = PROMPT_LEN) -> list[list[int]]
     return [rng.integers(0, 256, length).tolist() for _ in range(n)]
 
 
-def serve(engine: Engine, prompts: list[list[int]], salt: str = "") -> list[GenerateResult | None]:
+def serve(
+    engine: Engine, prompts: list[list[int]], salt: str = "", params: SamplingParams = PARAMS
+) -> list[GenerateResult | None]:
     """One request per prompt; a failed request is None (counted, never raised)."""
     results: list[GenerateResult | None] = []
     for prompt in prompts:
         try:
-            results.append(engine.generate([prompt], PARAMS, cache_salt=salt)[0])
+            results.append(engine.generate([prompt], params, cache_salt=salt)[0])
         except Exception:
             results.append(None)
     return results

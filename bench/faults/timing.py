@@ -27,6 +27,7 @@ from bench.faults.common import (
     flush_redis,
     make_prompts,
     outcome,
+    serve,
 )
 from engine.engine import Engine, GenerateResult, SamplingParams
 from engine.model import LoadedModel, random_model, wrap_model
@@ -57,14 +58,7 @@ def long_model(model: LoadedModel, positions: int = POSITIONS) -> LoadedModel:
 
 
 def _send(engine: Engine, prompts: list[list[int]], salt: str) -> list[GenerateResult | None]:
-    """One request per prompt; a failed request is None (counted, never raised)."""
-    results: list[GenerateResult | None] = []
-    for prompt in prompts:
-        try:
-            results.append(engine.generate([prompt], PARAMS, cache_salt=salt)[0])
-        except Exception:
-            results.append(None)
-    return results
+    return serve(engine, prompts, salt, PARAMS)
 
 
 def auc(miss: list[float], hit: list[float]) -> float:

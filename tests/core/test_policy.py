@@ -234,7 +234,12 @@ def test_lru_and_lfu_victims_equal_a_brute_force_reference(name, ops):
 @settings(max_examples=150, derandomize=True, deadline=None)
 @given(ops=OPS)
 def test_segmented_policies_only_choose_live_evictable_entries(name, ops):
-    policy = make_policy(name, 8)
+    apply_ops_checking_victims(make_policy(name, 8), ops)
+
+
+def apply_ops_checking_victims(policy: Policy, ops: list[tuple[str, int, int]]) -> None:
+    """Run `ops`; after each, the victim is None iff nothing is evictable, else a live
+    evictable entry, and the policy's entries match a dict model."""
     evictable: dict[int, bool] = {}
     for op, key, other in ops:
         if op in ("insert", "like") and key not in evictable:
@@ -255,5 +260,6 @@ def test_segmented_policies_only_choose_live_evictable_entries(name, ops):
         victim = policy.victim()
         assert (victim is None) == (not any(evictable.values()))
         assert victim is None or evictable[victim]
+        assert {k: ev for k, (_, ev) in policy.entries().items()} == evictable
         policy.check_integrity()
     assert sorted(drain(policy)) == sorted(k for k, ev in evictable.items() if ev)

@@ -2,6 +2,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_index_properties import Harness, ops, prompts
+from test_policy import OPS, apply_ops_checking_victims
 
 from kvstore.policy import LHDPolicy, Policy, make_policy
 from kvstore.policy_lhd import LHDParams
@@ -127,42 +128,10 @@ def test_lhd_victims_are_deterministic_for_a_seed():
     assert sorted(victims(0)) == list(range(40))
 
 
-OPS = st.lists(
-    st.tuples(
-        st.sampled_from(["insert", "like", "remove", "access", "touch", "flag", "victim"]),
-        st.integers(0, 7),
-        st.integers(0, 7),
-    ),
-    max_size=60,
-)
-
-
 @settings(max_examples=150, derandomize=True, deadline=None)
 @given(ops=OPS, samples=st.sampled_from([1, 3, 32]))
 def test_lhd_only_chooses_live_evictable_entries(ops, samples):
-    policy = LHDPolicy(4, LHDParams(samples=samples))
-    evictable: dict[int, bool] = {}
-    for op, key, other in ops:
-        if op in ("insert", "like") and key not in evictable:
-            like = other if op == "like" and other in evictable else None
-            policy.insert(key, 1 + other % 3, tag=other, like=like)
-            evictable[key] = False
-        elif op == "remove" and key in evictable:
-            policy.remove(key, tag=key)
-            del evictable[key]
-        elif op in ("access", "touch") and key in evictable:
-            getattr(policy, op)(key)
-        elif op == "flag" and key in evictable:
-            evictable[key] = not evictable[key]
-            policy.set_evictable(key, evictable[key])
-        elif op == "victim" and (victim := policy.victim()) is not None:
-            policy.remove(victim, tag=victim)
-            del evictable[victim]
-        victim = policy.victim()
-        assert (victim is None) == (not any(evictable.values()))
-        assert victim is None or evictable[victim]
-        assert {k: ev for k, (_, ev) in policy.entries().items()} == evictable
-        policy.check_integrity()
+    apply_ops_checking_victims(LHDPolicy(4, LHDParams(samples=samples)), ops)
 
 
 @settings(max_examples=150, derandomize=True, deadline=None)
