@@ -2,28 +2,34 @@
 
 A batch is a 1792-token prefix of the pinned `tiny` model: 112 blocks of [8 layers, K/V,
 2 kv heads, 16 tokens, 64 head dim] fp32 (128 KiB each). Operations, through the real paths:
-- read:  what a lookup does for the blocks the device missed: `Tiers.fetching` (the store's
-         read_prefix, verification of every entry) + the copy of every block into a pool;
+- read:  what a lookup does for the blocks the device missed: `Tiers.fetch_into` (the store's
+         read_prefix, every entry copied into its pool block and verified there);
 - get:   the store's read_prefix alone (zero-copy views for LMDB, bytes for the others);
 - write: what the background writer does with a queued write: `TierWriter.write` (encode
          every entry, put_many);
 - put:   the store's put_many of already encoded entries.
-Baselines, moving the same bytes: reads of memory and LMDB against a plain copy (memcpy) into
-a preallocated buffer (like the pool); memory writes against a copy into new bytes objects
-(what a store that keeps its values must allocate); LMDB writes against raw `txn.put` of the
-same values in one transaction of another environment; Redis reads against a raw redis-py
-MGET, Redis writes against a raw pipelined SET. An operation and its baseline run back to
-back, every case once per round, rounds interleaved; GB/s are medians over rounds and `ratio`
-is the median of the per-round ratios (load from other processes on the machine cancels).
+Baselines, moving the same bytes: reads against a plain copy (memcpy) of the KV bytes from
+where the tier keeps them into a preallocated buffer (like the pool): for memory from heap
+buffers, for LMDB out of a raw LMDB map in one read transaction; memory writes against a
+copy into new bytes objects (what a store that keeps its values must allocate); LMDB writes
+against raw `txn.put` of the same values in one transaction of another environment; Redis
+reads against a raw redis-py MGET, Redis writes against a raw pipelined SET. An operation and
+its baseline run back to back, every case once per round, rounds interleaved; GB/s are
+medians over rounds and `ratio` is the median of the per-round ratios (load from other
+processes on the machine cancels).
 
-By default torch runs one thread (the baselines copy on one) and glibc's malloc is told to
-keep freed memory (`steady_malloc`): otherwise each batch refaults its pages at random,
-depending on the order of frees, in paths and baselines alike. --default-malloc keeps
-glibc's defaults. Without --redis-url a private redis-server (no persistence) is started on a
-free loopback port and stopped at the end.
+Reads are measured from DRAM: before every read and its baseline alike the CPU caches are
+flushed (untimed), since a spilled block is read back long after it was written;
+--warm-reads skips that (the 14.7 MB batch then fits many last-level caches, which makes the
+plain-copy baselines look faster than any tier read can be). By default torch runs one
+thread (the baselines copy on one) and glibc's malloc is told to keep freed memory
+(`steady_malloc`): otherwise each batch refaults its pages at random, depending on the order
+of frees, in paths and baselines alike. --default-malloc keeps glibc's defaults. Without
+--redis-url a private redis-server (no persistence) is started on a free loopback port and
+stopped at the end.
 
     python -m bench io [--json] [--redis-url URL] [--rounds N] [--chunk-blocks N]
-                       [--threads N] [--default-malloc]
+                       [--threads N] [--default-malloc] [--warm-reads]
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import glob
 import json
 import shutil
 import socket
@@ -48,7 +55,7 @@ import torch
 from tqdm import tqdm
 
 from hashing import BlockHasher, Namespace
-from kvstore.codec import BlockEntry, encode_entry
+from kvstore.codec import CHECKSUM_BYTES, BlockEntry, encode_entry
 from kvstore.config import CacheConfig
 from kvstore.metrics import CacheMetrics
 from kvstore.pool import BlockPool
@@ -223,6 +230,24 @@ def _memcpy(batch: Batch) -> Callable[[], None]:
     return copy
 
 
+def _map_copy(batch: Batch, env: lmdb.Environment) -> Callable[[], None]:
+    """A plain copy of the batch's KV bytes out of a raw LMDB map (one read transaction, no
+    verification) into a preallocated buffer: the same bytes from where LMDB keeps them."""
+    with env.begin(write=True) as txn:
+        for key, value in batch.items:
+            txn.put(key, value)
+    keys, size = [key for key, _ in batch.items], batch.nbytes // len(batch.items)
+    start = len(batch.items[0][1]) - CHECKSUM_BYTES - size  # the payload, after the header
+    dst = memoryview(bytearray(batch.nbytes))
+
+    def copy() -> None:
+        with env.begin(buffers=True) as txn:
+            for i, key in enumerate(keys):
+                dst[i * size : (i + 1) * size] = txn.get(key)[start : start + size]
+
+    return copy
+
+
 def _clone(batch: Batch) -> tuple[Callable[[], None], Callable[[], None]]:
     """A plain copy of the batch's bytes into new bytes objects (what a store that keeps its
     values must allocate), and the untimed release of the previous copies."""
@@ -270,10 +295,12 @@ def lmdb_cases(batch: Batch, stack: contextlib.ExitStack) -> list[Case]:
             txn.drop(env.open_db(), delete=False)
 
     cases = _path_cases("lmdb", reader, writer)
-    copy = _memcpy(batch)
+    read_env = lmdb.open(f"{tmp}/raw-read", map_size=GIB, sync=False, readahead=False)
+    stack.callback(read_env.close)
+    copy = _map_copy(batch, read_env)
     for case in cases:
         if case.op in ("read", "get"):
-            case.baseline, case.base = "memcpy", copy
+            case.baseline, case.base = "memcpy from the map", copy
         else:
             case.baseline, case.base, case.reset_base = "lmdb txn.put", raw_put, raw_clear
     return cases
@@ -368,6 +395,28 @@ def _wait_ready(url: str, proc: subprocess.Popen) -> None:
     raise RuntimeError(f"redis-server at {url} did not start")
 
 
+def last_level_cache_bytes(default: int = 32 * 2**20) -> int:
+    """The largest CPU cache of cpu0 (sysfs), or `default` where it cannot be read."""
+    sizes = []
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        with contextlib.suppress(OSError, ValueError), open(path) as f:
+            text = f.read().strip().upper()
+            sizes.append(int(text.rstrip("KMG")) * {"K": 2**10, "M": 2**20, "G": 2**30}[text[-1]])
+    return max(sizes, default=default)
+
+
+def cache_evicter(nbytes: int) -> Callable[[], None]:
+    """A call that writes `nbytes` of unrelated memory, pushing a batch out of the CPU caches
+    (untimed, before each read and its baseline alike): a tier's blocks were spilled long
+    before they are read back, so they come from DRAM, not from the last-level cache."""
+    junk = np.zeros(nbytes // 8)
+
+    def evict() -> None:
+        junk.__iadd__(1.0)
+
+    return evict
+
+
 def measure(cases: list[Case], rounds: int, warmup: int = 1) -> None:
     """Interleaved rounds: every case (and its baseline, order alternating) once per round."""
     with tqdm(total=(rounds + warmup) * len(cases), desc="io", unit="case") as bar:
@@ -382,12 +431,16 @@ def measure(cases: list[Case], rounds: int, warmup: int = 1) -> None:
                     case.base_times.clear()
 
 
-def run(redis_url: str | None, rounds: int, chunk_blocks: int = 1) -> dict:
+def run(redis_url: str | None, rounds: int, chunk_blocks: int = 1, cold: bool = True) -> dict:
     batch = Batch(chunk_blocks)
     with contextlib.ExitStack() as stack:
         url = redis_url or stack.enter_context(private_redis())
         cases = memory_cases(batch, stack) + lmdb_cases(batch, stack)
         cases += redis_cases(batch, url, stack)
+        if cold:
+            evict = cache_evicter(2 * last_level_cache_bytes())
+            for case in (c for c in cases if c.op in ("read", "get")):
+                case.reset = case.reset_base = evict
         measure(cases, rounds)
     return {
         "block_bytes": batch.block_bytes,
@@ -395,6 +448,7 @@ def run(redis_url: str | None, rounds: int, chunk_blocks: int = 1) -> dict:
         "chunk_blocks": chunk_blocks,
         "torch_threads": torch.get_num_threads(),
         "rounds": rounds,
+        "cold_reads": cold,
         "target_ratio": TARGET_RATIO,
         "results": [case.result(batch.nbytes) for case in cases],
     }
@@ -409,6 +463,7 @@ def _print_table(report: dict) -> None:
         f"per call, {report['chunk_blocks']} per entry, {report['torch_threads']} torch "
         f"thread(s), median of {report['rounds']} rounds"
         + (", steady malloc" if report["steady_malloc"] else "")
+        + (", reads from DRAM (caches flushed)" if report["cold_reads"] else ", warm reads")
     )
     table = Table(title=title)
     for col in ("tier", "op", "GB/s", "baseline", "baseline GB/s", "ratio"):
@@ -432,13 +487,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench io", description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--redis-url", default=None, help="default: a private redis-server")
-    parser.add_argument("--rounds", type=int, default=15, help="timed rounds (median)")
+    parser.add_argument("--rounds", type=int, default=30, help="timed rounds (median)")
     parser.add_argument("--chunk-blocks", type=int, default=1, help="blocks per tier entry")
     parser.add_argument(
         "--threads", type=int, default=1, help="torch threads (the baselines copy on one)"
     )
     parser.add_argument(
         "--default-malloc", action="store_true", help="keep glibc's trimming (see steady_malloc)"
+    )
+    parser.add_argument(
+        "--warm-reads", action="store_true", help="do not flush the CPU caches before reads"
     )
     args = parser.parse_args(argv)
     if args.rounds < 1:
@@ -449,7 +507,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--threads must be >= 1")
     torch.set_num_threads(args.threads)
     steady = not args.default_malloc and steady_malloc()
-    report = {**run(args.redis_url, args.rounds, args.chunk_blocks), "steady_malloc": steady}
+    report = {
+        **run(args.redis_url, args.rounds, args.chunk_blocks, cold=not args.warm_reads),
+        "steady_malloc": steady,
+    }
     if args.json:
         print(json.dumps(report))
     else:

@@ -4,6 +4,7 @@ and verified on the hot paths with one comparison of the whole header (see codec
 from __future__ import annotations
 
 import math
+import struct
 import sys
 from collections.abc import Sequence
 
@@ -124,19 +125,18 @@ class EntryTemplate:
         `shape` and `dtype`, or its raw bytes) and verify the checksum over the copy, which
         is then hot in cache: one pass over cold memory instead of two. False (dst then holds
         garbage) if `data` is anything else."""
-        mv = memoryview(data)
-        if mv.ndim != 1 or mv.format != "B":
-            mv = mv.cast("B")
-        n = self.header_bytes
-        if len(mv) != self.total_bytes or bytes(mv[:n]) != self.header(key, digest, parent, tokens):
+        header = self.header(key, digest, parent, tokens)
+        if len(data) != self.total_bytes or not _starts_with(data, header):
             return False
         out = dst if isinstance(dst, memoryview) else self._tensor_out(dst)
+        n = self.header_bytes
         if out is None or out.nbytes != self.total_bytes - n - CHECKSUM_BYTES:
             return False
-        out[:] = mv[n:-CHECKSUM_BYTES]
-        h = xxhash.xxh3_64(mv[:n])
+        mv = memoryview(data)
+        out[:] = mv[n:-CHECKSUM_BYTES] if mv.format == "B" else mv.cast("B")[n:-CHECKSUM_BYTES]
+        h = xxhash.xxh3_64(header)  # == the entry's header
         h.update(out)
-        return h.intdigest() == int.from_bytes(mv[-CHECKSUM_BYTES:], "little")
+        return h.intdigest() == _U64.unpack_from(data, self.total_bytes - CHECKSUM_BYTES)[0]
 
     def _tensor_out(self, dst: torch.Tensor) -> memoryview | None:
         """The raw bytes of `dst` if the payload can be copied into them as they are."""
@@ -162,3 +162,12 @@ class EntryTemplate:
         if self._np_dtype is None:
             return frombuffer_le(mv[n:-CHECKSUM_BYTES], self.dtype, self.numel).view(self.shape)
         return torch.from_numpy(np.ndarray(self.shape, self._np_dtype, mv, n))  # zero-copy
+
+
+_U64 = struct.Struct("<Q")
+
+
+def _starts_with(data: bytes | memoryview, prefix: bytes) -> bool:
+    if isinstance(data, bytes):
+        return data.startswith(prefix)
+    return bytes(memoryview(data).cast("B")[: len(prefix)]) == prefix
