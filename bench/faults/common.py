@@ -20,7 +20,7 @@ import redis
 import torch
 from transformers import LlamaConfig
 
-from bench.io import _free_port, _wait_ready
+from bench.local_redis import free_port, wait_ready
 from engine.engine import Engine, GenerateResult, SamplingParams
 from engine.model import BYTE_VOCAB_SIZE, LoadedModel, byte_tokenizer, random_model, wrap_model
 from kvstore.codec import FIXED_HEADER_BYTES, ID_BYTES
@@ -206,7 +206,7 @@ class RedisProcess:
         binary = shutil.which("redis-server")
         if binary is None:
             raise SystemExit("redis-server is not installed")
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self._args = [binary, "--bind", "127.0.0.1", "--port", str(self.port),
                       "--dir", str(workdir), "--save", "", "--appendonly", "no"]  # fmt: skip
@@ -216,7 +216,7 @@ class RedisProcess:
         self.proc = subprocess.Popen(
             self._args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
-        _wait_ready(self.url, self.proc)
+        wait_ready(self.url, self.proc)
 
     def _signal(self, sig: int) -> None:
         if self.proc is not None and self.proc.poll() is None:

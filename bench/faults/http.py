@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from bench.faults.common import Context, FaultOutcome, wait_for
-from bench.io import _free_port
+from bench.local_redis import free_port
 from engine.server.protocol import ChatMessage, ChatRequest, CompletionRequest, StreamOptions
 
 MODEL, KEYS, KEY = "micro", {"sk-fuzz-a": "a", "sk-fuzz-b": "b"}, "sk-fuzz-a"
@@ -267,7 +267,7 @@ class Server:
         ctx.model.model.save_pretrained(model_dir)
         ctx.model.tokenizer.save_pretrained(model_dir)
         keys_file.write_text(json.dumps(KEYS))
-        port, self.log = _free_port(), ctx.workdir / "http-server.log"
+        port, self.log = free_port(), ctx.workdir / "http-server.log"
         self.args = [sys.executable, "-m", "engine.cli", "serve", "--model", str(model_dir),
                      "--served-model-name", MODEL, "--port", str(port), "--device", "cpu",
                      "--block-size", "4", "--device-blocks", "256", "--api-keys-file",
