@@ -75,9 +75,11 @@ class SamplingParams:
         if not isinstance(self.top_p, int | float) or not 0 < self.top_p <= 1:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and (
-            isinstance(self.seed, bool) or not isinstance(self.seed, int)
+            isinstance(self.seed, bool)
+            or not isinstance(self.seed, int)
+            or not -(2**63) <= self.seed < 2**64  # what torch.Generator.manual_seed takes
         ):
-            raise InvalidRequestError(f"seed must be an int or None, got {self.seed!r}")
+            raise InvalidRequestError(f"seed must be a 64-bit int or None, got {self.seed!r}")
         object.__setattr__(
             self, "stop_token_ids", _int_tuple("stop_token_ids", self.stop_token_ids)
         )

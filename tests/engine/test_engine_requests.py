@@ -56,6 +56,8 @@ def test_invalid_prompts_raise_invalid_request(engine: Engine, prompt, match: st
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
         ({"seed": "7"}, "seed"),
+        ({"seed": 2**64}, "seed"),  # torch cannot seed it: a clear error, not a crash
+        ({"seed": -(2**63) - 1}, "seed"),
         ({"stop_token_ids": (-1,)}, "stop_token_ids"),
         ({"stop": ("",)}, "stop"),
     ],
