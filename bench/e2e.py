@@ -2,10 +2,25 @@
 
 Each workload (bench/workloads.py, scaled down) runs three ways in the same process:
 - nocache: HF `model.generate` per request, greedy, no prefix cache;
-- kvstore: `Engine.run` per request with a device-tier PrefixCache (warm-up excluded);
-- peer: transformers continuous batching with block sharing (`generate_batch`,
-  `ContinuousBatchingConfig(allow_block_sharing=True)`, `persistent_manager=True`), after a
-  warm-up batch of the same shape but unrelated tokens.
+- kvstore: `Engine.run` per request, in arrival order, with a device-tier PrefixCache
+  (warm-up excluded);
+- peer: transformers continuous batching (CB) with block sharing (`generate_batch`,
+  `ContinuousBatchingConfig(allow_block_sharing=True)`, `persistent_manager=True`), in two
+  modes, each on a fresh manager created and sized by an excluded warm-up call on a batch of
+  the same shape but unrelated tokens:
+  - batch: every prompt in one `generate_batch` call (CB's natural mode, best batching);
+  - arrival: one request per call, in arrival order, as the engine gets them (multi-turn
+    prompts are fixed by the workload, not built from earlier outputs, for all three runs).
+  Each mode reports its total time, `cb_prefix_matched_tokens` (summed from CB's DEBUG
+  "Found a prefix match" records, its only trace of sharing: see bench/cb_peer.py) and how
+  many outputs equal HF `generate`'s; the peer's `total_s` and `kvstore_speedup_over_peer`
+  are those of the faster mode (`best_mode`). CB hashes a request's blocks only after its
+  prefill forward, so prompts prefilled together share nothing: batch mode matches little or
+  nothing, arrival mode what the earlier requests' whole pages hold. Each arrival call also
+  pays CB's per-call start and teardown (thread stop and join, `gc.collect`). Pages are
+  `--block-size` tokens, as kvstore's blocks, and the paged cache holds the warm-up's and the
+  workload's pages (`num_blocks`), so nothing is evicted and CB does not size it from free
+  RAM (tens of seconds on CPU). A mode that fails reports `error`, printed under the table.
 
 Ideal speedup. `reusable_tokens` is what an unbounded prefix cache could skip: per request,
 the longest block-aligned prefix of its prompt that an earlier request's stored tokens
@@ -23,12 +38,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import operator
 import time
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 
+from bench.cb_peer import (
+    cb_config,
+    checked_outputs,
+    counting_prefix_matches,
+    greedy_config,
+    pages_for,
+)
 from bench.ttft import FirstTokenClock
 
 SCALES = {
@@ -46,6 +69,7 @@ SCALES = {
     },
 }  # fmt: skip
 PEER_NAME = "transformers continuous batching (allow_block_sharing)"
+PEER_MODES = ("batch", "arrival")
 
 
 class RunResult(NamedTuple):
@@ -146,28 +170,52 @@ def run_kvstore(engine, prompts: list[list[int]], new_tokens: int, bar) -> RunRe
     return RunResult(time.perf_counter() - start, outputs, ttfts, cached)
 
 
-def run_peer(lm, prompts: list[list[int]], new_tokens: int) -> dict:
-    """Continuous batching with block sharing; a warm-up batch of unrelated tokens first."""
-    from transformers import ContinuousBatchingConfig, GenerationConfig
+def run_peer(lm, prompts: list[list[int]], nocache: RunResult, new_tokens: int, block: int,
+             bar_cls) -> dict:  # fmt: skip
+    """CB in both modes, each on a fresh manager; the faster mode's time is the peer's."""
+    peer: dict = {"name": PEER_NAME, "page_size": block, "modes": {}}
+    with counting_prefix_matches() as counter:
+        for mode in PEER_MODES:
+            with bar_cls(total=len(prompts), desc=f"CB {mode}", leave=False) as bar:
+                result = run_peer_mode(lm, prompts, new_tokens, block, mode, counter, bar)
+            if "outputs" in result:
+                outputs = result.pop("outputs")
+                result["same_outputs"] = sum(map(operator.eq, outputs, nocache.outputs))
+            peer["modes"][mode] = result
+    timed = [m for m in PEER_MODES if "total_s" in peer["modes"][m]]
+    if not timed:
+        errors = "; ".join(f"{m}: {peer['modes'][m]['error']}" for m in PEER_MODES)
+        return {**peer, "error": errors}
+    best = min(timed, key=lambda m: peer["modes"][m]["total_s"])
+    fields = {k: peer["modes"][best][k] for k in ("total_s", "cb_prefix_matched_tokens")}
+    return {**peer, "best_mode": best, **fields}
 
+
+def run_peer_mode(lm, prompts, new_tokens: int, block: int, mode: str, counter, bar) -> dict:
+    """One mode on a fresh persistent manager, after a warm-up batch of unrelated tokens."""
     model = lm.model
-    gen = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
-                           pad_token_id=model.config.pad_token_id)  # fmt: skip
-    cb = ContinuousBatchingConfig(allow_block_sharing=True)
     warm = [[(t + 97) % 256 for t in reversed(p)] for p in prompts]  # same shape, no shared blocks
+    # room for the warm-up's blocks and the workload's: a full cache evicts every cached block
+    blocks = 2 * pages_for(prompts, new_tokens, block) + 2 * len(prompts) + 8
+    cb, gen = cb_config(block, blocks), greedy_config(model, new_tokens)
+    calls = [prompts] if mode == "batch" else [[p] for p in prompts]
+    outputs: list[list[int]] = []
     try:
-        model.generate_batch(warm, gen, cb, persistent_manager=True)
+        model.destroy_cached_continuous_batching_manager()
+        model.generate_batch(warm, gen, cb, persistent_manager=True)  # creates and sizes it
+        counter.tokens = 0
         start = time.perf_counter()
-        out = model.generate_batch(prompts, gen, cb, persistent_manager=True, progress_bar=True)
+        for batch in calls:
+            out = model.generate_batch(batch, gen, cb, persistent_manager=True)
+            outputs += checked_outputs(out, len(batch), new_tokens)
+            bar.update(len(batch))
         total = time.perf_counter() - start
-        errors = [r.error for r in out.values() if r.error is not None]
-        if len(out) != len(prompts) or errors:
-            return {"name": PEER_NAME, "error": f"{len(out)} results, errors: {errors[:3]}"}
-        return {"name": PEER_NAME, "total_s": total}
     except Exception as e:  # reported in the output, never hidden
-        return {"name": PEER_NAME, "error": f"{type(e).__name__}: {e}"}
+        return {"num_blocks": blocks, "error": f"{type(e).__name__}: {e}"}
     finally:
         model.destroy_cached_continuous_batching_manager()
+    return {"total_s": total, "cb_prefix_matched_tokens": counter.tokens, "num_blocks": blocks,
+            "outputs": outputs}  # fmt: skip
 
 
 def summarize(name: str, prompts, nocache: RunResult, kvstore: RunResult, block: int) -> dict:
@@ -225,7 +273,26 @@ def run_workload(lm, name: str, args: argparse.Namespace) -> dict:
     row = summarize(name, prompts, nocache, kvstore, args.block_size)
     if args.no_peer:
         return add_peer(row, {"name": PEER_NAME, "error": "skipped (--no-peer)"})
-    return add_peer(row, run_peer(lm, prompts, args.new_tokens))
+    return add_peer(row, run_peer(lm, prompts, nocache, args.new_tokens, args.block_size, tqdm))
+
+
+def peer_cells(peer: dict) -> list[str]:
+    """'s (matched tokens)' per CB mode, then kvstore's speedup over the faster mode."""
+    modes = peer.get("modes", {})
+    cells = [
+        f"{modes[m]['total_s']:.2f} ({modes[m]['cb_prefix_matched_tokens']})"
+        if "total_s" in modes.get(m, {}) else "error"
+        for m in PEER_MODES
+    ]  # fmt: skip
+    if "total_s" not in peer:
+        return [*cells, "-"]
+    return [*cells, f"{peer['kvstore_speedup_over_peer']:.2f}x ({peer['best_mode']})"]
+
+
+def peer_errors(peer: dict) -> list[str]:
+    if "modes" not in peer:
+        return [peer["error"]]
+    return [f"{m}: {r['error']}" for m, r in peer["modes"].items() if "error" in r]
 
 
 def print_table(rows: list[dict]) -> None:
@@ -234,22 +301,21 @@ def print_table(rows: list[dict]) -> None:
 
     table = Table(title="End-to-end, tiny model fp32, device tier vs HF generate (no cache)")
     cols = ("workload", "reqs", "prompt tok", "cached", "reusable", "no cache s", "kvstore s",
-            "speedup", "ideal", "ratio", "peer s", "vs peer")  # fmt: skip
+            "speedup", "ideal", "ratio", "CB batch s (matched)", "CB arrival s (matched)",
+            "kvstore vs CB")  # fmt: skip
     for col in cols:
         table.add_column(col, justify="right")
     for r in rows:
-        peer = r["peer"]
         table.add_row(
             r["workload"], str(r["requests"]), str(r["prompt_tokens"]), str(r["cached_tokens"]),
             str(r["reusable_tokens"]), f"{r['nocache_s']:.2f}", f"{r['kvstore_s']:.2f}",
             f"{r['speedup']:.2f}", f"{r['ideal_speedup']:.2f}", f"{r['ratio_to_ideal']:.3f}",
-            f"{peer['total_s']:.2f}" if "total_s" in peer else "error",
-            f"{peer['kvstore_speedup_over_peer']:.2f}" if "total_s" in peer else "-",
+            *peer_cells(r["peer"]),
         )  # fmt: skip
     Console().print(table)
     for r in rows:
-        if "error" in r["peer"]:
-            print(f"peer on {r['workload']}: {r['peer']['error']}")
+        for error in peer_errors(r["peer"]):
+            print(f"peer on {r['workload']}: {error}")
 
 
 def main(argv: list[str], model=None) -> int:

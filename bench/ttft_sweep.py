@@ -43,22 +43,17 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import logging
 import random
-import re
 import statistics
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
 
+from bench.cb_peer import PrefixMatchCounter, cb_config, counting_prefix_matches, greedy_config
 from bench.ttft import TIERS, FirstTokenClock, full_kv, measure_point, print_table
 
 CB_NAME = "transformers CB, block sharing"
-CB_LOGGER = "ContinuousBatchingLogger"
-CB_MATCH = re.compile(r"Found a prefix match of (\d+) tokens")
 SEED_NEW_TOKENS = 2  # a request must outlive its prefill step for its blocks to become shareable
 
 
@@ -109,38 +104,6 @@ def hf_generate_ttft(model, ids: list[int], runs: int) -> float:
     return statistics.median(times)
 
 
-class PrefixMatchCounter(logging.Filter):
-    """Sums the matched tokens of CB's "Found a prefix match" records; lets each distinct
-    WARNING-or-worse message through once and drops the rest (DEBUG chatter, repeats)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.tokens = 0
-        self.shown: set[str] = set()
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        if match := CB_MATCH.match(message):
-            self.tokens += int(match.group(1))
-        if record.levelno < logging.WARNING or message in self.shown:
-            return False
-        self.shown.add(message)
-        return True
-
-
-@contextmanager
-def counting_prefix_matches() -> Iterator[PrefixMatchCounter]:
-    logger = logging.getLogger(CB_LOGGER)
-    counter, level = PrefixMatchCounter(), logger.level
-    logger.addFilter(counter)
-    logger.setLevel(logging.DEBUG)
-    try:
-        yield counter
-    finally:
-        logger.removeFilter(counter)
-        logger.setLevel(level)
-
-
 class CBRound(NamedTuple):
     wall_s: float  # the probe's generate_batch call
     first_token_s: float  # from the call to the probe's token timestamp
@@ -151,19 +114,10 @@ class CBPeer:
     """One persistent continuous-batching manager for prompts of `n` tokens."""
 
     def __init__(self, model, n: int, block: int, rounds: int):
-        from transformers import ContinuousBatchingConfig, GenerationConfig
-
         self.model, self.n = model, n
         # room for every block the rounds hash, twice: a full cache evicts all cached blocks
-        blocks = 4 * (rounds + 1) * (n // block + 2)
-        self.cb = ContinuousBatchingConfig(
-            allow_block_sharing=True, page_size=block, num_blocks=blocks
-        )
-        self.gen = {
-            new: GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=None,
-                                  pad_token_id=model.config.pad_token_id)
-            for new in (1, SEED_NEW_TOKENS)
-        }  # fmt: skip
+        self.cb = cb_config(block, 4 * (rounds + 1) * (n // block + 2))
+        self.gen = {new: greedy_config(model, new) for new in (1, SEED_NEW_TOKENS)}
 
     def generate(self, prompt: list[int], new_tokens: int, timestamps: bool = False):
         out = self.model.generate_batch(

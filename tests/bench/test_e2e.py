@@ -7,7 +7,7 @@ import json
 import pytest
 from transformers import LlamaConfig
 
-from bench.e2e import RunResult, ideal_time, main, per_request_reusable, reusable_tokens
+from bench.e2e import PEER_NAME, RunResult, ideal_time, main, per_request_reusable, reusable_tokens
 from engine.model import BYTE_VOCAB_SIZE, LoadedModel, byte_tokenizer, random_model, wrap_model
 
 
@@ -52,10 +52,39 @@ def test_e2e_reports_every_workload_with_exact_token_counts(micro: LoadedModel, 
         assert r["speedup"] == pytest.approx(r["nocache_s"] / r["kvstore_s"])
         assert r["ideal_speedup"] == pytest.approx(r["nocache_s"] / r["ideal_s"])
         assert r["ratio_to_ideal"] == pytest.approx(r["speedup"] / r["ideal_speedup"])
-        assert r["peer"] == {
-            "name": "transformers continuous batching (allow_block_sharing)",
-            "error": "skipped (--no-peer)",
-        }
+        assert r["peer"] == {"name": PEER_NAME, "error": "skipped (--no-peer)"}
+
+
+def test_e2e_peer_reports_both_cb_modes_with_exact_prefix_matched_tokens(
+    micro: LoadedModel, capsys
+) -> None:
+    argv = ["--scale", "small", "--block-size", "4", "--new-tokens", "2", "--json"]
+    assert main(argv, model=micro) == 0
+    rows = json.loads(capsys.readouterr().out)["workloads"]
+    # prompts submitted together are prefilled before any block is hashed: batch shares nothing;
+    # one request per call shares every whole 4-token page an earlier request stored
+    expected = {
+        "shared-prefix": {"batch": 0, "arrival": 128},
+        "multiturn": {"batch": 0, "arrival": 92},
+    }
+    for r in rows:
+        peer = r["peer"]
+        assert (peer["name"], peer["page_size"]) == (PEER_NAME, 4)
+        for mode, result in peer["modes"].items():
+            if "error" in result:  # a failing mode is reported, never hidden
+                assert "total_s" not in result and result["error"]
+                continue
+            assert result["cb_prefix_matched_tokens"] == expected[r["workload"]][mode]
+            # twice the pages of prompt + 2 tokens (warm-up and workload), + 2 per request + 8
+            assert result["num_blocks"] == {"shared-prefix": 168, "multiturn": 98}[r["workload"]]
+            assert result["same_outputs"] == r["requests"]
+        timed = {m: v["total_s"] for m, v in peer["modes"].items() if "total_s" in v}
+        if not timed:
+            assert peer["error"].startswith("batch: ")
+            continue
+        assert peer["best_mode"] == min(timed, key=timed.__getitem__)
+        assert peer["total_s"] == timed[peer["best_mode"]]
+        assert peer["kvstore_speedup_over_peer"] == pytest.approx(peer["total_s"] / r["kvstore_s"])
 
 
 def test_e2e_rejects_an_unknown_workload(capsys) -> None:
