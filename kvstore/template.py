@@ -125,6 +125,7 @@ class EntryTemplate:
         `shape` and `dtype`, or its raw bytes) and verify the checksum over the copy, which
         is then hot in cache: one pass over cold memory instead of two. False (dst then holds
         garbage) if `data` is anything else."""
+        data = _as_bytes(data)
         header = self.header(key, digest, parent, tokens)
         if len(data) != self.total_bytes or not _starts_with(data, header):
             return False
@@ -132,8 +133,7 @@ class EntryTemplate:
         n = self.header_bytes
         if out is None or out.nbytes != self.total_bytes - n - CHECKSUM_BYTES:
             return False
-        mv = memoryview(data)
-        out[:] = mv[n:-CHECKSUM_BYTES] if mv.format == "B" else mv.cast("B")[n:-CHECKSUM_BYTES]
+        out[:] = memoryview(data)[n:-CHECKSUM_BYTES]
         h = xxhash.xxh3_64(header)  # == the entry's header
         h.update(out)
         return h.intdigest() == _U64.unpack_from(data, self.total_bytes - CHECKSUM_BYTES)[0]
@@ -150,11 +150,9 @@ class EntryTemplate:
         self, data: bytes | memoryview, key: bytes, digest: bytes, parent: bytes, tokens: bytes
     ) -> torch.Tensor | None:
         """The zero-copy KV view of `data` if it is exactly the expected entry, else None."""
-        mv = memoryview(data)
-        if mv.ndim != 1 or mv.format != "B":
-            mv = mv.cast("B")
+        mv = memoryview(_as_bytes(data))
         n, header = self.header_bytes, self.header(key, digest, parent, tokens)
-        if len(mv) != self.total_bytes or bytes(data[:n]) != header:
+        if len(mv) != self.total_bytes or not _starts_with(mv, header):
             return None
         checksum = int.from_bytes(mv[-CHECKSUM_BYTES:], "little")
         if xxhash.xxh3_64_intdigest(mv[:-CHECKSUM_BYTES]) != checksum:
@@ -167,7 +165,15 @@ class EntryTemplate:
 _U64 = struct.Struct("<Q")
 
 
+def _as_bytes(data: bytes | memoryview) -> bytes | memoryview:
+    """`data` itself if it is bytes, else a flat byte view of it (len() counts bytes)."""
+    if isinstance(data, bytes):
+        return data
+    mv = memoryview(data)
+    return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
+
+
 def _starts_with(data: bytes | memoryview, prefix: bytes) -> bool:
     if isinstance(data, bytes):
         return data.startswith(prefix)
-    return bytes(memoryview(data).cast("B")[: len(prefix)]) == prefix
+    return bytes(data[: len(prefix)]) == prefix

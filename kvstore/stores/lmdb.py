@@ -99,6 +99,11 @@ class LmdbStore(SpillStore):
     def _used_pages(cls, txn: lmdb.Transaction, shared: SharedEnv) -> int:
         return cls._page_counts(txn, shared)[0]
 
+    @classmethod
+    def _tree_pages(cls, shared: SharedEnv) -> int:
+        with shared.env.begin() as txn:
+            return cls._page_counts(txn, shared)[1]
+
     # --------------------------------------------------------------- reads
 
     def count_prefix(self, keys: Sequence[bytes]) -> int:
@@ -164,12 +169,12 @@ class LmdbStore(SpillStore):
             return 0
         items = [(self._prefix + key, value) for key, value in items]
         psize, map_pages = self._pages(self._handle())
-        max_batch = int((self.high_water - self.low_water) * map_pages)
-        cost = [_data_pages(len(key), len(value), psize) for key, value in items]
-        too_big = sum(c > max_batch for c in cost)
-        fits = [(item, c) for item, c in zip(items, cost, strict=True) if c <= max_batch]
-        written = sum(self._put_batch(batch, need) for batch, need in _batches(fits, max_batch))
-        self._counters.add(writes=written, dropped_writes=too_big)
+        tree = self._run(self._tree_pages)
+        budget = (self.high_water - self.low_water) * map_pages  # pages one batch may cost
+        sized = [((k, v), _data_pages(len(k), len(v), psize)) for k, v in items]
+        fits = [(item, c) for item, c in sized if int(c) <= budget]
+        written = sum(self._put_batch(b, data) for b, data in _batches(fits, budget, tree))
+        self._counters.add(writes=written, dropped_writes=len(sized) - len(fits))
         return written
 
     def _put_batch(self, batch: list[tuple[bytes, bytes]], data_pages: float) -> int:
@@ -192,8 +197,7 @@ class LmdbStore(SpillStore):
         _, map_pages = self._pages(shared)
         with shared.env.begin() as txn:
             live, tree = self._page_counts(txn, shared)
-        # this commit's copies + the previous commit's replaced pages (not reusable yet)
-        need = data_pages + 2 * min(2 * len(batch) + 6, tree + 3)
+        need = data_pages + _reserve(len(batch), tree)
         if force or live + need > self.high_water * map_pages:
             target = max(0, int(self.low_water * map_pages - need))
             self._evict(shared, min(target, live // 2) if force else target, map_pages)
@@ -214,20 +218,22 @@ class LmdbStore(SpillStore):
         while True:
             try:
                 with shared.env.begin(write=True) as txn:
-                    done = self._evict_chunk(txn, shared, target_pages, chunk)
+                    evicted = self._evict_chunk(txn, shared, target_pages, chunk)
+                self._counters.add(evictions=evicted)  # committed
                 self._advance(shared)
             except lmdb.MapFullError:
                 if chunk == 1:
                     raise
                 chunk //= 2
                 continue
-            if done:
+            if evicted < chunk:  # at the target, or nothing left to evict
                 return
 
     def _evict_chunk(
         self, txn: lmdb.Transaction, shared: SharedEnv, target_pages: int, chunk: int
-    ) -> bool:
-        """Delete up to `chunk` oldest entries; True once live pages <= target or none left."""
+    ) -> int:
+        """Delete up to `chunk` oldest entries, fewer once live pages <= target or none are
+        left; returns how many."""
         cursor = txn.cursor(db=shared.order)
         evicted = 0
         while evicted < chunk:
@@ -238,8 +244,7 @@ class LmdbStore(SpillStore):
             txn.delete(key, db=shared.seq)
             txn.delete(key, db=shared.blocks)
             evicted += 1
-        self._counters.add(evictions=evicted)
-        return evicted < chunk
+        return evicted
 
     @staticmethod
     def _insert(txn: lmdb.Transaction, shared: SharedEnv, batch: list[tuple[bytes, bytes]]) -> int:
@@ -323,25 +328,38 @@ _ORDER_SEQ_BYTES = 2 * (_NODE_HEADER + 8 + 24)  # its "order" and "seq" records
 
 
 def _data_pages(key_bytes: int, value_bytes: int, psize: int) -> float:
-    """Pages an entry adds: a leaf node (a share of a page) or, when the node would exceed
-    half a page, an overflow run; plus its "order" and "seq" records."""
+    """Pages an entry adds: a leaf node (a share of a page) or, when the node is over LMDB's
+    node limit (a little under half a page), an overflow run; plus its "order" and "seq"
+    records."""
     node = _NODE_HEADER + key_bytes + value_bytes
-    if node > (psize - _PAGE_HEADER) // 2:
+    if node > _node_max(psize):
         return -(-(value_bytes + _PAGE_HEADER) // psize) + _ORDER_SEQ_BYTES / psize
     return (node + _ORDER_SEQ_BYTES) / psize
 
 
+def _node_max(psize: int) -> int:
+    return (((psize - _PAGE_HEADER) // 2) & ~1) - 2  # measured: 2038 bytes at 4 KiB pages
+
+
+def _reserve(num_entries: int, tree_pages: int) -> int:
+    """Pages copy-on-write needs beyond the data: the leaves and branches an insert of
+    `num_entries` copies (about one in "blocks" and one in "seq" per entry, random keys; at
+    most the whole tree), twice: the previous commit's replaced pages are not reusable yet."""
+    return 2 * min(2 * num_entries + 6, tree_pages + 3)
+
+
 def _batches(
-    items: list[tuple[tuple[bytes, bytes], float]], max_pages: int
+    items: list[tuple[tuple[bytes, bytes], float]], budget: float, tree_pages: int
 ) -> Iterator[tuple[list[tuple[bytes, bytes]], float]]:
-    """Split (item, cost) pairs into batches of at most `max_pages` estimated pages."""
+    """Split (item, data pages) pairs into batches whose data + reserve fit `budget` pages
+    (a batch holds at least one item), yielding each batch and its data pages."""
     batch: list[tuple[bytes, bytes]] = []
-    need = 0.0
-    for item, cost in items:
-        if batch and need + cost > max_pages:
-            yield batch, need
-            batch, need = [], 0.0
+    data = 0.0
+    for item, pages in items:
+        if batch and data + pages + _reserve(len(batch) + 1, tree_pages) > budget:
+            yield batch, data
+            batch, data = [], 0.0
         batch.append(item)
-        need += cost
+        data += pages
     if batch:
-        yield batch, need
+        yield batch, data

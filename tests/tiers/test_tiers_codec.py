@@ -19,6 +19,7 @@ from kvstore.codec import (
     encode_entry,
     read_header,
 )
+from kvstore.template import EntryTemplate
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 LOSSLESS = ["none", "lz4", "zstd"]
@@ -199,3 +200,23 @@ def test_encode_rejects_malformed_entries() -> None:
         assert info.value.reason == "input"
     with pytest.raises(EntryError):
         encode_entry(e, codec="gzip")
+
+
+@pytest.mark.parametrize("view", ["bytes", "byte view", "uint16 view"])
+def test_template_verifies_an_entry_however_its_buffer_is_typed(view: str) -> None:
+    ns = namespace()
+    chain = make_chain(ns, num_blocks=1)
+    e, value = chain.entries[0], chain.encoded[0]
+    views = {"bytes": value, "byte view": memoryview(value)}
+    data = views.get(view) or memoryview(value).cast("H")
+    template = EntryTemplate(ns.root(), torch.float32, tuple(e.kv.shape))
+    tokens = e.token_ids.astype("<u4").tobytes()
+    out = torch.empty_like(e.kv)
+    assert template.copy_verified(data, e.key, e.digest, e.parent, tokens, out)
+    assert torch.equal(out, e.kv)
+    assert torch.equal(template.kv(data, e.key, e.digest, e.parent, tokens), e.kv)
+    # the control: one flipped payload bit fails both
+    damaged = bytearray(value)
+    damaged[-CHECKSUM_BYTES - 1] ^= 1
+    assert not template.copy_verified(bytes(damaged), e.key, e.digest, e.parent, tokens, out)
+    assert template.kv(bytes(damaged), e.key, e.digest, e.parent, tokens) is None

@@ -94,7 +94,8 @@ def test_a_small_map_keeps_taking_writes_of_any_entry_size(
         assert s.entries + s.evictions == 2560
         keys = [k for k, _ in items]
         assert present(store, keys) == [False] * s.evictions + [True] * s.entries  # FIFO
-        assert s.bytes <= 0.9 * MAP_BYTES
+        # the reserve is bounded by a batch's budget: eviction keeps the map well used
+        assert 0.5 * MAP_BYTES <= s.bytes <= 0.9 * MAP_BYTES
 
 
 def test_lmdb_store_drops_an_entry_too_big_for_the_map_and_keeps_serving(tmp_path: Path) -> None:
