@@ -11,6 +11,17 @@ As found with transformers 5.23 on CPU:
   "ContinuousBatchingLogger", which `counting_prefix_matches` counts with a logging filter.
 - Pages default to 256 tokens; left to itself the paged cache fills most of the free RAM,
   tens of seconds on CPU. `cb_config` sets both.
+- `generate_batch` starts the manager's generation thread and stops it on return (thread
+  join, `gc.collect`), even with `persistent_manager=True`: about 0.3 s per call on CPU. A
+  server instead keeps one manager running (`continuous_batching_context_manager`) and feeds
+  it with `add_request`, collecting each result with `get_result(request_id)`; hashed blocks
+  outlive the request that filled them, so later requests match them.
+
+The two peer modes, each `(model, warm, prompts, gen, cb, counter, bar) -> (seconds, outputs)`
+with the warm-up prompts served first, outside the timing and the matched-token count:
+- `run_batch`: every prompt in one `generate_batch` call (CB's natural mode);
+- `serve_in_order`: one running manager fed one request at a time, each sent once the previous
+  one's result is back, as kvstore's engine serves them.
 """
 
 from __future__ import annotations
@@ -18,6 +29,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -84,8 +96,9 @@ def pages_for(prompts: Sequence[Sequence[int]], new_tokens: int, page_size: int)
 
 
 def checked_outputs(out: dict, requests: int, new_tokens: int) -> list[list[int]]:
-    """The generated tokens of a `generate_batch` result, in input order; RuntimeError if a
-    request is missing, failed or generated another number of tokens."""
+    """The generated tokens of CB's results by request id (as `generate_batch` returns them, in
+    input order); RuntimeError if a request is missing, failed or generated another number of
+    tokens."""
     results = list(out.values())
     errors = [r.error for r in results if r.error is not None]
     if len(results) != requests or errors:
@@ -94,3 +107,65 @@ def checked_outputs(out: dict, requests: int, new_tokens: int) -> list[list[int]
     if lengths != {new_tokens}:
         raise RuntimeError(f"generated {sorted(lengths)} tokens, not {new_tokens}")
     return [list(r.generated_tokens) for r in results]
+
+
+REQUEST_TIMEOUT_S = 300.0  # per served request: a stuck manager fails the mode, never hangs it
+
+
+def workload_hints(prompts: Sequence[Sequence[int]], new_tokens: int):
+    """The hints `generate_batch` derives from its inputs (they size the block table and batch)."""
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    return WorkloadHints(
+        max_prompt_length=max(map(len, prompts)),
+        max_generated_length=new_tokens,
+        num_requests=len(prompts),
+    )
+
+
+def run_batch(model, warm, prompts, gen, cb, counter, bar) -> tuple[float, list[list[int]]]:
+    """Every prompt in one `generate_batch` call, on a persistent manager that the warm-up call
+    created and sized."""
+    model.generate_batch(warm, gen, cb, persistent_manager=True)
+    counter.tokens = 0
+    start = time.perf_counter()
+    out = model.generate_batch(prompts, gen, cb, persistent_manager=True)
+    outputs = checked_outputs(out, len(prompts), gen.max_new_tokens)
+    bar.update(len(prompts))
+    return time.perf_counter() - start, outputs
+
+
+def serve_in_order(model, warm, prompts, gen, cb, counter, bar) -> tuple[float, list[list[int]]]:
+    """One running manager, fed the warm-up prompts then the workload's, one request at a time;
+    only the workload is timed (the manager's stop on exit is not)."""
+    new_tokens = gen.max_new_tokens
+    hints = workload_hints(prompts, new_tokens)
+    with model.continuous_batching_context_manager(
+        gen, block=True, timeout=5, continuous_batching_config=cb, workload_hints=hints
+    ) as manager:
+        for ids in warm:
+            serve_one(manager, ids, new_tokens)
+        counter.tokens = 0
+        start, outputs = time.perf_counter(), []
+        for ids in prompts:
+            outputs.append(serve_one(manager, ids, new_tokens))
+            bar.update(1)
+        return time.perf_counter() - start, outputs
+
+
+def serve_one(manager, ids: list[int], new_tokens: int) -> list[int]:
+    """Adds one request to a running manager and waits for its result: its generated tokens.
+    RuntimeError if the request is refused or fails or the loop stops without answering,
+    TimeoutError after `REQUEST_TIMEOUT_S`."""
+    request_id = manager.add_request(ids, max_new_tokens=new_tokens)
+    if request_id is None:
+        raise RuntimeError("the CB manager refused a request (stopping or stopped)")
+    deadline = time.monotonic() + REQUEST_TIMEOUT_S
+    while True:
+        running = manager.is_running()  # read first: a loop already gone has delivered all
+        if (result := manager.get_result(request_id, timeout=0.1)) is not None:
+            return checked_outputs({request_id: result}, 1, new_tokens)[0]
+        if not running:
+            raise RuntimeError("the CB generation loop stopped without answering a request")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no CB result after {REQUEST_TIMEOUT_S:.0f} s")

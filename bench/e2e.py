@@ -4,23 +4,26 @@ Each workload (bench/workloads.py, scaled down) runs three ways in the same proc
 - nocache: HF `model.generate` per request, greedy, no prefix cache;
 - kvstore: `Engine.run` per request, in arrival order, with a device-tier PrefixCache
   (warm-up excluded);
-- peer: transformers continuous batching (CB) with block sharing (`generate_batch`,
-  `ContinuousBatchingConfig(allow_block_sharing=True)`, `persistent_manager=True`), in two
-  modes, each on a fresh manager created and sized by an excluded warm-up call on a batch of
-  the same shape but unrelated tokens:
-  - batch: every prompt in one `generate_batch` call (CB's natural mode, best batching);
-  - arrival: one request per call, in arrival order, as the engine gets them (multi-turn
-    prompts are fixed by the workload, not built from earlier outputs, for all three runs).
+- peer: transformers continuous batching (CB) with block sharing
+  (`ContinuousBatchingConfig(allow_block_sharing=True)`), in two modes, each on a fresh
+  manager that first serves, outside timing, a warm-up of the same shape as the workload but
+  unrelated tokens (bench/cb_peer.py):
+  - batch: every prompt in one `generate_batch` call on a persistent manager (CB's natural
+    mode, best batching; the call's manager start and stop are timed);
+  - serving: one long-lived running manager fed as a server would be, one `add_request` at a
+    time in arrival order, each sent once the previous result is back, as the engine serves
+    them (multi-turn prompts are fixed by the workload, not built from earlier outputs, for
+    all three runs).
   Each mode reports its total time, `cb_prefix_matched_tokens` (summed from CB's DEBUG
   "Found a prefix match" records, its only trace of sharing: see bench/cb_peer.py) and how
   many outputs equal HF `generate`'s; the peer's `total_s` and `kvstore_speedup_over_peer`
   are those of the faster mode (`best_mode`). CB hashes a request's blocks only after its
   prefill forward, so prompts prefilled together share nothing: batch mode matches little or
-  nothing, arrival mode what the earlier requests' whole pages hold. Each arrival call also
-  pays CB's per-call start and teardown (thread stop and join, `gc.collect`). Pages are
+  nothing, serving mode what the earlier requests' whole pages hold. Pages are
   `--block-size` tokens, as kvstore's blocks, and the paged cache holds the warm-up's and the
   workload's pages (`num_blocks`), so nothing is evicted and CB does not size it from free
-  RAM (tens of seconds on CPU). A mode that fails reports `error`, printed under the table.
+  RAM (tens of seconds on CPU). A mode that fails (error, stopped loop, a request unanswered
+  after a timeout) reports `error`, printed under the table.
 
 Ideal speedup. `reusable_tokens` is what an unbounded prefix cache could skip: per request,
 the longest block-aligned prefix of its prompt that an earlier request's stored tokens
@@ -47,10 +50,11 @@ import torch
 
 from bench.cb_peer import (
     cb_config,
-    checked_outputs,
     counting_prefix_matches,
     greedy_config,
     pages_for,
+    run_batch,
+    serve_in_order,
 )
 from bench.ttft import FirstTokenClock
 
@@ -69,7 +73,8 @@ SCALES = {
     },
 }  # fmt: skip
 PEER_NAME = "transformers continuous batching (allow_block_sharing)"
-PEER_MODES = ("batch", "arrival")
+PEER_RUNS = {"batch": run_batch, "serving": serve_in_order}
+PEER_MODES = tuple(PEER_RUNS)
 
 
 class RunResult(NamedTuple):
@@ -192,24 +197,15 @@ def run_peer(lm, prompts: list[list[int]], nocache: RunResult, new_tokens: int, 
 
 
 def run_peer_mode(lm, prompts, new_tokens: int, block: int, mode: str, counter, bar) -> dict:
-    """One mode on a fresh persistent manager, after a warm-up batch of unrelated tokens."""
+    """One mode on a fresh manager, after a warm-up on prompts of the same shape."""
     model = lm.model
     warm = [[(t + 97) % 256 for t in reversed(p)] for p in prompts]  # same shape, no shared blocks
     # room for the warm-up's blocks and the workload's: a full cache evicts every cached block
     blocks = 2 * pages_for(prompts, new_tokens, block) + 2 * len(prompts) + 8
     cb, gen = cb_config(block, blocks), greedy_config(model, new_tokens)
-    calls = [prompts] if mode == "batch" else [[p] for p in prompts]
-    outputs: list[list[int]] = []
     try:
         model.destroy_cached_continuous_batching_manager()
-        model.generate_batch(warm, gen, cb, persistent_manager=True)  # creates and sizes it
-        counter.tokens = 0
-        start = time.perf_counter()
-        for batch in calls:
-            out = model.generate_batch(batch, gen, cb, persistent_manager=True)
-            outputs += checked_outputs(out, len(batch), new_tokens)
-            bar.update(len(batch))
-        total = time.perf_counter() - start
+        total, outputs = PEER_RUNS[mode](model, warm, prompts, gen, cb, counter, bar)
     except Exception as e:  # reported in the output, never hidden
         return {"num_blocks": blocks, "error": f"{type(e).__name__}: {e}"}
     finally:
@@ -301,7 +297,7 @@ def print_table(rows: list[dict]) -> None:
 
     table = Table(title="End-to-end, tiny model fp32, device tier vs HF generate (no cache)")
     cols = ("workload", "reqs", "prompt tok", "cached", "reusable", "no cache s", "kvstore s",
-            "speedup", "ideal", "ratio", "CB batch s (matched)", "CB arrival s (matched)",
+            "speedup", "ideal", "ratio", "CB batch s (matched)", "CB serving s (matched)",
             "kvstore vs CB")  # fmt: skip
     for col in cols:
         table.add_column(col, justify="right")

@@ -7,6 +7,7 @@ import json
 import pytest
 from transformers import LlamaConfig
 
+from bench.cb_peer import cb_config, greedy_config, serve_one
 from bench.e2e import PEER_NAME, RunResult, ideal_time, main, per_request_reusable, reusable_tokens
 from engine.model import BYTE_VOCAB_SIZE, LoadedModel, byte_tokenizer, random_model, wrap_model
 
@@ -62,14 +63,16 @@ def test_e2e_peer_reports_both_cb_modes_with_exact_prefix_matched_tokens(
     assert main(argv, model=micro) == 0
     rows = json.loads(capsys.readouterr().out)["workloads"]
     # prompts submitted together are prefilled before any block is hashed: batch shares nothing;
-    # one request per call shares every whole 4-token page an earlier request stored
+    # serving one request at a time shares every whole 4-token page an earlier request stored
     expected = {
-        "shared-prefix": {"batch": 0, "arrival": 128},
-        "multiturn": {"batch": 0, "arrival": 92},
+        "shared-prefix": {"batch": 0, "serving": 128},
+        "multiturn": {"batch": 0, "serving": 92},
     }
     for r in rows:
         peer = r["peer"]
         assert (peer["name"], peer["page_size"]) == (PEER_NAME, 4)
+        assert list(peer["modes"]) == ["batch", "serving"]
+        assert "error" not in peer["modes"]["serving"]  # the running manager answers every request
         for mode, result in peer["modes"].items():
             if "error" in result:  # a failing mode is reported, never hidden
                 assert "total_s" not in result and result["error"]
@@ -79,12 +82,18 @@ def test_e2e_peer_reports_both_cb_modes_with_exact_prefix_matched_tokens(
             assert result["num_blocks"] == {"shared-prefix": 168, "multiturn": 98}[r["workload"]]
             assert result["same_outputs"] == r["requests"]
         timed = {m: v["total_s"] for m, v in peer["modes"].items() if "total_s" in v}
-        if not timed:
-            assert peer["error"].startswith("batch: ")
-            continue
         assert peer["best_mode"] == min(timed, key=timed.__getitem__)
         assert peer["total_s"] == timed[peer["best_mode"]]
         assert peer["kvstore_speedup_over_peer"] == pytest.approx(peer["total_s"] / r["kvstore_s"])
+
+
+def test_serving_on_a_stopped_cb_manager_raises_instead_of_waiting(micro: LoadedModel) -> None:
+    model = micro.model
+    gen, cb = greedy_config(model, 2), cb_config(4, 16)
+    with model.continuous_batching_context_manager(gen, continuous_batching_config=cb) as manager:
+        assert len(serve_one(manager, list(range(9)), 2)) == 2
+    with pytest.raises(RuntimeError, match="refused a request"):
+        serve_one(manager, list(range(9)), 2)
 
 
 def test_e2e_rejects_an_unknown_workload(capsys) -> None:
