@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from engine.engine import GenerateResult
 
@@ -42,6 +42,11 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return ApiError(400, message, param=param, code=code)
 
 
+# fields OpenAI's API declares nullable whose null means their default value
+NULL_MEANS_DEFAULT = ("temperature", "top_p", "n", "presence_penalty", "frequency_penalty",
+                      "stream", "max_tokens", "echo", "logprobs")  # fmt: skip
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -53,20 +58,26 @@ class _Common(BaseModel):
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    temperature: float | None = Field(default=1.0, ge=0.0, le=2.0)  # null: the default
+    top_p: float | None = Field(default=1.0, gt=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)  # what torch can seed
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     cache_salt: Any = None  # validated by the server (400 with its own message)
-    n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    n: int | None = 1
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False  # extension (as vLLM): decode up to max_tokens
     return_token_ids: bool = False  # extension: each choice carries its output token ids
+
+    @field_validator(*NULL_MEANS_DEFAULT, mode="after", check_fields=False)
+    @classmethod
+    def _null_is_the_default(cls, value: object, info: ValidationInfo) -> object:
+        """OpenAI's API lets a client send null for these: it means the default."""
+        return cls.model_fields[info.field_name].default if value is None else value
 
     def unsupported(self) -> list[tuple[str, str]]:
         """(param, why) of every set field the engine cannot honour."""
@@ -95,7 +106,7 @@ class _Common(BaseModel):
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1)
-    echo: bool = False
+    echo: bool | None = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # vLLM's name for prompt logprobs
     best_of: int | None = None
@@ -151,7 +162,7 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
