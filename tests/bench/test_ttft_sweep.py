@@ -24,13 +24,10 @@ def test_sweep_reports_every_tier_with_both_peers_and_writes_the_plot(tmp_path, 
         assert p["same_first_token"] is True
         assert p["ratio_to_ideal"] == pytest.approx(p["ttft_kvstore_s"] / p["ttft_ideal_s"])
         assert p["ttft_hf_generate_s"] > 0
-        if p["ttft_cb_s"] is None:  # a failing peer is reported, never hidden
-            assert p["cb_error"].startswith("transformers CB, block sharing: ")
-        else:
-            assert "cb_error" not in p
-            assert 0 < p["ttft_cb_first_token_s"] < p["ttft_cb_s"]
-            # the probe took exactly the shared prefix from the seed's blocks, nothing more
-            assert p["cb_prefix_matched_tokens"] == 32
+        assert "cb_error" not in p, p.get("cb_error")  # the peer runs with this transformers
+        assert 0 < p["ttft_cb_first_token_s"] < p["ttft_cb_s"]
+        # the probe took exactly the shared prefix from the seed's blocks, nothing more
+        assert p["cb_prefix_matched_tokens"] == 32
     assert (tmp_path / "ttft_sweep.png").stat().st_size > 0
 
 
