@@ -73,10 +73,10 @@ def markdown(outcomes: list[FaultOutcome], scale: str, elapsed_s: float) -> str:
         "(2 layers, hidden 64, fp32) with real LMDB and a private redis-server. *Wrong outputs*:",
         "greedy tokens that differ from an independent no-cache forward where its top-2 logit gap",
         "exceeds 1e-4, plus any cross-tenant or past-a-gap cached token (HTTP fuzzing: any answer",
-        "to a bad request other than a 4xx, or any change of the index). *Lost entries*:",
+        "to a bad request other than its 4xx, or any change of the index). *Lost entries*:",
         "acknowledged writes later missing with no eviction, TTL or verification failure to",
         "explain them. Must-haves: wrong outputs 0, lost entries 0, every request succeeds (HTTP",
-        "fuzzing: is refused with a 4xx by a server that stays up), every injected corruption",
+        "fuzzing: is refused with its 4xx by a server that stays up), every injected corruption",
         "detected.",
         "",
         "| Fault | Injected | Requests sent / succeeded | Wrong outputs | Lost entries "
