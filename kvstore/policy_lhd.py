@@ -14,17 +14,21 @@ Two changes fit it to a prefix cache that is small against the reuse distance:
 - Return ages are learned from ghosts, not only from hits while resident: an evicted run
   leaves its tag with its hit count and last use, and when the same content is inserted again
   within `horizon` capacities its return counts at its true age (all the blocks of the
-  returning run: those evicted and those the returning request adds after them, which
-  measured better than counting the evicted blocks alone), and it gets its old hit count
-  back (plus one). Plain LHD sees only the returns that its own evictions allowed, so a
-  cache that evicts everything before the typical return never learns that it comes.
+  returning run, which measured better than counting the evicted blocks alone: the blocks
+  the returning request adds after those evicted count as intervals of the ghost's class
+  that start and return together, so a class never counts more returns than starts), and it
+  gets its old hit count back (plus one). Plain LHD sees only the returns that its own
+  evictions allowed, so a cache that evicts everything before the typical return never
+  learns that it comes.
 - Density looks ahead `window` capacities, not over the entry's whole future: expected
   returns in the window over the expected blocks-times occupied in it.
 
 Time is the count of blocks inserted (it runs at the same pace whatever the policy evicts),
-ages are bucketed in quarters of the capacity, hits are counted in blocks. Victims are the
-minimum of `samples` evictable entries drawn at random (seeded: replays are deterministic),
-or of all of them when there are fewer; ties go to the least recently used.
+ages are bucketed in quarters of the capacity, hits are counted in blocks. Counts decay at
+each refresh of the table, and a return is weighted by the decay its start has had since, so
+the two stay comparable. Victims are the minimum of `samples` evictable entries drawn at
+random (seeded: replays are deterministic), or of all of them when there are fewer; ties go
+to the least recently used.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ class LHDParams:
     buckets_per_capacity: int = 4  # age resolution
     window: float = 3.0  # how far ahead density looks, in capacities
     samples: int = 32  # evictable entries compared per victim
-    decay: float = 0.98  # counts kept per refresh (one refresh per half capacity inserted)
+    decay: float = 0.99  # counts kept per refresh (one refresh per half capacity inserted)
     prior: float = 0.1  # pseudo-blocks per class following the pooled counts, in capacities
     seed: int = 0
 
@@ -76,6 +80,7 @@ class _ReturnModel:
         self.returns = np.zeros(shape)
         self.starts = np.zeros(params.classes)
         self.density = np.ones(shape)  # all equal until the first refresh: LRU order
+        self.epoch = 0  # refreshes so far: counts decay once per refresh
 
     def cls(self, hits: int) -> int:
         return min(hits, self.params.classes - 1)
@@ -86,8 +91,11 @@ class _ReturnModel:
     def start(self, hits: int, size: int) -> None:
         self.starts[self.cls(hits)] += size
 
-    def returned(self, hits: int, age: int, size: int) -> None:
-        self.returns[self.cls(hits), self.bucket(age)] += size
+    def returned(self, hits: int, age: int, size: int, since: int) -> None:
+        """Blocks back at `age` that started their interval at epoch `since`, weighted as
+        their start now is (decayed once per refresh since), so returns never exceed starts."""
+        weight = self.params.decay ** (self.epoch - since)
+        self.returns[self.cls(hits), self.bucket(age)] += size * weight
 
     def refresh(self) -> None:
         """Density per (class, age bucket): returns in the next `window` buckets over the
@@ -96,6 +104,10 @@ class _ReturnModel:
         returns = self.returns + self.prior_blocks * pooled
         starts = self.starts + self.prior_blocks
         away = starts[:, None] - (np.cumsum(returns, axis=1) - returns)
+        # Blocks away at a bucket are at least those that return at it or later, so that the
+        # density never exceeds 1 (a float rounding apart), whatever the counts; the last
+        # floor only turns 0 / 0 (no counts, no prior) into 0.
+        away = np.maximum(away, np.cumsum(returns[:, ::-1], axis=1)[:, ::-1])
         away = np.maximum(away, 1e-9)
         cum_r = np.pad(np.cumsum(returns, axis=1), ((0, 0), (1, 0)))
         cum_a = np.pad(np.cumsum(away, axis=1), ((0, 0), (1, 0)))
@@ -104,19 +116,22 @@ class _ReturnModel:
         self.density = (cum_r[:, hi] - cum_r[:, lo]) / (cum_a[:, hi] - cum_a[:, lo])
         self.returns *= self.params.decay
         self.starts *= self.params.decay
+        self.epoch += 1
 
 
 class _Entry:
-    __slots__ = ("evictable", "hits", "last", "size")
+    __slots__ = ("epoch", "evictable", "hits", "last", "size")
 
-    def __init__(self, size: int, hits: int, last: int):
-        self.size, self.hits, self.last = size, hits, last
+    def __init__(self, size: int, hits: int, last: int, epoch: int):
+        self.size, self.hits, self.last, self.epoch = size, hits, last, epoch
         self.evictable = False
 
 
 class _Ghost(NamedTuple):
     hits: int
     last: int  # time of last use
+    size: int  # blocks evicted
+    epoch: int  # model epoch when its interval started
 
 
 class _Ghosts:
@@ -167,11 +182,11 @@ class LHDPolicy(Policy):
             raise KeyError(f"policy entry {key} already exists")
         if like is not None:  # a split: the new head keeps the history of the run
             src = self._entries[like]
-            self._entries[key] = _Entry(size, src.hits, src.last)
+            self._entries[key] = _Entry(size, src.hits, src.last, src.epoch)
             return
         hits = self._returning_hits(tag, size)
         self._clock += size
-        self._entries[key] = _Entry(size, hits, self._clock)
+        self._entries[key] = _Entry(size, hits, self._clock, self._model.epoch)
         self._model.start(hits, size)
         if self._clock >= self._next_refresh:
             self._model.refresh()
@@ -181,19 +196,21 @@ class LHDPolicy(Policy):
         entry = self._entries.pop(key)
         if entry.evictable:
             self._drop(key)
-        self._remember(tag, entry)
+        self._remember(tag, entry, entry.size)
 
     def resize(self, key: int, size: int, tag: int | None = None) -> None:
         entry = self._entries[key]
         if size < entry.size:
-            self._remember(tag, entry)
+            self._remember(tag, entry, entry.size - size)
+        else:  # blocks added to a run start with it: it can return them all
+            self._model.start(entry.hits, size - entry.size)
         entry.size = size
 
     def access(self, key: int) -> None:
         entry = self._entries[key]
-        self._model.returned(entry.hits, self._clock - entry.last, entry.size)
+        self._model.returned(entry.hits, self._clock - entry.last, entry.size, entry.epoch)
         entry.hits += 1
-        entry.last = self._clock
+        entry.last, entry.epoch = self._clock, self._model.epoch
         self._model.start(entry.hits, entry.size)
 
     def touch(self, key: int) -> None:
@@ -228,10 +245,34 @@ class LHDPolicy(Policy):
         slots = {k: i for i, k in enumerate(self._evictable)}
         if slots != self._slot:
             raise IntegrityError("LHD evictable slots out of sync")
-        if not np.isfinite(self._model.density).all():
-            raise IntegrityError("LHD density table is not finite")
+        model = self._model
+        if not (np.isfinite(model.density).all() and model.density.max() <= 1.0 + 1e-9):
+            raise IntegrityError("LHD density table is not finite or exceeds 1")
+        if (model.returns.sum(axis=1) > model.starts * (1.0 + 1e-9) + 1e-9).any():
+            raise IntegrityError("LHD counts more returns than starts in a hit-count class")
 
     # --- helpers -------------------------------------------------------------------------
+    @property
+    def evictable_count(self) -> int:
+        """Entries that `victim` may choose."""
+        return len(self._evictable)
+
+    @property
+    def ghost_count(self) -> int:
+        """Evicted runs remembered (tags whose content would count as a return)."""
+        return len(self._ghosts.tags)
+
+    @property
+    def class_counts(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per hit-count class: blocks that started an interval and blocks that returned
+        (both decayed as they age), as copies."""
+        return self._model.starts.copy(), self._model.returns.sum(axis=1)
+
+    @property
+    def max_density(self) -> float:
+        """The largest value of the current density table."""
+        return float(self._model.density.max())
+
     def hits(self, key: int) -> int:
         """Hits of an entry, counting those of its content before an eviction it came back from."""
         return self._entries[key].hits
@@ -254,14 +295,21 @@ class LHDPolicy(Policy):
             self._slot[last] = slot
 
     def _returning_hits(self, tag: int | None, size: int) -> int:
-        """Hit count of new content: 0, or one more than before if it comes back from a ghost
-        (whose return then counts, for the whole returning run: see the module docstring)."""
+        """Hit count of new content: 0, or one more than before if it comes back from a ghost.
+        The return counts for the whole returning run (see the module docstring): the evicted
+        blocks as returns of the interval they started, the blocks the returning request adds
+        after them as intervals of the ghost's class that start now and return at its age (so
+        a class never counts more returns than starts)."""
         ghost = self._ghosts.pop(tag, self._clock)
         if ghost is None:
             return 0
-        self._model.returned(ghost.hits, self._clock - ghost.last, size)
+        model, age, back = self._model, self._clock - ghost.last, min(size, ghost.size)
+        model.returned(ghost.hits, age, back, ghost.epoch)
+        if size > back:
+            model.start(ghost.hits, size - back)
+            model.returned(ghost.hits, age, size - back, model.epoch)
         return ghost.hits + 1
 
-    def _remember(self, tag: int | None, entry: _Entry) -> None:
+    def _remember(self, tag: int | None, entry: _Entry, size: int) -> None:
         if tag is not None:
-            self._ghosts.add(tag, _Ghost(entry.hits, entry.last), self._clock)
+            self._ghosts.add(tag, _Ghost(entry.hits, entry.last, size, entry.epoch), self._clock)
