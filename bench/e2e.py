@@ -56,7 +56,7 @@ from bench.cb_peer import (
     run_batch,
     serve_in_order,
 )
-from bench.ttft import FirstTokenClock
+from bench.ttft_point import FirstTokenClock
 
 SCALES = {
     "small": {

@@ -1,0 +1,184 @@
+"""One TTFT point of `bench ttft`: a prompt, a cached prefix in one tier, and the three
+variants (no cache, ideal, kvstore) timed in interleaved rounds (see bench/ttft.py)."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+from transformers import DynamicCache
+
+TIERS = ("device", "memory", "lmdb", "redis")
+
+
+def full_kv(model, ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-layer (K, V) of a full prefill: [1, kv_heads, len(ids), head_dim]."""
+    past = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([ids]), past_key_values=past)
+    return [(layer.keys, layer.values) for layer in past.layers]
+
+
+def clone_prefix(model, kv: list, cached: int) -> DynamicCache:
+    past = DynamicCache(config=model.config)
+    for layer, (k, v) in zip(past.layers, kv, strict=True):
+        k, v = k[:, :, :cached].clone(), v[:, :, :cached].clone()
+        layer.lazy_initialization(k, v)
+        layer.keys, layer.values = k, v
+    return past
+
+
+def suffix_first_token(model, ids: list[int], past: DynamicCache) -> int:
+    start = past.get_seq_length()
+    positions = torch.arange(start, len(ids)).unsqueeze(0)
+    out = model(
+        input_ids=torch.tensor([ids[start:]]),
+        position_ids=positions,
+        past_key_values=past,
+        logits_to_keep=1,
+    )
+    return int(torch.argmax(out.logits[0, -1]))
+
+
+def cache_config_for(tier: str, args: argparse.Namespace, num_blocks: int, tmp: str):
+    """Only `tier` besides the device pool; write-through so a store reaches it at once."""
+    from kvstore.config import CacheConfig
+
+    base = {"block_size": args.block_size, "device": "cpu", "device_blocks": num_blocks + 8}
+    if tier == "memory":
+        base.update(memory_cache_gb=1.0, memory_write_policy="write-through")
+    elif tier == "lmdb":
+        base.update(lmdb_dir=args.lmdb_dir or tmp, lmdb_write_policy="write-through")
+    elif tier == "redis":
+        if not args.redis_url:
+            raise SystemExit("tier 'redis' needs --redis-url (e.g. redis://127.0.0.1:6379/0)")
+        base.update(redis_url=args.redis_url, redis_write_policy="write-through")
+    return CacheConfig(**base)
+
+
+def hold_only_in_tier(cache, tier: str) -> None:
+    """Drop the device copy so the next lookup must fetch from `tier` (outside timing)."""
+    if tier != "device":
+        cache.flush()
+        cache.evict_device()
+        cache.flush()
+
+
+def round_order(round_: int) -> list[str]:
+    """ideal and kvstore run back to back (their order alternates); nocache goes around them."""
+    pair = ["ideal", "kvstore"] if round_ % 2 == 0 else ["kvstore", "ideal"]
+    return ["nocache", *pair] if round_ % 4 < 2 else [*pair, "nocache"]
+
+
+def timed(fn: Callable[[], int]) -> tuple[float, int]:
+    gc.collect()
+    start = time.perf_counter()
+    token = fn()
+    return time.perf_counter() - start, token
+
+
+def measure_point(lm, ids: list[int], kv: list, tier: str, cached: int, args) -> dict:
+    from engine.engine import Engine
+
+    with tempfile.TemporaryDirectory() as tmp:
+        config = cache_config_for(tier, args, cached // args.block_size, tmp)
+        with Engine(lm, config) as engine:
+            for store in engine.cache.tiers.stores if engine.cache.tiers else ():
+                store.clear()  # exactly this prefix: nothing left from an earlier point or run
+            layers = [(k[:, :, :cached], v[:, :, :cached]) for k, v in kv]
+            engine.cache.store(ids[:cached], layers)
+            return measure_variants(engine, ids, kv, tier, cached, args)
+
+
+def measure_variants(engine, ids: list[int], kv: list, tier: str, cached: int, args) -> dict:
+    """Interleaved rounds of the three variants; medians and the paired kvstore/ideal ratio."""
+    model = engine.model.model
+
+    def nocache() -> int:
+        return suffix_first_token(model, ids, DynamicCache(config=model.config))
+
+    def ideal(past: DynamicCache) -> int:
+        return suffix_first_token(model, ids, past)
+
+    def kvstore() -> int:
+        pre = engine.prefill(ids)
+        if pre.cached_tokens != cached:
+            raise RuntimeError(f"{tier}: loaded {pre.cached_tokens} tokens, expected {cached}")
+        return int(torch.argmax(pre.logits))
+
+    times: dict[str, list[float]] = {"nocache": [], "ideal": [], "kvstore": []}
+    tokens = set()
+    with torch.inference_mode():
+        for round_ in range(args.runs + 1):  # round 0 is the warm-up
+            for name in round_order(round_):
+                hold_only_in_tier(engine.cache, tier)  # outside the timed region
+                if name == "ideal":
+                    past = clone_prefix(model, kv, cached)  # outside the timed region
+                    elapsed, token = timed(lambda p=past: ideal(p))
+                else:
+                    elapsed, token = timed(nocache if name == "nocache" else kvstore)
+                tokens.add(token)
+                if round_:
+                    times[name].append(elapsed)
+    return summarize(times, tier, len(ids), cached, len(tokens) == 1)
+
+
+def summarize(times: dict, tier: str, prompt_tokens: int, cached: int, same: bool) -> dict:
+    median = {name: statistics.median(values) for name, values in times.items()}
+    paired = [k / i for k, i in zip(times["kvstore"], times["ideal"], strict=True)]
+    return {
+        "tier": tier,
+        "prompt_tokens": prompt_tokens,
+        "cached_tokens": cached,
+        "ttft_nocache_s": median["nocache"],
+        "ttft_ideal_s": median["ideal"],
+        "ttft_kvstore_s": median["kvstore"],
+        "ratio_to_ideal": statistics.median(paired),
+        "same_first_token": same,
+    }
+
+
+def print_table(
+    points: list[dict], args: argparse.Namespace, extra: Sequence[tuple[str, Callable]] = ()
+) -> None:
+    """`extra`: (column, point -> cell text) pairs after the fixed columns."""
+    from rich.console import Console
+    from rich.table import Table
+
+    title = f"TTFT, tiny model fp32, {args.threads} threads, median of {args.runs}"
+    table = Table(title=title)
+    cols = ("tier", "prompt", "cached", "no cache ms", "ideal ms", "kvstore ms", "ratio")
+    for col in cols + tuple(name for name, _ in extra):
+        table.add_column(col, justify="right")
+    for p in points:
+        table.add_row(
+            p["tier"],
+            str(p["prompt_tokens"]),
+            str(p["cached_tokens"]),
+            f"{p['ttft_nocache_s'] * 1e3:.1f}",
+            f"{p['ttft_ideal_s'] * 1e3:.1f}",
+            f"{p['ttft_kvstore_s'] * 1e3:.1f}",
+            f"{p['ratio_to_ideal']:.3f}",
+            *(cell(p) for _, cell in extra),
+        )
+    Console().print(table)
+
+
+class FirstTokenClock:
+    """A generate streamer noting when the first generated token arrives."""
+
+    def __init__(self) -> None:
+        self.calls, self.first = 0, None
+
+    def put(self, value: torch.Tensor) -> None:
+        self.calls += 1
+        if self.calls == 2:  # call 1 is the prompt
+            self.first = time.perf_counter()
+
+    def end(self) -> None:
+        pass
