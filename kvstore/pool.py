@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from hashing import Namespace
+from kvstore.codec import tensor_bytes
 from kvstore.config import CacheConfig
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -55,7 +56,9 @@ class BlockPool:
         shape = (num_blocks, ns.num_layers, 2, ns.num_kv_heads, ns.block_size, ns.head_dim)
         self.kv = torch.empty(shape, dtype=self.dtype, device=device)
         self.bytes_per_block = self.kv[0].numel() * self.kv.element_size()
-        self._raw = _raw_bytes(self.kv) if device.type == "cpu" else None  # flat, writable
+        # flat and writable, in the entry payload's byte order (a big-endian host has none)
+        little_cpu = device.type == "cpu" and sys.byteorder == "little"
+        self._raw = tensor_bytes(self.kv) if little_cpu else None
         self.ref_cnt = np.zeros(num_blocks, dtype=np.int32)
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # stack: pops 0, 1, 2...
 
@@ -144,12 +147,3 @@ class BlockPool:
 
     def free_block_ids(self) -> list[int]:
         return list(self._free)
-
-
-def _raw_bytes(kv: torch.Tensor) -> memoryview | None:
-    """The pool's bytes as one flat writable view, in the entry payload's order (C order,
-    little-endian), or None where they differ (a big-endian host)."""
-    if sys.byteorder != "little":
-        return None
-    view = kv.view(torch.int16) if kv.dtype == torch.bfloat16 else kv  # numpy has no bf16
-    return memoryview(view.numpy()).cast("B")

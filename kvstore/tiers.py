@@ -316,5 +316,4 @@ def _as_tensor(
     """A destination block as a tensor (raw bytes of a CPU pool block are viewed, no copy)."""
     if isinstance(dst, torch.Tensor):
         return dst
-    raw_dtype = torch.int16 if dtype == torch.bfloat16 else dtype
-    return torch.frombuffer(dst, dtype=raw_dtype).view(dtype).view(shape)
+    return torch.frombuffer(dst, dtype=torch.uint8).view(dtype).view(shape)

@@ -57,10 +57,6 @@ def long_model(model: LoadedModel, positions: int = POSITIONS) -> LoadedModel:
     return wrap_model(random_model(config, seed=1), model.tokenizer, f"{model.name}-{positions}")
 
 
-def _send(engine: Engine, prompts: list[list[int]], salt: str) -> list[GenerateResult | None]:
-    return serve(engine, prompts, salt, PARAMS)
-
-
 def auc(miss: list[float], hit: list[float]) -> float:
     """P(a control's TTFT > a candidate hit's TTFT), ties 1/2: Mann-Whitney U / (n1 n2)."""
     if not miss or not hit:
@@ -110,7 +106,7 @@ def _probe(engine: Engine, run: Run, secrets: list, controls: list, salt: str, s
     order = [(True, p) for p in secrets] + [(False, q) for q in controls]
     random.Random(seed).shuffle(order)
     for secret, prompt in order:
-        result = _send(engine, [prompt], salt)[0]
+        result = serve(engine, [prompt], salt, PARAMS)[0]
         engine.cache.flush(30)  # this probe's tier writes must not slow the next one
         run.add([prompt], [result])
         run.record(secret, result)
@@ -123,11 +119,11 @@ def _round(ctx: Context, run: Run, salts: tuple[str, str], n: int, seed: int) ->
     config = _config(ctx, run.tier, lmdb_dir)
     with ExitStack() as stack:
         engine = stack.enter_context(Engine(ctx.model, config))
-        run.add(secrets, _send(engine, secrets, salts[0]))
+        run.add(secrets, serve(engine, secrets, salts[0], PARAMS))
         if run.tier in ("lmdb", "redis"):
             engine.close()  # flushes the victim's blocks; the attacker's engine starts empty
             engine = stack.enter_context(Engine(ctx.model, config))
-        run.add(warm, _send(engine, warm, salts[1]))
+        run.add(warm, serve(engine, warm, salts[1], PARAMS))
         _probe(engine, run, secrets, controls, salts[1], seed)
     shutil.rmtree(lmdb_dir, ignore_errors=True)
 
