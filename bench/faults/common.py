@@ -17,17 +17,16 @@ from typing import NamedTuple, Protocol
 
 import numpy as np
 import redis
-import torch
 from transformers import LlamaConfig
 
 from bench.local_redis import free_port, wait_ready
 from engine.engine import Engine, GenerateResult, SamplingParams
 from engine.model import BYTE_VOCAB_SIZE, LoadedModel, byte_tokenizer, random_model, wrap_model
+from engine.reference import greedy_matches_reference
 from kvstore.codec import FIXED_HEADER_BYTES, ID_BYTES
 from kvstore.config import CacheConfig
 
 BS = 4
-TOL = 1e-4  # fp32 contract: logits within 1e-4 absolute
 PARAMS = SamplingParams(max_new_tokens=4)
 PROMPT_LEN = 10 * BS + 1  # 10 whole blocks can hit, the last token is always computed
 NAMESPACE_AT = FIXED_HEADER_BYTES - 4 * ID_BYTES  # namespace, key, digest, parent end the header
@@ -96,16 +95,6 @@ def micro_model(seed: int = 1) -> LoadedModel:
     return wrap_model(random_model(config, seed), byte_tokenizer(), f"micro-{seed}")
 
 
-def matches_reference(model: LoadedModel, prompt: list[int], output: list[int]) -> bool:
-    """Greedy output equals a full no-cache forward's argmax wherever its top-2 gap > TOL."""
-    with torch.inference_mode():
-        ids = torch.tensor([prompt + output[:-1]], device=model.device)
-        ref = model.model(input_ids=ids, use_cache=False).logits[0, len(prompt) - 1 :].float()
-    top2 = torch.topk(ref, 2, dim=-1).values
-    decisive = (top2[:, 0] - top2[:, 1]) > TOL
-    return bool(((ref.argmax(-1).cpu() == torch.tensor(output)) | ~decisive.cpu()).all())
-
-
 def cache_config(**overrides: object) -> CacheConfig:
     values = {"block_size": BS, "device": "cpu", "device_blocks": 256, **overrides}
     values.setdefault("lookup_deadline_ms", 100.0)
@@ -132,7 +121,7 @@ def serve(
 
 def count_wrong(model: LoadedModel, prompts: list[list[int]], results: list) -> int:
     return sum(
-        r is not None and not matches_reference(model, p, r.output_token_ids)
+        r is not None and not greedy_matches_reference(model, p, r.output_token_ids)
         for p, r in zip(prompts, results, strict=True)
     )
 

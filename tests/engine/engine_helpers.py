@@ -6,10 +6,11 @@ import torch
 from transformers import LlamaConfig
 
 from engine.model import BYTE_VOCAB_SIZE, LoadedModel, byte_tokenizer, random_model, wrap_model
+from engine.reference import FP32_TOL, greedy_matches_reference  # noqa: F401 (re-exported)
 from kvstore.config import CacheConfig
 
 BLOCK_SIZE = 4
-TOL = 1e-4  # fp32 contract: logits within 1e-4 absolute
+TOL = FP32_TOL
 
 
 def micro_config() -> LlamaConfig:
@@ -51,11 +52,3 @@ def close_to_reference(logits: torch.Tensor, ref: torch.Tensor, tol: float = TOL
     top2 = torch.topk(ref, 2).values
     same_argmax = int(torch.argmax(logits)) == int(torch.argmax(ref))
     return bool((logits - ref).abs().max() <= tol) and (same_argmax or top2[0] - top2[1] <= tol)
-
-
-def greedy_matches_reference(model: LoadedModel, prompt: list[int], output: list[int]) -> bool:
-    """Each generated token equals the reference argmax wherever its top-2 gap exceeds TOL."""
-    ref = reference_logits(model, prompt + output[:-1])[len(prompt) - 1 :]
-    top2 = torch.topk(ref, 2, dim=-1).values
-    decisive = (top2[:, 0] - top2[:, 1]) > TOL
-    return bool(((ref.argmax(-1) == torch.tensor(output)) | ~decisive).all())

@@ -1,0 +1,33 @@
+"""The output contract (DESIGN.md), checked against an independent full no-cache forward."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+
+from engine.model import LoadedModel
+
+FP32_TOL = 1e-4  # fp32 logits: absolute tolerance of the contract
+
+
+def greedy_matches_reference(
+    model: LoadedModel, prompt: list[int], output: list[int], tol: float = FP32_TOL
+) -> bool:
+    """Each greedy token equals the argmax of one full forward over prompt + the tokens before
+    it, wherever that forward's top-2 logit gap exceeds `tol` (a near-tie may go either way)."""
+    with torch.inference_mode():
+        ids = torch.tensor([prompt + output[:-1]], device=model.device)
+        ref = model.model(input_ids=ids, use_cache=False).logits[0, len(prompt) - 1 :].float()
+    top2 = torch.topk(ref, 2, dim=-1).values
+    decisive = (top2[:, 0] - top2[:, 1]) > tol
+    same = ref.argmax(-1).cpu() == torch.tensor(output)
+    return bool((same | ~decisive.cpu()).all())
+
+
+def count_meeting_contract(
+    model: LoadedModel, prompts: Sequence[list[int]], outputs: Sequence[list[int]]
+) -> int:
+    """How many greedy outputs meet the contract (`greedy_matches_reference`)."""
+    return sum(map(functools.partial(greedy_matches_reference, model), prompts, outputs))
