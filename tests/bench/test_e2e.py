@@ -8,7 +8,16 @@ import pytest
 from transformers import LlamaConfig
 
 from bench.cb_peer import cb_config, greedy_config, serve_one
-from bench.e2e import PEER_NAME, RunResult, ideal_time, main, per_request_reusable, reusable_tokens
+from bench.e2e import (
+    PEER_NAME,
+    RunResult,
+    ideal_time,
+    main,
+    per_request_reusable,
+    proportional_ideal_time,
+    reusable_tokens,
+    run_prefixes,
+)
 from engine.model import BYTE_VOCAB_SIZE, LoadedModel, byte_tokenizer, random_model, wrap_model
 
 
@@ -30,28 +39,58 @@ def test_reusable_tokens_counts_block_aligned_prefixes_stored_by_earlier_request
     assert per_request_reusable(prompts, outputs, 2) == [0, 4, 8]
 
 
-def test_ideal_time_removes_each_requests_per_token_prefill_cost_of_its_reusable_tokens() -> None:
+def test_ideal_time_removes_the_no_cache_prefill_time_of_each_reusable_prefix() -> None:
+    nocache = RunResult(total_s=10.0, outputs=[[0], [0]], ttfts=[2.0, 4.0], cached_tokens=0)
+    assert ideal_time(nocache, [0.0, 2.5]) == pytest.approx(7.5)
+
+
+def test_proportional_ideal_charges_each_reusable_token_its_prompts_average_cost() -> None:
     nocache = RunResult(total_s=10.0, outputs=[[0], [0]], ttfts=[2.0, 4.0], cached_tokens=0)
     prompts = [[0] * 100, [0] * 200]
     # saved = 2.0 / 100 * 0 + 4.0 / 200 * 150 = 3.0
-    assert ideal_time(nocache, prompts, [0, 150]) == pytest.approx(7.0)
+    assert proportional_ideal_time(nocache, prompts, [0, 150]) == pytest.approx(7.0)
+
+
+def test_prefix_times_are_measured_only_where_a_prefix_is_reusable(micro: LoadedModel) -> None:
+    class Bar:
+        n = 0
+
+        def update(self, k: int) -> None:
+            self.n += k
+
+    bar = Bar()
+    times = run_prefixes(micro, [list(range(20)), list(range(30))], [0, 16], bar)
+    assert times[0] == 0.0 and times[1] > 0.0
+    assert bar.n == 2
 
 
 def test_e2e_reports_every_workload_with_exact_token_counts(micro: LoadedModel, capsys) -> None:
-    argv = ["--scale", "small", "--block-size", "4", "--new-tokens", "2", "--no-peer", "--json"]
+    argv = ["--scale", "small", "--block-size", "4", "--new-tokens", "2", "--no-peer", "--json",
+            "--repeats", "2"]  # fmt: skip
     assert main(argv, model=micro) == 0
     rows = json.loads(capsys.readouterr().out)["workloads"]
     counts = [
         (r["workload"], r["requests"], r["prompt_tokens"], r["reusable_tokens"]) for r in rows
     ]
     # shared-prefix: 2 groups x 2 prompts of 64 + 8 tokens, the second of each reuses 64;
-    # multiturn: prompts of 40, 52, 64 tokens, each but the first reuses the previous prompt
-    assert counts == [("shared-prefix", 4, 288, 128), ("multiturn", 3, 156, 92)]
+    # multiturn: prompts of 40, 52, 64 tokens, each but the first reuses the previous prompt;
+    # multiturn-short: prompts of 20 and 28 tokens, the second reuses the first
+    assert counts == [
+        ("shared-prefix", 4, 288, 128),
+        ("multiturn", 3, 156, 92),
+        ("multiturn-short", 2, 48, 20),
+    ]
     for r in rows:
-        assert r["cached_tokens"] == r["reusable_tokens"]
-        assert r["same_outputs"] == r["requests"]
+        assert r["cached_tokens"] == r["reusable_tokens"]  # the fastest run started empty too
+        assert r["same_outputs"] == r["contract_outputs"] == r["requests"]
+        assert len(r["nocache_runs_s"]) == len(r["kvstore_runs_s"]) == 2
+        assert (r["nocache_s"], r["kvstore_s"]) == (
+            min(r["nocache_runs_s"]),
+            min(r["kvstore_runs_s"]),
+        )
         assert r["speedup"] == pytest.approx(r["nocache_s"] / r["kvstore_s"])
         assert r["ideal_speedup"] == pytest.approx(r["nocache_s"] / r["ideal_s"])
+        assert r["proportional_ideal_speedup"] > 1.0  # every workload has reusable tokens
         assert r["ratio_to_ideal"] == pytest.approx(r["speedup"] / r["ideal_speedup"])
         assert r["peer"] == {"name": PEER_NAME, "error": "skipped (--no-peer)"}
 
@@ -59,7 +98,17 @@ def test_e2e_reports_every_workload_with_exact_token_counts(micro: LoadedModel, 
 def test_e2e_peer_reports_both_cb_modes_with_exact_prefix_matched_tokens(
     micro: LoadedModel, capsys
 ) -> None:
-    argv = ["--scale", "small", "--block-size", "4", "--new-tokens", "2", "--json"]
+    argv = [
+        "--scale",
+        "small",
+        "--block-size",
+        "4",
+        "--new-tokens",
+        "2",
+        "--json",
+        "--repeats",
+        "2",
+    ]
     assert main(argv, model=micro) == 0
     rows = json.loads(capsys.readouterr().out)["workloads"]
     # prompts submitted together are prefilled before any block is hashed: batch shares nothing;
@@ -67,7 +116,9 @@ def test_e2e_peer_reports_both_cb_modes_with_exact_prefix_matched_tokens(
     expected = {
         "shared-prefix": {"batch": 0, "serving": 128},
         "multiturn": {"batch": 0, "serving": 92},
+        "multiturn-short": {"batch": 0, "serving": 20},
     }
+    blocks = {"shared-prefix": 168, "multiturn": 98, "multiturn-short": 40}
     for r in rows:
         peer = r["peer"]
         assert (peer["name"], peer["page_size"]) == (PEER_NAME, 4)
@@ -79,8 +130,10 @@ def test_e2e_peer_reports_both_cb_modes_with_exact_prefix_matched_tokens(
                 continue
             assert result["cb_prefix_matched_tokens"] == expected[r["workload"]][mode]
             # twice the pages of prompt + 2 tokens (warm-up and workload), + 2 per request + 8
-            assert result["num_blocks"] == {"shared-prefix": 168, "multiturn": 98}[r["workload"]]
-            assert result["same_outputs"] == r["requests"]
+            assert result["num_blocks"] == blocks[r["workload"]]
+            assert result["same_outputs"] == result["contract_outputs"] == r["requests"]
+            assert len(result["runs_s"]) == {"batch": 1, "serving": 2}[mode]  # batch runs once
+            assert result["total_s"] == min(result["runs_s"])
         timed = {m: v["total_s"] for m, v in peer["modes"].items() if "total_s" in v}
         assert peer["best_mode"] == min(timed, key=timed.__getitem__)
         assert peer["total_s"] == timed[peer["best_mode"]]
