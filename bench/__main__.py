@@ -8,6 +8,7 @@ import sys
 BENCHMARKS = {
     "codecs": "tier payload codecs: stored size, encode/decode speed, logit change (tiny model)",
     "hitrate": "block and token hit rate per eviction policy vs Belady bounds, per capacity",
+    "predictability": "how well reuse can be predicted, and what predicting it would be worth",
     "micro": "hash + match + insert cost per block and index bytes per block, 1e4..1e6 blocks",
     "ttft": "TTFT per tier as a ratio to the ideal suffix-only prefill",
     "e2e": "workload end to end: engine (device tier) vs no cache vs HF continuous batching",

@@ -33,6 +33,7 @@ from bench.traces import BlockTrace, TraceError, from_token_requests, load_trace
 from bench.workloads import WORKLOADS, WorkloadError, make_workload
 from kvstore.index import RadixIndex
 from kvstore.policy import POLICIES, make_policy
+from kvstore.policy_base import Policy
 
 __all__ = ["ReplayResult", "main", "parse_capacities", "replay", "run"]
 
@@ -55,12 +56,13 @@ def _key_blob(num_unique: int) -> bytes:
 
 def replay(
     trace: BlockTrace,
-    policy: str,
+    policy: str | Policy,
     capacity: int,
     progress: Progress | None = None,
     on_request: OnRequest | None = None,
 ) -> ReplayResult:
-    """Replay `trace` on a RadixIndex of `capacity` blocks evicting by `policy`.
+    """Replay `trace` on a RadixIndex of `capacity` blocks evicting by `policy` (a name, or a
+    fresh instance that only this replay uses).
 
     `on_request(r, hit_blocks, index)` runs after request r (tests check the index there).
     """
@@ -68,7 +70,7 @@ def replay(
         raise ValueError(f"capacity must be >= 1 block, got {capacity}")
     if trace.num_unique >= 2**32:
         raise ValueError("more than 2^32 unique blocks do not fit the uint32 token ids")
-    index = RadixIndex(1, make_policy(policy, capacity))
+    index = RadixIndex(1, make_policy(policy, capacity) if isinstance(policy, str) else policy)
     blob = _key_blob(trace.num_unique)
     tokens = trace.blocks.astype(np.uint32)
     blocks, offsets = trace.blocks.tolist(), trace.offsets.tolist()
@@ -322,11 +324,8 @@ def load_workload(spec: str, params: list[str], block_size: int) -> BlockTrace:
     return from_token_requests(config.generate(), block_size, spec)
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench hitrate",
-        description="block and token hit rates of eviction policies vs offline figures",
-    )
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """--workload, --param, --block-size and --capacity-blocks (see `parse_workload`)."""
     choices = ",".join([*WORKLOADS, "trace:PATH"])
     parser.add_argument("--workload", required=True, help=f"one of {{{choices}}}")
     parser.add_argument(
@@ -347,6 +346,27 @@ def _parser() -> argparse.ArgumentParser:
         required=True,
         help="comma list of capacities: blocks, or %% of unique blocks",
     )
+
+
+def parse_workload(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> tuple[BlockTrace, list[int]]:
+    """The trace and capacities the workload arguments name; a bad one exits with its error."""
+    if args.block_size < 1:
+        parser.error("--block-size must be >= 1")
+    try:
+        trace = load_workload(args.workload, args.param, args.block_size)
+        return trace, parse_capacities(args.capacity_blocks, trace.num_unique)
+    except (TraceError, WorkloadError, ValueError) as exc:
+        parser.error(str(exc))
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench hitrate",
+        description="block and token hit rates of eviction policies vs offline figures",
+    )
+    add_workload_arguments(parser)
     parser.add_argument("--policy", default="all", help="comma list of policies, or 'all'")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--out", type=Path, help="write hitrate.json/.md/.png into this dir")
@@ -356,13 +376,10 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.block_size < 1:
-        parser.error("--block-size must be >= 1")
+    trace, capacities = parse_workload(parser, args)
     try:
-        trace = load_workload(args.workload, args.param, args.block_size)
-        capacities = parse_capacities(args.capacity_blocks, trace.num_unique)
         policies = parse_policies(args.policy)
-    except (TraceError, WorkloadError, ValueError) as exc:
+    except ValueError as exc:
         parser.error(str(exc))
     report = run(trace, capacities, policies, show_progress=not args.json)
     if args.out is not None:
