@@ -22,82 +22,16 @@ from __future__ import annotations
 import itertools
 from array import array
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
 
 import numpy as np
 
 from hashing import HASH_BYTES, as_token_array
 from kvstore.policy import IntegrityError, Policy, make_policy
+from kvstore.tree import MatchResult, TreeNode, num_equal, run_tag
 
 __all__ = ["IntegrityError", "MatchResult", "RadixIndex", "TreeNode"]
 
 EvictCallback = Callable[["TreeNode", int, list[int]], None]
-
-
-class TreeNode:
-    """A run of cached blocks. `ref_cnt` > 0 means locked (in use): never evicted."""
-
-    __slots__ = (
-        "block_ids",
-        "children",
-        "evictable",
-        "id",
-        "keys",
-        "parent",
-        "ref_cnt",
-        "start",
-        "tokens",
-    )
-
-    def __init__(
-        self,
-        node_id: int,
-        parent: TreeNode | None,
-        start: int,
-        keys: bytes,
-        tokens: bytes,
-        block_ids: array,
-    ):
-        self.id = node_id  # the node's key in the eviction policy
-        self.parent = parent  # None for the root and for evicted (detached) nodes
-        self.children: dict[bytes, TreeNode] = {}
-        self.start = start  # number of blocks before this node on its path
-        self.keys = keys  # [num_blocks * 16] block hashes
-        self.tokens = tokens  # [num_blocks * block_size] token ids as LE uint32 bytes
-        self.block_ids = block_ids  # array('q'), [num_blocks]
-        self.ref_cnt = 0
-        self.evictable = False
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.block_ids)
-
-    def key(self, i: int) -> bytes:
-        return self.keys[i * HASH_BYTES : (i + 1) * HASH_BYTES]
-
-    def __repr__(self) -> str:
-        return (
-            f"TreeNode(id={self.id}, start={self.start}, n={self.num_blocks}, ref={self.ref_cnt})"
-        )
-
-
-class MatchResult(NamedTuple):
-    num_blocks: int
-    block_ids: list[int]  # in prefix order
-    last_node: TreeNode  # deepest node matched (the root when nothing matched)
-
-
-def _tag(keys: bytes) -> int:
-    """Content fingerprint of a run (its first block key) for policies with ghost history."""
-    return int.from_bytes(keys[:8], "little")
-
-
-def _num_equal(a: bytes, b: bytes, width: int) -> int:
-    """Number of leading equal items (of `width` bytes) of two equally long byte strings."""
-    if a == b:
-        return len(a) // width
-    diff = np.flatnonzero(np.frombuffer(a, np.uint8) != np.frombuffer(b, np.uint8))
-    return int(diff[0]) // width
 
 
 class RadixIndex:
@@ -162,7 +96,7 @@ class RadixIndex:
         nt = node.tokens if size == m else node.tokens[: size * tw]
         if qk == nk and qt == nt:
             return size
-        return min(_num_equal(qk, nk, kw), _num_equal(qt, nt, tw))
+        return min(num_equal(qk, nk, kw), num_equal(qt, nt, tw))
 
     def match_prefix(self, keys: Sequence[bytes], token_ids: np.ndarray) -> MatchResult:
         """Longest cached prefix of the blocks `keys` (token ids cover at least those blocks).
@@ -238,7 +172,7 @@ class RadixIndex:
         )
         parent.children[leaf.key(0)] = leaf
         self._nodes[leaf.id] = leaf
-        self.policy.insert(leaf.id, n - pos, tag=_tag(leaf.keys))
+        self.policy.insert(leaf.id, n - pos, tag=run_tag(leaf.keys))
         self._num_cached += n - pos
         self._num_evictable += n - pos
         self._sync(parent)
@@ -266,7 +200,7 @@ class RadixIndex:
         node.keys, node.tokens = node.keys[k * kw :], node.tokens[k * tw :]
         node.block_ids = node.block_ids[k:]
         self._nodes[head.id] = head
-        self.policy.insert(head.id, k, tag=_tag(head.keys), like=node.id)
+        self.policy.insert(head.id, k, tag=run_tag(head.keys), like=node.id)
         self.policy.resize(node.id, node.num_blocks)
         return head
 
@@ -339,7 +273,7 @@ class RadixIndex:
         assert parent is not None
         del parent.children[node.key(0)]
         del self._nodes[node.id]
-        self.policy.remove(node.id, tag=_tag(node.keys))
+        self.policy.remove(node.id, tag=run_tag(node.keys))
         self._num_cached -= node.num_blocks
         self._num_evictable -= node.num_blocks
         node.parent = None
@@ -347,7 +281,7 @@ class RadixIndex:
 
     def _trim(self, node: TreeNode, start: int) -> None:
         dropped = node.num_blocks - start
-        tag = _tag(node.keys[start * HASH_BYTES :])
+        tag = run_tag(node.keys[start * HASH_BYTES :])
         node.keys = node.keys[: start * HASH_BYTES]
         node.tokens = node.tokens[: start * self._token_bytes]
         node.block_ids = node.block_ids[:start]
