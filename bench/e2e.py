@@ -32,29 +32,34 @@ wherever that forward's top-2 gap exceeds 1e-4. `same_outputs` counts outputs eq
 exactly `--new-tokens` with `min_new_tokens`) suppresses and the other paths emit and go on.
 
 Repeats. This machine's load drifts by tens of percent within a minute, so each timed path
-runs `--repeats` times (no cache, the prefixes' prefills and kvstore alternate, then CB
-serving; CB batch, 6-11x slower, runs once) and each path's fastest run counts (noise only
-ever adds time); the ideal subtracts two large times, so it needs this most. A kvstore repeat
-starts from an empty device pool, a CB repeat from a fresh manager. Every run's total is
-reported (`*_runs_s`), so the spread is visible.
+runs `--repeats` times, the paths alternating within each repeat (HF no cache, the engine
+with nothing cached, the engine's prefills of the reusable prefixes, kvstore), and each
+path's fastest run counts (noise only ever adds time). A kvstore repeat starts from an empty
+device pool. CB runs after them, on fresh managers: batch once (6-12x slower, one run says as
+much), then serving `--repeats` times. Every run's total is reported (`*_runs_s`), so the
+spread is visible; `runs_agree` says every kvstore run gave the same outputs and cached the
+same tokens.
 
 Ideal speedup. `reusable_tokens` is what an unbounded prefix cache could skip: per request,
 the longest block-aligned prefix of its prompt that an earlier request's stored tokens
 (prompt + generated tokens) already hold. The work a cache saves is exactly the prefill of
-that prefix (its K/V does not depend on what follows), so, with prefix_s_i the no-cache TTFT
-of request i's reusable prefix alone (`model.generate` of those tokens, timed like the no-cache
-TTFTs, in every repeat; its fastest counts),
+that prefix (its K/V does not depend on what follows). The ideal is measured in the engine
+itself, so that it credits the cache alone and not the engine's lighter per-call and
+per-step path compared with `generate`: engine_nocache_s is the engine serving the workload
+with its pool emptied (untimed) before each request, prefix_s the engine's prefill of every
+reusable prefix alone on an empty pool (`Engine.prefill`, summed; the fastest repeat's sum),
 
-    ideal_s = nocache_s - sum_i prefix_s_i,  ideal_speedup = nocache_s / ideal_s,
-    speedup = nocache_s / kvstore_s,  ratio_to_ideal = speedup / ideal_speedup.
+    ideal_s = engine_nocache_s - prefix_s,  ratio_to_ideal = ideal_s / kvstore_s,
+    speedup = nocache_s / kvstore_s,  ideal_speedup = nocache_s / ideal_s
 
-prefix_s_i includes `generate`'s own per-call overhead, which a cached run does not save, so
-the ideal is slightly optimistic and the ratio conservative. Also reported, as before this
-definition: `proportional_ideal_speedup`, which charges each reusable token its prompt's
-average no-cache cost, ttft_i / prompt_tokens_i. That overstates the saving: tokens late in a
-prompt attend to more keys than the prefix's tokens, and the suffix a cached request still
-prefills is exactly those late tokens (on this machine a 100-token suffix after 800 cached
-tokens takes 42 ms, against 30 ms at the average per-token cost of the 900-token prompt).
+(nocache_s: HF `generate`, so ratio_to_ideal = speedup / ideal_speedup). Each prefix's
+prefill is its own forward, whose fixed cost a cached request does not save, so the ideal is
+slightly optimistic and the ratio conservative. Also reported, as before this definition:
+`proportional_ideal_speedup`, which charges each reusable token its prompt's average HF
+no-cache cost, ttft_i / prompt_tokens_i. That overstates the saving: tokens late in a prompt
+attend to more keys than the prefix's tokens, and the suffix a cached request still prefills
+is exactly those late tokens (on this machine a 100-token suffix after 800 cached tokens
+takes 42 ms, against 30 ms at the average per-token cost of the 900-token prompt).
 """
 
 from __future__ import annotations
@@ -149,9 +154,9 @@ def reusable_tokens(prompts: Sequence[list[int]], outputs: Sequence[list[int]], 
     return total
 
 
-def ideal_time(nocache: RunResult, prefix_s: Sequence[float]) -> float:
-    """nocache_s minus the no-cache prefill time of each request's reusable prefix."""
-    return nocache.total_s - sum(prefix_s)
+def ideal_time(engine_nocache_s: float, prefix_s: float) -> float:
+    """The engine's no-cache time minus its prefill time of every reusable prefix."""
+    return engine_nocache_s - prefix_s
 
 
 def proportional_ideal_time(
@@ -162,7 +167,9 @@ def proportional_ideal_time(
     return nocache.total_s - saved
 
 
-def per_request_reusable(prompts: list[list[int]], outputs: list[list[int]], block: int) -> list:
+def per_request_reusable(
+    prompts: list[list[int]], outputs: list[list[int]], block: int
+) -> list[int]:
     return [
         reusable_tokens(prompts[: i + 1], outputs[: i + 1], block)
         - reusable_tokens(prompts[:i], outputs[:i], block)
@@ -181,13 +188,34 @@ def run_nocache(lm, prompts: list[list[int]], new_tokens: int, bar) -> RunResult
     return RunResult(time.perf_counter() - start, outputs, ttfts, 0)
 
 
-def run_prefixes(lm, prompts: list[list[int]], reusable: list[int], bar) -> list[float]:
-    """The no-cache TTFT of each request's reusable prefix alone (0 where nothing is reusable)."""
-    times = []
-    for ids, n in zip(prompts, reusable, strict=True):
-        times.append(generate_timed(lm, ids[:n], 1)[1] if n else 0.0)
+def run_engine_nocache(engine, prompts: list[list[int]], new_tokens: int, bar) -> RunResult:
+    """The engine with nothing cached: its pool is emptied, untimed, before each request."""
+    from engine.engine import SamplingParams
+
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    total, outputs, ttfts = 0.0, [], []
+    for ids in prompts:
+        engine.cache.evict_device()
+        start = time.perf_counter()
+        result = engine.run(ids, params)
+        total += time.perf_counter() - start
+        outputs.append(result.output_token_ids)
+        ttfts.append(result.ttft_s)
         bar.update(1)
-    return times
+    return RunResult(total, outputs, ttfts, 0)
+
+
+def run_prefixes(engine, prompts: list[list[int]], reusable: list[int], bar) -> float:
+    """The engine's prefill of each request's reusable prefix alone, on an empty pool, summed."""
+    total = 0.0
+    for ids, n in zip(prompts, reusable, strict=True):
+        if n:
+            engine.cache.evict_device()
+            start = time.perf_counter()
+            engine.prefill(ids[:n])
+            total += time.perf_counter() - start
+        bar.update(1)
+    return total
 
 
 def generate_timed(lm, ids: list[int], new_tokens: int) -> tuple[list[int], float]:
@@ -221,13 +249,20 @@ def run_kvstore(engine, prompts: list[list[int]], new_tokens: int, bar) -> RunRe
     return RunResult(time.perf_counter() - start, outputs, ttfts, cached)
 
 
-def summarize(name: str, prompts, nocache: RunResult, prefix_s: list[float],
-              kvstore: RunResult, block: int) -> dict:  # fmt: skip
-    reusable = per_request_reusable(prompts, nocache.outputs, block)
-    ideal_s = ideal_time(nocache, prefix_s)
-    speedup = nocache.total_s / kvstore.total_s
-    ideal_speedup = nocache.total_s / ideal_s
-    same = sum(a == b for a, b in zip(nocache.outputs, kvstore.outputs, strict=True))
+class Timings(NamedTuple):
+    """Every repeat of the timed paths."""
+
+    nocache: list[RunResult]  # HF generate, no cache
+    engine_nocache: list[RunResult]  # the engine, pool emptied before each request
+    prefix_s: list[float]  # the engine's prefill of the reusable prefixes, summed
+    kvstore: list[RunResult]
+
+
+def summarize(name: str, prompts: list[list[int]], reusable: list[int], t: Timings) -> dict:
+    nocache, kvstore = fastest(t.nocache), fastest(t.kvstore)
+    engine_nocache_s, prefix_s = fastest(t.engine_nocache).total_s, min(t.prefix_s)
+    ideal_s = ideal_time(engine_nocache_s, prefix_s)
+    proportional_s = proportional_ideal_time(nocache, prompts, reusable)
     return {
         "workload": name,
         "requests": len(prompts),
@@ -235,15 +270,20 @@ def summarize(name: str, prompts, nocache: RunResult, prefix_s: list[float],
         "cached_tokens": kvstore.cached_tokens,
         "reusable_tokens": sum(reusable),
         "nocache_s": nocache.total_s,
+        "engine_nocache_s": engine_nocache_s,
+        "prefix_prefill_s": prefix_s,
         "kvstore_s": kvstore.total_s,
         "ideal_s": ideal_s,
-        "speedup": speedup,
-        "ideal_speedup": ideal_speedup,
-        "ratio_to_ideal": speedup / ideal_speedup,
-        "proportional_ideal_speedup": (
-            nocache.total_s / proportional_ideal_time(nocache, prompts, reusable)
-        ),
-        "same_outputs": same,
+        "speedup": nocache.total_s / kvstore.total_s,
+        "ideal_speedup": nocache.total_s / ideal_s,
+        "ratio_to_ideal": ideal_s / kvstore.total_s,
+        "proportional_ideal_speedup": nocache.total_s / proportional_s,
+        "same_outputs": sum(map(operator.eq, nocache.outputs, kvstore.outputs)),
+        "runs_agree": len({(repr(r.outputs), r.cached_tokens) for r in t.kvstore}) == 1,
+        **{
+            f"{k}_runs_s": [r.total_s for r in v] for k, v in t._asdict().items() if k != "prefix_s"
+        },
+        "prefix_runs_s": t.prefix_s,
     }
 
 
@@ -256,10 +296,27 @@ def add_peer(row: dict, peer: dict) -> dict:
 def warm_up(lm, engine, new_tokens: int, bar_cls) -> None:
     """One unrelated request through each path, outside timing (first-call overheads)."""
     ids = [[(7 * i) % 256 for i in range(48)]]
-    with bar_cls(total=2, disable=True) as bar:
+    with bar_cls(total=3, disable=True) as bar:
         run_nocache(lm, ids, new_tokens, bar)
         run_kvstore(engine, ids, new_tokens, bar)
+        run_prefixes(engine, ids, [32], bar)
     engine.cache.evict_device()
+
+
+def time_paths(lm, engine, prompts: list[list[int]], args: argparse.Namespace,
+               bar) -> tuple[Timings, list[int]]:  # fmt: skip
+    """`--repeats` rounds of the four paths, alternating, so a slow spell hits every path;
+    and each request's reusable tokens."""
+    t, reusable = Timings([], [], [], []), None
+    for _ in range(args.repeats):
+        t.nocache.append(run_nocache(lm, prompts, args.new_tokens, bar))
+        if reusable is None:
+            reusable = per_request_reusable(prompts, t.nocache[0].outputs, args.block_size)
+        t.engine_nocache.append(run_engine_nocache(engine, prompts, args.new_tokens, bar))
+        t.prefix_s.append(run_prefixes(engine, prompts, reusable, bar))
+        engine.cache.evict_device()  # kvstore starts empty
+        t.kvstore.append(run_kvstore(engine, prompts, args.new_tokens, bar))
+    return t, reusable or []
 
 
 def run_workload(lm, name: str, args: argparse.Namespace) -> dict:
@@ -271,23 +328,13 @@ def run_workload(lm, name: str, args: argparse.Namespace) -> dict:
     prompts = workload_prompts(name, args.scale, 256)
     blocks = sum(len(p) + args.new_tokens for p in prompts) // args.block_size + 8
     config = CacheConfig(block_size=args.block_size, device="cpu", device_blocks=blocks)
-    nocache_runs, prefix_runs, kvstore_runs = [], [], []
     with Engine(lm, config) as engine, torch.inference_mode():
         warm_up(lm, engine, args.new_tokens, tqdm)
-        with tqdm(total=3 * args.repeats * len(prompts), desc=name, leave=False) as bar:
-            for _ in range(args.repeats):  # alternating, so a slow spell hits every path
-                nocache_runs.append(run_nocache(lm, prompts, args.new_tokens, bar))
-                reusable = per_request_reusable(prompts, nocache_runs[0].outputs, args.block_size)
-                prefix_runs.append(run_prefixes(lm, prompts, reusable, bar))
-                kvstore_runs.append(run_kvstore(engine, prompts, args.new_tokens, bar))
-                engine.cache.evict_device()  # the next kvstore run starts empty
-    nocache = fastest(nocache_runs)
-    prefix_s = [min(times) for times in zip(*prefix_runs, strict=True)]
-    kvstore = fastest(kvstore_runs)
-    row = summarize(name, prompts, nocache, prefix_s, kvstore, args.block_size)
-    row["contract_outputs"] = count_meeting_contract(lm, prompts, kvstore.outputs)
-    row["nocache_runs_s"] = [r.total_s for r in nocache_runs]
-    row["kvstore_runs_s"] = [r.total_s for r in kvstore_runs]
+        with tqdm(total=4 * args.repeats * len(prompts), desc=name, leave=False) as bar:
+            timings, reusable = time_paths(lm, engine, prompts, args, bar)
+    nocache, kvstore = fastest(timings.nocache), fastest(timings.kvstore)
+    row = summarize(name, prompts, reusable, timings)
+    row["contract_outputs"] = count_meeting_contract(lm, prompts, kvstore.outputs, args.new_tokens)
     if args.no_peer:
         return add_peer(row, {"name": PEER_NAME, "error": "skipped (--no-peer)"})
     new, block, repeats = args.new_tokens, args.block_size, args.repeats

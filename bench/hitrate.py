@@ -70,6 +70,8 @@ def replay(
         raise ValueError(f"capacity must be >= 1 block, got {capacity}")
     if trace.num_unique >= 2**32:
         raise ValueError("more than 2^32 unique blocks do not fit the uint32 token ids")
+    if not isinstance(policy, str) and policy.entries():
+        raise ValueError("replay needs a fresh policy instance; this one already has entries")
     index = RadixIndex(1, make_policy(policy, capacity) if isinstance(policy, str) else policy)
     blob = _key_blob(trace.num_unique)
     tokens = trace.blocks.astype(np.uint32)

@@ -16,7 +16,10 @@ def greedy_matches_reference(
     model: LoadedModel, prompt: list[int], output: list[int], tol: float = FP32_TOL
 ) -> bool:
     """Each greedy token equals the argmax of one full forward over prompt + the tokens before
-    it, wherever that forward's top-2 logit gap exceeds `tol` (a near-tie may go either way)."""
+    it, wherever that forward's top-2 logit gap exceeds `tol` (a near-tie may go either way).
+    An empty prompt or output is no match."""
+    if not prompt or not output:
+        return False
     with torch.inference_mode():
         ids = torch.tensor([prompt + output[:-1]], device=model.device)
         ref = model.model(input_ids=ids, use_cache=False).logits[0, len(prompt) - 1 :].float()
@@ -27,7 +30,15 @@ def greedy_matches_reference(
 
 
 def count_meeting_contract(
-    model: LoadedModel, prompts: Sequence[list[int]], outputs: Sequence[list[int]]
+    model: LoadedModel,
+    prompts: Sequence[list[int]],
+    outputs: Sequence[list[int]],
+    length: int | None = None,
 ) -> int:
-    """How many greedy outputs meet the contract (`greedy_matches_reference`)."""
-    return sum(map(functools.partial(greedy_matches_reference, model), prompts, outputs))
+    """How many greedy outputs meet the contract (`greedy_matches_reference`) and, if
+    `length` is given, have exactly that many tokens."""
+    check = functools.partial(greedy_matches_reference, model)
+    return sum(
+        (length is None or len(out) == length) and check(prompt, out)
+        for prompt, out in zip(prompts, outputs, strict=True)
+    )

@@ -18,7 +18,9 @@ from bench.e2e import (
     reusable_tokens,
     run_prefixes,
 )
+from engine.engine import Engine, SamplingParams
 from engine.model import BYTE_VOCAB_SIZE, LoadedModel, byte_tokenizer, random_model, wrap_model
+from kvstore.config import CacheConfig
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +41,8 @@ def test_reusable_tokens_counts_block_aligned_prefixes_stored_by_earlier_request
     assert per_request_reusable(prompts, outputs, 2) == [0, 4, 8]
 
 
-def test_ideal_time_removes_the_no_cache_prefill_time_of_each_reusable_prefix() -> None:
-    nocache = RunResult(total_s=10.0, outputs=[[0], [0]], ttfts=[2.0, 4.0], cached_tokens=0)
-    assert ideal_time(nocache, [0.0, 2.5]) == pytest.approx(7.5)
+def test_ideal_time_removes_the_engines_prefill_time_of_the_reusable_prefixes() -> None:
+    assert ideal_time(10.0, 2.5) == pytest.approx(7.5)
 
 
 def test_proportional_ideal_charges_each_reusable_token_its_prompts_average_cost() -> None:
@@ -51,17 +52,31 @@ def test_proportional_ideal_charges_each_reusable_token_its_prompts_average_cost
     assert proportional_ideal_time(nocache, prompts, [0, 150]) == pytest.approx(7.0)
 
 
-def test_prefix_times_are_measured_only_where_a_prefix_is_reusable(micro: LoadedModel) -> None:
+def test_prefixes_are_prefilled_alone_on_an_empty_pool_only_where_reusable(
+    micro: LoadedModel,
+) -> None:
     class Bar:
         n = 0
 
         def update(self, k: int) -> None:
             self.n += k
 
-    bar = Bar()
-    times = run_prefixes(micro, [list(range(20)), list(range(30))], [0, 16], bar)
-    assert times[0] == 0.0 and times[1] > 0.0
-    assert bar.n == 2
+    config = CacheConfig(block_size=4, device="cpu", device_blocks=64)
+    prompts = [list(range(20)), list(range(30)), list(range(12))]
+    with Engine(micro, config) as engine:
+        engine.run(prompts[1], SamplingParams(max_new_tokens=1))  # would hit, were it kept
+        calls, prefill = [], engine.prefill
+
+        def recording_prefill(ids: list[int], cache_salt: str = ""):
+            calls.append((list(ids), engine.cache.stats()["device"]["blocks_cached"]))
+            return prefill(ids, cache_salt)
+
+        engine.prefill = recording_prefill
+        bar = Bar()
+        total = run_prefixes(engine, prompts, [0, 16, 8], bar)
+    # the prefixes alone, each on an empty pool; nothing for the request with none reusable
+    assert calls == [(list(range(16)), 0), (list(range(8)), 0)]
+    assert total > 0.0 and bar.n == 3
 
 
 def test_e2e_reports_every_workload_with_exact_token_counts(micro: LoadedModel, capsys) -> None:
@@ -91,7 +106,13 @@ def test_e2e_reports_every_workload_with_exact_token_counts(micro: LoadedModel, 
         assert r["speedup"] == pytest.approx(r["nocache_s"] / r["kvstore_s"])
         assert r["ideal_speedup"] == pytest.approx(r["nocache_s"] / r["ideal_s"])
         assert r["proportional_ideal_speedup"] > 1.0  # every workload has reusable tokens
-        assert r["ratio_to_ideal"] == pytest.approx(r["speedup"] / r["ideal_speedup"])
+        assert r["ratio_to_ideal"] == pytest.approx(r["ideal_s"] / r["kvstore_s"])
+        # the ideal: the engine's no-cache time less its (fastest) prefills of the prefixes
+        assert r["engine_nocache_s"] == min(r["engine_nocache_runs_s"])
+        assert r["prefix_prefill_s"] == min(r["prefix_runs_s"])
+        assert r["ideal_s"] == pytest.approx(r["engine_nocache_s"] - r["prefix_prefill_s"])
+        assert 0.0 < r["prefix_prefill_s"] < r["engine_nocache_s"]
+        assert r["runs_agree"] is True
         assert r["peer"] == {"name": PEER_NAME, "error": "skipped (--no-peer)"}
 
 
