@@ -18,7 +18,7 @@ from engine.reference import count_meeting_contract
 PEER_NAME = "transformers continuous batching (allow_block_sharing)"
 PEER_RUNS = {"batch": run_batch, "serving": serve_in_order}
 PEER_MODES = tuple(PEER_RUNS)
-REPEATED_MODES = ("serving",)  # batch mode is 6-12x slower: one run says as much
+REPEATED_MODES = ("serving",)  # batch mode is 6-13x slower: one run says as much
 
 
 def run_peer(lm, prompts: list[list[int]], reference: list[list[int]], new_tokens: int,

@@ -113,6 +113,10 @@ def test_e2e_reports_every_workload_with_exact_token_counts(micro: LoadedModel, 
         assert r["ideal_s"] == pytest.approx(r["engine_nocache_s"] - r["prefix_prefill_s"])
         assert 0.0 < r["prefix_prefill_s"] < r["engine_nocache_s"]
         assert r["runs_agree"] is True
+        # the free-prefix engine (no lookup, load or store) gives the same tokens
+        assert r["free_prefix_same_outputs"] == r["requests"]
+        assert r["free_prefix_s"] == min(r["free_prefix_runs_s"])
+        assert r["ratio_to_free_prefix"] == pytest.approx(r["free_prefix_s"] / r["kvstore_s"])
         assert r["peer"] == {"name": PEER_NAME, "error": "skipped (--no-peer)"}
 
 

@@ -1,0 +1,126 @@
+"""The timed paths of `bench e2e` (see bench/e2e.py): HF `generate` without a cache, the
+engine without a cache, the engine's prefill of each reusable prefix, the engine with its
+prefix handed over for free in memory, and kvstore."""
+
+from __future__ import annotations
+
+import time
+from typing import NamedTuple
+
+import torch
+from transformers import DynamicCache
+
+from bench.ttft_point import FirstTokenClock
+
+
+class RunResult(NamedTuple):
+    total_s: float
+    outputs: list[list[int]]
+    ttfts: list[float]  # per request
+    cached_tokens: int
+
+
+def run_nocache(lm, prompts: list[list[int]], new_tokens: int, bar) -> RunResult:
+    outputs, ttfts = [], []
+    start = time.perf_counter()
+    for ids in prompts:
+        output, ttft = generate_timed(lm, ids, new_tokens)
+        outputs.append(output)
+        ttfts.append(ttft)
+        bar.update(1)
+    return RunResult(time.perf_counter() - start, outputs, ttfts, 0)
+
+
+def run_engine_nocache(engine, prompts: list[list[int]], new_tokens: int, bar) -> RunResult:
+    """The engine with nothing cached: its pool is emptied, untimed, before each request."""
+    from engine.engine import SamplingParams
+
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    total, outputs, ttfts = 0.0, [], []
+    for ids in prompts:
+        engine.cache.evict_device()
+        start = time.perf_counter()
+        result = engine.run(ids, params)
+        total += time.perf_counter() - start
+        outputs.append(result.output_token_ids)
+        ttfts.append(result.ttft_s)
+        bar.update(1)
+    return RunResult(total, outputs, ttfts, 0)
+
+
+def run_prefixes(engine, prompts: list[list[int]], reusable: list[int], bar) -> float:
+    """The engine's prefill of each request's reusable prefix alone, on an empty pool, summed."""
+    total = 0.0
+    for ids, n in zip(prompts, reusable, strict=True):
+        if n:
+            engine.cache.evict_device()
+            start = time.perf_counter()
+            engine.prefill(ids[:n])
+            total += time.perf_counter() - start
+        bar.update(1)
+    return total
+
+
+def generate_timed(lm, ids: list[int], new_tokens: int) -> tuple[list[int], float]:
+    """HF `generate`, greedy, without a prefix cache: the generated tokens and the TTFT."""
+    model = lm.model
+    clock, start = FirstTokenClock(), time.perf_counter()
+    out = model.generate(
+        torch.tensor([ids], device=lm.device),
+        attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=lm.device),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=model.config.pad_token_id,
+        streamer=clock,
+    )
+    return out[0, len(ids) :].tolist(), clock.first - start
+
+
+def run_kvstore(engine, prompts: list[list[int]], new_tokens: int, bar) -> RunResult:
+    from engine.engine import SamplingParams
+
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    outputs, ttfts, cached = [], [], 0
+    start = time.perf_counter()
+    for ids in prompts:
+        result = engine.run(ids, params)
+        outputs.append(result.output_token_ids)
+        ttfts.append(result.ttft_s)
+        cached += result.cached_tokens
+        bar.update(1)
+    return RunResult(time.perf_counter() - start, outputs, ttfts, cached)
+
+
+def run_free_prefix(lm, prompts: list[list[int]], reusable: list[int], new_tokens: int,
+                    bar) -> RunResult:  # fmt: skip
+    """DESIGN.md's ideal engine: each request's reusable prefix is already in memory as a
+    `DynamicCache` (built untimed), the suffix is prefilled on it and `new_tokens` decoded
+    greedily, as the engine does; no lookup, load or store."""
+    total, outputs, ttfts = 0.0, [], []
+    for ids, n in zip(prompts, reusable, strict=True):
+        past = DynamicCache(config=lm.model.config)
+        if n:
+            forward(lm, ids[:n], 0, past)
+        start = time.perf_counter()
+        out = [int(torch.argmax(forward(lm, ids[n:], n, past)))]
+        ttfts.append(time.perf_counter() - start)
+        for pos in range(len(ids), len(ids) + new_tokens - 1):
+            out.append(int(torch.argmax(forward(lm, out[-1:], pos, past))))
+        total += time.perf_counter() - start
+        outputs.append(out)
+        bar.update(1)
+    return RunResult(total, outputs, ttfts, sum(reusable))
+
+
+def forward(lm, ids: list[int], start: int, past: DynamicCache) -> torch.Tensor:
+    """`ids` at positions start.. on top of `past`: the last position's logits."""
+    device = lm.device
+    out = lm.model(
+        input_ids=torch.tensor([ids], device=device),
+        position_ids=torch.arange(start, start + len(ids), device=device).unsqueeze(0),
+        past_key_values=past,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    return out.logits[0, -1]
