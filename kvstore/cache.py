@@ -10,7 +10,6 @@ Protocol for a caller (an engine, or another serving stack):
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
@@ -21,7 +20,7 @@ import numpy as np
 import torch
 
 from hashing import BlockHash, BlockHasher, Namespace, as_token_array, combine_salts
-from kvstore.config import CacheConfig, ConfigError
+from kvstore.config import CacheConfig
 from kvstore.index import RadixIndex, TreeNode
 from kvstore.metrics import CacheMetrics
 from kvstore.policy import make_policy
@@ -60,12 +59,7 @@ class PrefixCache:
         stores: Sequence[SpillStore] | None = None,
     ):
         """`stores` overrides the spill tiers the config names (fastest first)."""
-        if namespace.block_size != config.block_size:
-            raise ConfigError(
-                "block_size",
-                f"namespace block_size {namespace.block_size} != config {config.block_size}",
-            )
-        namespace = _reconcile(namespace, config)
+        namespace = config.bind(namespace)
         self.config = config
         self.namespace = namespace
         self.block_size = config.block_size
@@ -75,7 +69,7 @@ class PrefixCache:
             config.block_size, make_policy(config.eviction_policy, self.pool.num_blocks)
         )
         self.metrics = CacheMetrics()
-        if stores is None and _has_tiers(config):
+        if stores is None and config.has_tiers:
             stores = make_stores(config, namespace)
         self.tiers = Tiers(config, self.hasher, self.metrics, stores) if stores else None
         self._hashers: OrderedDict[str, BlockHasher] = OrderedDict()  # by request salt
@@ -390,23 +384,6 @@ class PrefixCache:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _reconcile(namespace: Namespace, config: CacheConfig) -> Namespace:
-    """The config's codec and tenant salt are part of the namespace: apply them, or refuse
-    a namespace that already names different ones."""
-    for name in ("codec", "tenant_salt"):
-        ns_value, cfg_value = getattr(namespace, name), getattr(config, name)
-        default = "none" if name == "codec" else ""
-        if ns_value != cfg_value and ns_value != default and cfg_value != default:
-            raise ConfigError(name, f"namespace has {ns_value!r}, config has {cfg_value!r}")
-        if cfg_value != default:
-            namespace = dataclasses.replace(namespace, **{name: cfg_value})
-    return namespace
-
-
-def _has_tiers(config: CacheConfig) -> bool:
-    return config.memory_cache_gb > 0 or bool(config.lmdb_dir) or bool(config.redis_url)
 
 
 def block_keys(cache: PrefixCache, token_ids: Sequence[int] | np.ndarray) -> list[BlockHash]:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING
 
 from hashing.namespace import validate_salt
+
+if TYPE_CHECKING:
+    from hashing import Namespace
 
 POLICY_NAMES = ("lru", "lfu", "slru", "s3fifo", "as3fifo", "arc", "lhd")
 CODEC_NAMES = ("none", "fp16", "bf16", "lz4", "zstd")
@@ -110,6 +114,28 @@ class CacheConfig:
             raise ConfigError("redis_ttl_s", "must be >= 1 second or None")
         _positive("write_queue_blocks", self.write_queue_blocks, allow_none=False)
         _positive("flush_timeout_s", self.flush_timeout_s, allow_none=False)
+
+    @property
+    def has_tiers(self) -> bool:
+        """Whether any spill tier (host memory, LMDB, Redis) is configured."""
+        return self.memory_cache_gb > 0 or bool(self.lmdb_dir) or bool(self.redis_url)
+
+    def bind(self, namespace: Namespace) -> Namespace:
+        """The namespace this config caches under: the config's codec and tenant salt are
+        part of it, so they are applied; a namespace naming other ones, or another block
+        size, is refused."""
+        if namespace.block_size != self.block_size:
+            raise ConfigError(
+                "block_size",
+                f"namespace block_size {namespace.block_size} != config {self.block_size}",
+            )
+        for name, default in (("codec", "none"), ("tenant_salt", "")):
+            ns_value, cfg_value = getattr(namespace, name), getattr(self, name)
+            if ns_value != cfg_value and default not in (ns_value, cfg_value):
+                raise ConfigError(name, f"namespace has {ns_value!r}, config has {cfg_value!r}")
+            if cfg_value != default:
+                namespace = replace(namespace, **{name: cfg_value})
+        return namespace
 
     @property
     def secret_bytes(self) -> bytes:
