@@ -11,6 +11,7 @@ import torch
 from transformers import DynamicCache
 
 from bench.ttft_point import FirstTokenClock
+from engine.engine import forward_on
 
 
 class RunResult(NamedTuple):
@@ -101,26 +102,13 @@ def run_free_prefix(lm, prompts: list[list[int]], reusable: list[int], new_token
     for ids, n in zip(prompts, reusable, strict=True):
         past = DynamicCache(config=lm.model.config)
         if n:
-            forward(lm, ids[:n], 0, past)
+            forward_on(lm.model, ids[:n], past)
         start = time.perf_counter()
-        out = [int(torch.argmax(forward(lm, ids[n:], n, past)))]
+        out = [int(torch.argmax(forward_on(lm.model, ids[n:], past)))]
         ttfts.append(time.perf_counter() - start)
-        for pos in range(len(ids), len(ids) + new_tokens - 1):
-            out.append(int(torch.argmax(forward(lm, out[-1:], pos, past))))
+        while len(out) < new_tokens:
+            out.append(int(torch.argmax(forward_on(lm.model, out[-1:], past))))
         total += time.perf_counter() - start
         outputs.append(out)
         bar.update(1)
     return RunResult(total, outputs, ttfts, sum(reusable))
-
-
-def forward(lm, ids: list[int], start: int, past: DynamicCache) -> torch.Tensor:
-    """`ids` at positions start.. on top of `past`: the last position's logits."""
-    device = lm.device
-    out = lm.model(
-        input_ids=torch.tensor([ids], device=device),
-        position_ids=torch.arange(start, start + len(ids), device=device).unsqueeze(0),
-        past_key_values=past,
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    return out.logits[0, -1]

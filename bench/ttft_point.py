@@ -13,6 +13,8 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers import DynamicCache
 
+from engine.engine import forward_on
+
 TIERS = ("device", "memory", "lmdb", "redis")
 
 
@@ -34,15 +36,8 @@ def clone_prefix(model, kv: list, cached: int) -> DynamicCache:
 
 
 def suffix_first_token(model, ids: list[int], past: DynamicCache) -> int:
-    start = past.get_seq_length()
-    positions = torch.arange(start, len(ids)).unsqueeze(0)
-    out = model(
-        input_ids=torch.tensor([ids[start:]]),
-        position_ids=positions,
-        past_key_values=past,
-        logits_to_keep=1,
-    )
-    return int(torch.argmax(out.logits[0, -1]))
+    """Greedy first token of `ids` with `past` holding its first tokens."""
+    return int(torch.argmax(forward_on(model, ids[past.get_seq_length() :], past)))
 
 
 def cache_config_for(tier: str, args: argparse.Namespace, num_blocks: int, tmp: str):

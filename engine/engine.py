@@ -8,6 +8,7 @@ and the suffix is prefilled with explicit position ids continuing from the cache
 
 from __future__ import annotations
 
+import functools
 import inspect
 import queue
 import random
@@ -125,6 +126,27 @@ class _Sampler:
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
 
+@functools.cache
+def _last_logits_only(model_cls: type) -> dict[str, int]:
+    """Forward kwargs that compute logits for the last position only, where supported."""
+    params = inspect.signature(model_cls.forward).parameters
+    return {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+
+
+def forward_on(model: torch.nn.Module, ids: Sequence[int], past: DynamicCache) -> torch.Tensor:
+    """Run `ids` on top of `past` (positions continue from its length, so a suffix after a
+    cached prefix is placed right); the last position's logits, [vocab] float32."""
+    device, start = model.device, past.get_seq_length()
+    out = model(
+        input_ids=torch.tensor([list(ids)], dtype=torch.long, device=device),
+        position_ids=torch.arange(start, start + len(ids), device=device).unsqueeze(0),
+        past_key_values=past,
+        use_cache=True,
+        **_last_logits_only(type(model)),
+    )
+    return out.logits[0, -1].float()
+
+
 def past_from_prefix(config: object, kv: KVPrefix, device: torch.device) -> DynamicCache:
     """A DynamicCache holding the prefix K/V (no extra copy when already on `device`)."""
     past = DynamicCache(config=config)
@@ -150,8 +172,6 @@ class Engine:
             cache_config.block_size, cache_config.tenant_salt, cache_config.codec
         )
         self.cache = PrefixCache(cache_config, namespace)
-        params = inspect.signature(model.model.forward).parameters
-        self._extra = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
         self._lock = threading.Lock()  # one forward pass at a time
         self._queue: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
         self._queue_lock = threading.Lock()
@@ -290,18 +310,7 @@ class Engine:
         return pre.logits, pre.cached_tokens
 
     def _forward(self, ids: list[int], past: DynamicCache) -> torch.Tensor:
-        """Run `ids` on top of `past` (positions continue from its length); last logits."""
-        device, start = self.model.device, past.get_seq_length()
-        input_ids = torch.tensor([ids], dtype=torch.long, device=device)
-        positions = torch.arange(start, start + len(ids), device=device).unsqueeze(0)
-        out = self.model.model(
-            input_ids=input_ids,
-            position_ids=positions,
-            past_key_values=past,
-            use_cache=True,
-            **self._extra,
-        )
-        return out.logits[0, -1].float()
+        return forward_on(self.model.model, ids, past)
 
     def _prefill(self, token_ids: list[int], cache_salt: str, tenant: str = "") -> Prefill:
         hit = self.cache.lookup(token_ids, salt=cache_salt, owner=tenant)
