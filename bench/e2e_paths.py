@@ -11,7 +11,7 @@ import torch
 from transformers import DynamicCache
 
 from bench.ttft_point import FirstTokenClock
-from engine.engine import forward_on
+from engine.sequential import forward_on
 
 
 class RunResult(NamedTuple):

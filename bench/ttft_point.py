@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers import DynamicCache
 
-from engine.engine import forward_on
+from engine.sequential import forward_on
 
 TIERS = ("device", "memory", "lmdb", "redis")
 

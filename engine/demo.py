@@ -48,8 +48,9 @@ BATCH_QUESTIONS = tuple(
 
 def run_demo_requests(max_tokens: int, config: CacheConfig) -> list[dict]:
     """Run the demo's 12 requests through the engine and compare each with a no-cache run."""
-    from engine.engine import Engine, SamplingParams, reference_generate
+    from engine.engine import Engine, SamplingParams
     from engine.model import END_OF_TURN, load_model
+    from engine.sequential import reference_generate
 
     model = load_model("tiny")
     tok = model.tokenizer

@@ -1,170 +1,60 @@
-"""The reference engine: lookup, load the cached prefix, prefill the suffix, decode, store.
+"""The engine: continuous batching over the paged pool, on unchanged HF transformers models.
 
-One worker thread runs requests one at a time from a thread-safe queue; `run` is the
-synchronous path it uses. The cached prefix's K/V goes into a transformers `DynamicCache`
-and the suffix is prefilled with explicit position ids continuing from the cached length
-(transformers builds an explicit causal mask whenever the query is shorter than the keys).
+One loop thread runs steps. Each step the scheduler picks rows (decode tokens and prefill
+chunks under a token budget), the runner does one forward over them with attention reading
+K/V through the rows' block tables in the pool, each row that finished its tokens samples
+one, full blocks are committed to the radix index in place, and finished requests resolve.
+A model the paged attention hook cannot serve (its self-test fails) is served one request at
+a time on the per-request path (`engine.sequential`), which the log says once.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
-import queue
-import random
+import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 import torch
-from transformers import DynamicCache
 
 from engine.model import LoadedModel
+from engine.paged import PagedAttentionError, Row
+from engine.request import (
+    EngineClosedError,
+    GenerateResult,
+    InvalidRequestError,
+    Prompt,
+    Request,
+    RequestCancelled,
+    Sampler,
+    SamplingParams,
+    StopChecker,
+    TokenCallback,
+)
+from engine.runner import PagedRunner, self_test
+from engine.scheduler import QueueStats, Scheduled, Scheduler, SchedulerConfig, all_tokens
+from engine.sequential import Prefill, SequentialPath
 from hashing import validate_salt
-from kvstore.cache import KVPrefix, PrefixCache
+from kvstore.cache import PrefixCache
 from kvstore.config import CacheConfig
+from kvstore.sequences import BlockTables
 
-Prompt = str | Sequence[int]
-TokenCallback = Callable[[int], None]
-
-
-def _ignore(token_id: int) -> None:
-    """The default token callback."""
-
-
-def _since(start: float) -> float:
-    return time.perf_counter() - start
-
-
-class InvalidRequestError(ValueError):
-    """A request is malformed; the message says what to fix."""
-
-
-class EngineClosedError(RuntimeError):
-    """The engine was closed; no more requests are accepted."""
-
-
-def _int_tuple(name: str, values: Sequence[int]) -> tuple[int, ...]:
-    out = tuple(values)
-    if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in out):
-        raise InvalidRequestError(f"{name} must be non-negative ints, got {values!r}")
-    return out
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to sample one request. temperature 0 = greedy (top_p and seed then unused)."""
-
-    max_new_tokens: int = 16
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    stop: tuple[str, ...] = ()  # stop strings; the text is cut before the first one
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        n = self.max_new_tokens
-        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
-            raise InvalidRequestError(f"max_new_tokens must be an int >= 1, got {n!r}")
-        if not isinstance(self.temperature, int | float) or not 0 <= self.temperature <= 100:
-            raise InvalidRequestError(f"temperature must be in [0, 100], got {self.temperature!r}")
-        if not isinstance(self.top_p, int | float) or not 0 < self.top_p <= 1:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (
-            isinstance(self.seed, bool)
-            or not isinstance(self.seed, int)
-            or not -(2**63) <= self.seed < 2**64  # what torch.Generator.manual_seed takes
-        ):
-            raise InvalidRequestError(f"seed must be a 64-bit int or None, got {self.seed!r}")
-        object.__setattr__(
-            self, "stop_token_ids", _int_tuple("stop_token_ids", self.stop_token_ids)
-        )
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-        if any(not isinstance(s, str) or not s for s in stop):
-            raise InvalidRequestError(f"stop must be non-empty strings, got {self.stop!r}")
-        object.__setattr__(self, "stop", stop)
-
-
-class GenerateResult(NamedTuple):
-    prompt_tokens: int
-    cached_tokens: int  # prompt tokens whose KV was loaded from the cache
-    output_token_ids: list[int]
-    text: str
-    ttft_s: float  # lookup + load + suffix prefill + first token
-    finish_reason: str  # "stop" or "length"
-    cached_by_tier: dict[str, int]  # cached tokens by source tier ("device", "lmdb", ...)
-    queue_s: float  # time from submit until the worker started the request
-
-
-class Prefill(NamedTuple):
-    logits: torch.Tensor  # [vocab] float32, last prompt position
-    cached_tokens: int
-    past: DynamicCache  # KV of every prompt token
-    cached_by_tier: dict[str, int]
-
-
-class _Sampler:
-    def __init__(self, params: SamplingParams):
-        self.params = params
-        self.generator = torch.Generator()
-        seed = params.seed if params.seed is not None else random.getrandbits(63)
-        self.generator.manual_seed(seed)
-
-    def __call__(self, logits: torch.Tensor) -> int:
-        if self.params.temperature == 0:
-            return int(torch.argmax(logits))
-        probs = torch.softmax(logits.float().cpu() / self.params.temperature, dim=-1)
-        if self.params.top_p < 1:
-            sorted_probs, order = torch.sort(probs, descending=True)
-            drop = torch.cumsum(sorted_probs, -1) - sorted_probs > self.params.top_p
-            probs[order[drop]] = 0.0  # the top token always stays
-        return int(torch.multinomial(probs, 1, generator=self.generator))
-
-
-@functools.cache
-def _last_logits_only(model_cls: type) -> dict[str, int]:
-    """Forward kwargs that compute logits for the last position only, where supported."""
-    params = inspect.signature(model_cls.forward).parameters
-    return {"logits_to_keep": 1} if "logits_to_keep" in params else {}
-
-
-def forward_on(model: torch.nn.Module, ids: Sequence[int], past: DynamicCache) -> torch.Tensor:
-    """Run `ids` on top of `past` (positions continue from its length, so a suffix after a
-    cached prefix is placed right); the last position's logits, [vocab] float32."""
-    device, start = model.device, past.get_seq_length()
-    out = model(
-        input_ids=torch.tensor([list(ids)], dtype=torch.long, device=device),
-        position_ids=torch.arange(start, start + len(ids), device=device).unsqueeze(0),
-        past_key_values=past,
-        use_cache=True,
-        **_last_logits_only(type(model)),
-    )
-    return out.logits[0, -1].float()
-
-
-def past_from_prefix(config: object, kv: KVPrefix, device: torch.device) -> DynamicCache:
-    """A DynamicCache holding the prefix K/V (no extra copy when already on `device`)."""
-    past = DynamicCache(config=config)
-    if kv.num_tokens == 0:
-        return past
-    if len(kv.layers) != len(past.layers):
-        raise ValueError(f"prefix has {len(kv.layers)} layers, the model {len(past.layers)}")
-    for layer, (k, v) in zip(past.layers, kv.layers, strict=True):
-        k, v = k[:, :, : kv.num_tokens].to(device), v[:, :, : kv.num_tokens].to(device)
-        layer.lazy_initialization(k, v)
-        layer.keys, layer.values = k, v
-    return past
+log = logging.getLogger("kvstore.engine")
+SELF_TEST_BLOCKS = 5
 
 
 class Engine:
     """Generates with prefix caching through one `PrefixCache` for the model's namespace."""
 
-    def __init__(self, model: LoadedModel, cache_config: CacheConfig, cache_generated: bool = True):
+    def __init__(
+        self,
+        model: LoadedModel,
+        cache_config: CacheConfig,
+        cache_generated: bool = True,
+        scheduler_config: SchedulerConfig | None = None,
+    ):
         self.model = model
         self.cache_config = cache_config
         self.cache_generated = cache_generated
@@ -172,12 +62,48 @@ class Engine:
             cache_config.block_size, cache_config.tenant_salt, cache_config.codec
         )
         self.cache = PrefixCache(cache_config, namespace)
-        self._lock = threading.Lock()  # one forward pass at a time
-        self._queue: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
-        self._queue_lock = threading.Lock()
+        self.tables = BlockTables(self.cache)
+        self.scheduler = Scheduler(scheduler_config or SchedulerConfig(), self.tables)
+        self.sequential = SequentialPath(model, self.cache, cache_generated)
+        self._forward_lock = threading.Lock()  # one forward pass at a time
+        self._scratch: list[int] = []
+        self.runner, self.fallback_reason = self._paged_runner()
+        self._cond = threading.Condition()
         self._closed = False
-        self._worker = threading.Thread(target=self._serve, name="kvstore-engine", daemon=True)
+        self._worker = threading.Thread(target=self._loop, name="kvstore-engine", daemon=True)
         self._worker.start()
+
+    @property
+    def mode(self) -> str:
+        """ "paged" (continuous batching) or "sequential" (one request at a time)."""
+        return "sequential" if self.runner is None else "paged"
+
+    def _paged_runner(self) -> tuple[PagedRunner | None, str | None]:
+        pool = self.cache.pool
+        if pool.device != self.model.device:
+            why = f"the pool is on {pool.device}, the model on {self.model.device}"
+        elif pool.num_blocks < SELF_TEST_BLOCKS + 2:
+            why = f"the pool has {pool.num_blocks} blocks, the self-test needs {SELF_TEST_BLOCKS}"
+        else:
+            with self.cache._lock:
+                self._scratch = self.cache._allocate(1)  # held for the engine's lifetime
+                pool.kv[self._scratch].zero_()  # read (masked) as padding: must hold no NaN
+                ids = self.cache._allocate(SELF_TEST_BLOCKS)
+            try:
+                runner = PagedRunner(self.model, pool.kv, self._scratch[0])
+                why = self_test(runner, ids) if len(ids) == SELF_TEST_BLOCKS else "pool is full"
+            except PagedAttentionError as e:
+                why = str(e)
+            with self.cache._lock:
+                pool.free(ids)
+            if why is None:
+                return runner, None
+        log.warning(
+            "model %s: paged attention unavailable (%s); serving one request at a time",
+            self.model.name,
+            why,
+        )
+        return None, why
 
     # --- requests -------------------------------------------------------------------------
 
@@ -215,12 +141,14 @@ class Engine:
         """Queue one request; the future resolves to a `GenerateResult`.
 
         `cache_salt` narrows cache sharing to requests with the same salt. `on_token(id)` is
-        called from the worker thread for each generated token, as soon as it is sampled; an
-        exception it raises cancels the request (the future gets it, nothing is stored).
+        called from the engine thread for each generated token, as soon as it is sampled; an
+        exception it raises ends the request (the future gets it).
         Device blocks the request adds count against `tenant`'s quota (tenant_quota_blocks).
         """
         params = params or SamplingParams()
-        return self._enqueue(self.encode(prompt, params), params, cache_salt, on_token, tenant)
+        ids = self.encode(prompt, params)
+        request = Request(ids, params, cache_salt, tenant or None, on_token)
+        return self.add_request(request).future
 
     def generate(
         self,
@@ -236,42 +164,48 @@ class Engine:
         if any(isinstance(p, int) for p in prompts):
             raise InvalidRequestError("prompts is a list of prompts; wrap token ids in a list")
         all_ids = [self.encode(prompt, params) for prompt in prompts]  # all valid before queueing
-        futures = [self._enqueue(ids, params, cache_salt) for ids in all_ids]
-        return [f.result() for f in futures]
+        requests = self.add_requests([Request(ids, params, cache_salt) for ids in all_ids])
+        return [r.future.result() for r in requests]
 
-    def _enqueue(
-        self,
-        ids: list[int],
-        params: SamplingParams,
-        cache_salt: str = "",
-        on_token: TokenCallback | None = None,
-        tenant: str = "",
-    ) -> Future:
-        try:
-            validate_salt(cache_salt)
-        except ValueError as e:
-            raise InvalidRequestError(f"cache_salt: {e}") from None
-        future: Future = Future()
-        item = (ids, params, cache_salt, on_token, tenant, future, time.perf_counter())
-        with self._queue_lock:  # nothing may follow the stop sentinel
+    def add_request(self, request: Request, max_waiting: int | None = None) -> Request:
+        """Queue a request with validated token ids; `QueueFullError` when `max_waiting`
+        requests already wait."""
+        return self.add_requests([request], max_waiting)[0]
+
+    def add_requests(
+        self, requests: list[Request], max_waiting: int | None = None
+    ) -> list[Request]:
+        """Queue requests at once (they can share their first step)."""
+        for request in requests:
+            try:
+                validate_salt(request.cache_salt)
+            except ValueError as e:
+                raise InvalidRequestError(f"cache_salt: {e}") from None
+        with self._cond:
             if self._closed:
                 raise EngineClosedError("engine is closed")
-            self._queue.put(item)
-        return future
+            for request in requests:
+                self.scheduler.add(request, max_waiting)
+            self._cond.notify()
+        return requests
 
-    def _serve(self) -> None:
-        while (item := self._queue.get()) is not None:
-            ids, params, salt, on_token, tenant, future, enqueued = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                queue_s = _since(enqueued)
-                result = self.run(ids, params, salt, on_token, tenant)
-                future.set_result(result._replace(queue_s=queue_s))
-            except BaseException as e:  # handed to the caller
-                future.set_exception(e)
+    def cancel(self, request: Request) -> None:
+        """Stop a request: a waiting one is dropped, a running one ends before its next step."""
+        request.cancelled = True
+        with self._cond:
+            dropped = self.scheduler.waiting.remove(request)
+            self._cond.notify()
+        if dropped and request.future.cancel() and request.on_done is not None:
+            request.on_done(request, None)
 
-    # --- the synchronous path ---------------------------------------------------------------
+    def queue_stats(self) -> QueueStats:
+        return self.scheduler.stats()
+
+    @property
+    def alive(self) -> bool:
+        return self._worker.is_alive()
+
+    # --- synchronous single-request paths (per-request DynamicCache) ------------------------
 
     def run(
         self,
@@ -281,100 +215,178 @@ class Engine:
         on_token: TokenCallback | None = None,
         tenant: str = "",
     ) -> GenerateResult:
-        """One request, synchronously (validated token ids)."""
-        sampler = _Sampler(params)
-        emit = on_token or _ignore
-        with self._lock, torch.inference_mode():
-            start = time.perf_counter()
-            pre = self._prefill(token_ids, cache_salt, tenant)
-            output = [sampler(pre.logits)]
-            ttft = _since(start)
-            emit(output[0])
-            reason, text = self._decode(pre.past, output, params, sampler, emit)
-            self._store(token_ids, output, pre.past, cache_salt, tenant)
-        return GenerateResult(
-            len(token_ids), pre.cached_tokens, output, text, ttft, reason, pre.cached_by_tier, 0.0
-        )
+        """One request, synchronously, on the per-request path (validated token ids)."""
+        with self._forward_lock:
+            return self.sequential.run(token_ids, params, cache_salt, on_token, tenant)
 
     def prefill(self, token_ids: list[int], cache_salt: str = "") -> Prefill:
         """Lookup, load and suffix prefill of validated token ids; stores nothing."""
-        with self._lock, torch.inference_mode():
-            return self._prefill(token_ids, cache_salt)
+        with self._forward_lock, torch.inference_mode():
+            return self.sequential.prefill(token_ids, cache_salt)
 
     def prefill_logits(self, token_ids: Sequence[int]) -> tuple[torch.Tensor, int]:
         """Last-position logits ([vocab], float32) and cached_tokens; stores the prompt's blocks."""
         ids = self.encode(list(token_ids), SamplingParams(max_new_tokens=1))
         pre = self.prefill(ids)
-        with self._lock, torch.inference_mode():
-            self._store(ids, [], pre.past)
+        with self._forward_lock, torch.inference_mode():
+            self.sequential.store(ids, [], pre.past)
         return pre.logits, pre.cached_tokens
 
-    def _forward(self, ids: list[int], past: DynamicCache) -> torch.Tensor:
-        return forward_on(self.model.model, ids, past)
+    # --- the loop -------------------------------------------------------------------------
 
-    def _prefill(self, token_ids: list[int], cache_salt: str, tenant: str = "") -> Prefill:
-        hit = self.cache.lookup(token_ids, salt=cache_salt, owner=tenant)
-        try:
-            kv = self.cache.load(hit)
-        finally:
-            self.cache.release(hit)
-        past = past_from_prefix(self.model.model.config, kv, self.model.device)
-        logits = self._forward(token_ids[kv.num_tokens :], past)
-        return Prefill(logits, kv.num_tokens, past, hit.tier_tokens)
+    def _idle(self) -> bool:
+        return self.scheduler.waiting.size == 0 and not self.scheduler.running
 
-    def _decode(
-        self,
-        past: DynamicCache,
-        output: list[int],
-        params: SamplingParams,
-        sampler: _Sampler,
-        emit: TokenCallback,
-    ) -> tuple[str, str]:
-        """Extend `output` in place until a stop; returns (finish_reason, text)."""
-        stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop_ids.update(self.model.eos_token_ids)
-        decode = self.model.tokenizer.decode
+    def _loop(self) -> None:
         while True:
-            if params.stop:  # stop strings need the text so far; otherwise decode once at the end
-                text = decode(output, skip_special_tokens=True)
-                cut = min((i for s in params.stop if (i := text.find(s)) >= 0), default=None)
-                if cut is not None:
-                    return "stop", text[:cut]
-            if output[-1] in stop_ids:
-                return "stop", decode(output, skip_special_tokens=True)
-            if len(output) >= params.max_new_tokens:
-                return "length", decode(output, skip_special_tokens=True)
-            output.append(sampler(self._forward(output[-1:], past)))
-            emit(output[-1])
+            with self._cond:
+                while not self._closed and self._idle():
+                    self._cond.wait()
+                if self._closed and self._idle():
+                    return
+            try:
+                self._step() if self.runner is not None else self._step_sequential()
+            except Exception:  # a bug must not kill the loop silently: fail what ran
+                log.exception("engine step failed")
+                for request in list(self.scheduler.running):
+                    self._fail(request, RuntimeError("engine step failed"))
 
-    def _store(
-        self,
-        prompt: list[int],
-        output: list[int],
-        past: DynamicCache,
-        cache_salt: str = "",
-        tenant: str = "",
-    ) -> int:
-        """Store new full blocks: the prompt, plus generated tokens when cache_generated."""
-        ids = prompt + output if self.cache_generated else prompt
-        n = min(len(ids), past.get_seq_length())  # the last generated token has no KV
-        layers = [(layer.keys[:, :, :n], layer.values[:, :, :n]) for layer in past.layers]
-        return self.cache.store(ids[:n], layers, salt=cache_salt, owner=tenant)
+    def _step(self) -> None:
+        for request in list(self.scheduler.running):
+            if request.cancelled:
+                self._fail(request, RequestCancelled("the client went away"))
+        rows = [row for row in self.scheduler.schedule(self._fail) if self._started(row.request)]
+        if not rows:
+            time.sleep(0.001)  # nothing could be admitted now (all waiting on blocks)
+            return
+        tokens = [all_tokens(row.request) for row in rows]
+        sample = [i for i, row in enumerate(rows) if row.start + row.num_new == len(tokens[i])]
+        with self._forward_lock:
+            logits = self.runner.forward(
+                [self._row(row) for row in rows],
+                [
+                    t[row.start : row.start + row.num_new]
+                    for row, t in zip(rows, tokens, strict=True)
+                ],
+                sample,
+            )
+        for row, ids in zip(rows, tokens, strict=True):
+            self._computed(row, ids)
+        self._sample([rows[i].request for i in sample], logits)
+
+    def _row(self, row: Scheduled) -> Row:
+        blocks = row.request.state.blocks
+        return Row(blocks.block_table, row.start, row.num_new, blocks.num_shared_blocks)
+
+    def _started(self, request: Request) -> bool:
+        """Mark a request's first step; False if its future was cancelled meanwhile."""
+        if request.scheduled is not None:
+            return True
+        request.scheduled = time.perf_counter()
+        if request.future.set_running_or_notify_cancel():
+            return True
+        self.scheduler.finish(request)
+        return False
+
+    def _computed(self, row: Scheduled, tokens: list[int]) -> None:
+        """K/V of the row's tokens is written: commit the blocks that became full."""
+        state = row.request.state
+        state.num_computed = row.start + row.num_new
+        limit = state.num_computed
+        if not self.cache_generated:
+            limit = min(limit, len(row.request.token_ids))
+        if limit // self.tables.block_size > state.blocks.num_committed:
+            self.tables.commit(state.blocks, tokens, limit)
+
+    def _sample(self, requests: list[Request], logits: torch.Tensor) -> None:
+        greedy = logits.argmax(dim=-1).tolist()
+        for i, request in enumerate(requests):
+            if request.sampler is None:
+                request.sampler = Sampler(request.params)
+            token = greedy[i] if request.params.temperature == 0 else request.sampler(logits[i])
+            try:
+                request.emit(token)
+            except BaseException as e:  # a cancelled request or a failing callback
+                self._fail(request, e)
+                continue
+            done = self._stop(request)
+            if done is not None:
+                self._finish(request, *done)
+
+    def _stop(self, request: Request) -> tuple[str, str] | None:
+        state = request.state
+        if state.stop is None:
+            state.stop = StopChecker(request.params, self.model.eos_token_ids, self.model.tokenizer)
+        return state.stop(request.output)
+
+    def _finish(self, request: Request, reason: str, text: str) -> None:
+        self.scheduler.finish(request)
+        result = GenerateResult(
+            len(request.token_ids),
+            request.num_cached_tokens,
+            list(request.output),
+            text,
+            request.first_token - request.scheduled,
+            reason,
+            request.cached_by_tier,
+            request.scheduled - request.arrival,
+        )
+        request.future.set_result(result)
+        if request.on_done is not None:
+            request.on_done(request, result)
+
+    def _fail(self, request: Request, error: BaseException) -> None:
+        """End a request with `error` (waiting or running)."""
+        self.scheduler.finish(request)
+        future = request.future
+        if not future.done() and (future.running() or future.set_running_or_notify_cancel()):
+            future.set_exception(error)
+        if request.on_done is not None:
+            request.on_done(request, None)
+
+    def _step_sequential(self) -> None:
+        """The fallback: the next fair request runs alone, start to finish."""
+        request = self.scheduler.waiting.pop()
+        if request.cancelled or not self._started(request):
+            self._fail(request, RequestCancelled("cancelled while waiting"))
+            return
+        try:
+            with self._forward_lock:
+                result = self.sequential.run(
+                    request.token_ids,
+                    request.params,
+                    request.cache_salt,
+                    request.emit,
+                    request.owner,
+                    request.sampler,
+                )
+        except BaseException as e:
+            self._fail(request, e)
+            return
+        request.future.set_result(result._replace(queue_s=request.scheduled - request.arrival))
+        if request.on_done is not None:
+            request.on_done(request, result)
 
     # --- lifecycle ----------------------------------------------------------------------------
 
     def stats(self) -> dict:
         return self.cache.stats()
 
-    def close(self) -> None:
-        """Finish queued requests, stop the worker and close the cache. Idempotent."""
-        with self._queue_lock:
+    def close(self, cancel_waiting: bool = False) -> None:
+        """Stop accepting requests; finish the running ones (and the waiting ones, unless
+        `cancel_waiting`: they fail with EngineClosedError); close the cache. Idempotent."""
+        with self._cond:
             if self._closed:
                 return
             self._closed = True
-            self._queue.put(None)
+            waiting = self.scheduler.waiting.drain() if cancel_waiting else []
+            self._cond.notify_all()
+        for request in waiting:
+            self._fail(request, EngineClosedError("the server is shutting down"))
         self._worker.join()
+        with self.cache._lock:
+            self.cache.pool.free(self._scratch)
+        self._scratch = []
         self.cache.close()
 
     def __enter__(self) -> Engine:
@@ -382,20 +394,3 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def reference_generate(
-    model: LoadedModel, token_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = ()
-) -> tuple[list[int], float]:
-    """Greedy tokens without kvstore (full prefill, then a plain decode loop) and its TTFT."""
-    lm, device = model.model, model.device
-    with torch.inference_mode():
-        start = time.perf_counter()
-        past = DynamicCache(config=lm.config)
-        out = lm(input_ids=torch.tensor([list(token_ids)], device=device), past_key_values=past)
-        tokens = [int(torch.argmax(out.logits[0, -1]))]
-        ttft = time.perf_counter() - start
-        while len(tokens) < max_new_tokens and tokens[-1] not in stop_ids:
-            out = lm(input_ids=torch.tensor([tokens[-1:]], device=device), past_key_values=past)
-            tokens.append(int(torch.argmax(out.logits[0, -1])))
-    return tokens, ttft

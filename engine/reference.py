@@ -10,6 +10,12 @@ import torch
 from engine.model import LoadedModel
 
 FP32_TOL = 1e-4  # fp32 logits: absolute tolerance of the contract
+HALF_TOL = 2e-2  # bf16 / fp16 logits
+
+
+def tolerance_for(dtype: torch.dtype) -> float:
+    """The contract's logit tolerance for a model computing in `dtype`."""
+    return FP32_TOL if dtype == torch.float32 else HALF_TOL
 
 
 def greedy_matches_reference(

@@ -46,6 +46,7 @@ class CacheHit:
     block_ids: list[int]
     tier_tokens: dict[str, int] = field(default_factory=dict)  # cached tokens by source tier
     node: TreeNode | None = None
+    keys: list[BlockHash] = field(default_factory=list)  # lookup keys of the prompt's blocks
     released: bool = False
 
 
@@ -97,9 +98,14 @@ class PrefixCache:
             return hasher
 
     def lookup(
-        self, token_ids: Sequence[int] | np.ndarray, salt: str = "", owner: str = ""
+        self,
+        token_ids: Sequence[int] | np.ndarray,
+        salt: str = "",
+        owner: str = "",
+        whole_prompt: bool = False,
     ) -> CacheHit:
-        """Find and lock the longest cached whole-block prefix of token_ids[:-1].
+        """Find and lock the longest cached whole-block prefix of token_ids[:-1] (of all of
+        token_ids with `whole_prompt`: the caller then re-runs the last token for its logits).
 
         Blocks the device pool misses are asked of the spill tiers (fastest first), verified
         and promoted into the pool; `num_cached_tokens` counts only verified blocks. Only
@@ -107,7 +113,8 @@ class PrefixCache:
         against `owner`'s quota (`tenant_quota_blocks`).
         """
         tokens = as_token_array(token_ids)
-        max_blocks = max(len(tokens) - 1, 0) // self.block_size  # the last token is always computed
+        usable = len(tokens) if whole_prompt else max(len(tokens) - 1, 0)
+        max_blocks = usable // self.block_size
         hasher = self.hasher_for(salt)
         keys = hasher.hash_blocks(tokens[: max_blocks * self.block_size])
         with self._lock:
@@ -120,6 +127,7 @@ class PrefixCache:
             match.block_ids,
             {"device": num_device} if num_device else {},
             match.last_node,
+            keys,
         )
         if self.tiers:
             scope = self.tiers.scope(hasher)

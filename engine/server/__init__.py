@@ -2,7 +2,7 @@
 
 - `config`: ServerConfig and the server's flags (standard library only);
 - `auth`: Bearer keys -> tenants -> cache salts;
-- `scheduler`: per-tenant FIFO queues served round-robin, bounded (429 when full);
+- the engine itself (engine.scheduler) queues requests fairly per tenant, bounded (429 when full);
 - `protocol`: request validation and response objects; `streaming`: SSE;
 - `metrics`: the Prometheus page; `service`: the request path; `app`: routes and `run_server`.
 

@@ -62,8 +62,8 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        queue = service.scheduler.stats()
-        ok = service.scheduler.alive
+        queue = engine.queue_stats()
+        ok = engine.alive
         body = {"status": "ok" if ok else "unavailable", "model": config.served_model_name}
         body |= {"waiting": queue.waiting, "running": queue.running}
         return JSONResponse(body, status_code=200 if ok else 503)
@@ -73,7 +73,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         if config.metrics_require_key:
             service.authenticate(request)
         stats = await run_in_threadpool(engine.stats)
-        text = prom.render(stats, service.metrics, service.scheduler.stats())
+        text = prom.render(stats, service.metrics, engine.queue_stats())
         return PlainTextResponse(text, media_type=prom.CONTENT_TYPE)
 
     return app

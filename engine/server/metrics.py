@@ -12,8 +12,8 @@ import threading
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
-from engine.engine import GenerateResult
-from engine.server.scheduler import Job, QueueStats
+from engine.request import GenerateResult, Request
+from engine.scheduler import QueueStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
@@ -76,7 +76,7 @@ class Histogram:
 
 
 class ServerMetrics:
-    """The server's own counters and histograms; `observe` is the scheduler's done callback."""
+    """The server's own counters and histograms; `observe` is each request's done callback."""
 
     def __init__(self) -> None:
         self.ttft = Histogram()
@@ -88,7 +88,7 @@ class ServerMetrics:
         with self._lock:
             self._counts[(family, labels(**label_values))] += value
 
-    def observe(self, job: Job, result: GenerateResult | None) -> None:
+    def observe(self, job: Request, result: GenerateResult | None) -> None:
         if job.queue_wait_s is not None:
             self.queue_wait.observe(job.queue_wait_s)
         if job.ttft_s is not None:

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
-from engine.engine import GenerateResult
+from engine.request import GenerateResult
 
 
 class ApiError(Exception):

@@ -1,5 +1,5 @@
 """The request path shared by the routes: authenticate, read and validate the body, tokenize,
-admit into the scheduler, then answer with JSON or stream server-sent events."""
+admit into the engine, then answer with JSON or stream server-sent events."""
 
 from __future__ import annotations
 
@@ -11,21 +11,22 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.concurrency import run_in_threadpool
-from starlette.requests import Request
+from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from engine.engine import (
-    Engine,
+from engine.engine import Engine
+from engine.request import (
     EngineClosedError,
     GenerateResult,
     InvalidRequestError,
+    QueueFullError,
+    Request,
     SamplingParams,
 )
 from engine.server import protocol as p
 from engine.server.auth import Authenticator, AuthError, CacheSaltError, request_salt
 from engine.server.config import ServerConfig
 from engine.server.metrics import ServerMetrics
-from engine.server.scheduler import Job, QueueFullError, Scheduler, SchedulerClosedError
 from engine.server.streaming import DONE, TextStreamer, TokenBridge, sse
 
 log = logging.getLogger("kvstore.server")
@@ -38,7 +39,7 @@ def simple_chat_prompt(messages: list[p.ChatMessage]) -> str:
     return "".join(f"{m.role}: {m.text()}\n" for m in messages) + "assistant: "
 
 
-async def read_json(request: Request, limit: int) -> object:
+async def read_json(request: HTTPRequest, limit: int) -> object:
     """The JSON body, refusing more than `limit` bytes (413) before or while reading it."""
     length = request.headers.get("content-length")
     if length is not None and (not length.isdigit() or int(length) > limit):
@@ -67,16 +68,15 @@ def _not_json(name: str) -> object:
 
 
 class Service:
-    """Engine, scheduler, auth and metrics of one server."""
+    """Engine, auth and metrics of one server."""
 
     def __init__(self, engine: Engine, config: ServerConfig):
         self.engine, self.config = engine, config
         self.tokenizer = engine.model.tokenizer
         self.auth = Authenticator(config.api_keys, engine.cache_config.secret_bytes)
         self.metrics = ServerMetrics()
-        self.scheduler = Scheduler(engine, config.max_queue, self.metrics.observe)
 
-    def authenticate(self, request: Request) -> str | None:
+    def authenticate(self, request: HTTPRequest) -> str | None:
         try:
             return self.auth.tenant(request.headers.get("authorization"))
         except AuthError as e:
@@ -91,7 +91,7 @@ class Service:
 
     # --- request -> job --------------------------------------------------------------------
 
-    async def handle(self, request: Request, kind: str) -> Response:
+    async def handle(self, request: HTTPRequest, kind: str) -> Response:
         """POST /v1/completions (kind "completion") and /v1/chat/completions (kind "chat")."""
         tenant = self.authenticate(request)
         data = await read_json(request, self.config.max_body_bytes)
@@ -103,7 +103,7 @@ class Service:
             raise p.bad_request(str(e), "cache_salt") from None
         ids = await run_in_threadpool(self.prompt_ids, req)
         params = self.sampling_params(req, len(ids))
-        job = Job(tenant, ids, params, salt)
+        job = Request(ids, params, salt, tenant, on_done=self.metrics.observe)
         bridge = TokenBridge(asyncio.get_running_loop()) if req.stream else None
         if bridge is not None:
             job.on_token = bridge.push
@@ -163,10 +163,10 @@ class Service:
         except InvalidRequestError as e:
             raise p.bad_request(str(e)) from None
 
-    def admit(self, job: Job) -> None:
+    def admit(self, job: Request) -> None:
         try:
             job.token_ids = self.engine.encode(job.token_ids, job.params)  # range and positions
-            self.scheduler.submit(job)
+            self.engine.add_request(job, self.config.max_queue)
         except InvalidRequestError as e:
             raise p.bad_request(str(e), "prompt") from None
         except QueueFullError as e:
@@ -176,16 +176,16 @@ class Service:
             error = p.ApiError(429, message, type="rate_limit_error", code="queue_full")
             error.headers = headers
             raise error from None
-        except SchedulerClosedError as e:
-            raise p.ApiError(503, str(e), type="server_error") from None
+        except EngineClosedError as e:
+            raise p.ApiError(503, "the server is shutting down", type="server_error") from e
 
     # --- job -> response -------------------------------------------------------------------
 
-    async def result(self, job: Job) -> GenerateResult:
+    async def result(self, job: Request) -> GenerateResult:
         try:
             return await asyncio.wrap_future(job.future)
         except asyncio.CancelledError:
-            self.scheduler.cancel(job)
+            self.engine.cancel(job)
             raise
         except Exception as e:
             raise self.failure(e) from None
@@ -193,7 +193,7 @@ class Service:
     def failure(self, error: BaseException) -> p.ApiError:
         if isinstance(error, InvalidRequestError):
             return p.bad_request(str(error))
-        if isinstance(error, SchedulerClosedError | EngineClosedError):
+        if isinstance(error, EngineClosedError):
             return p.ApiError(503, str(error), type="server_error")
         log.error("request failed", exc_info=error)
         return p.ApiError(500, f"internal error: {type(error).__name__}", type="server_error")
@@ -210,7 +210,7 @@ class Service:
         return {**body, "usage": p.usage(result)}
 
     async def events(
-        self, job: Job, req: Any, kind: str, bridge: TokenBridge
+        self, job: Request, req: Any, kind: str, bridge: TokenBridge
     ) -> AsyncIterator[str]:
         """The SSE stream; a client that goes away cancels its job (queued or running)."""
         chunks = _Chunks(kind, self.config.served_model_name, req.include_usage)
@@ -232,11 +232,10 @@ class Service:
             yield sse("[DONE]")
         finally:
             if not job.future.done():
-                self.scheduler.cancel(job)
+                self.engine.cancel(job)
 
     def close(self) -> None:
-        self.scheduler.close()
-        self.engine.close()
+        self.engine.close(cancel_waiting=True)
 
 
 class _Chunks:

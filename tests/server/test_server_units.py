@@ -1,4 +1,4 @@
-"""Server parts without HTTP: salts, the scheduler's order and bound, streaming text, request
+"""Server parts without HTTP: salts, the wait queue's order and bound, streaming text, request
 validation, the Prometheus page."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ from collections.abc import Iterator
 import pytest
 from engine_helpers import micro_cache_config, micro_model
 
-from engine.engine import Engine, GenerateResult, SamplingParams
+from engine.engine import Engine
 from engine.model import byte_tokenizer
+from engine.request import GenerateResult, QueueFullError, Request, RequestCancelled, SamplingParams
 from engine.server import protocol
 from engine.server.auth import Authenticator, AuthError, CacheSaltError, request_salt, tenant_salt
 from engine.server.config import ServerConfig, load_api_keys
 from engine.server.metrics import Histogram, ServerMetrics
-from engine.server.scheduler import Job, QueueFullError, RequestCancelled, Scheduler
 from engine.server.streaming import TextStreamer
 from kvstore.config import ConfigError
 
@@ -86,12 +86,12 @@ def one_token() -> SamplingParams:
 
 
 class Gate:
-    """A running job that blocks the engine until `open()`."""
+    """A running request that blocks the engine loop (in its token callback) until `open()`."""
 
-    def __init__(self, scheduler: Scheduler):
+    def __init__(self, engine: Engine):
         self.started, self.released = threading.Event(), threading.Event()
         params = SamplingParams(max_new_tokens=3, ignore_eos=True)
-        self.job = scheduler.submit(Job(None, [1, 2, 3], params, "", self._block))
+        self.job = engine.add_request(Request([1, 2, 3], params, on_token=self._block))
         assert self.started.wait(30)
 
     def _block(self, token_id: int) -> None:
@@ -102,47 +102,46 @@ class Gate:
         self.released.set()
 
 
-def test_scheduler_is_fifo_per_tenant_and_round_robin_across_tenants(engine):
-    scheduler = Scheduler(engine, max_queue=16)
-    gate, order = Gate(scheduler), []
+def test_waiting_requests_are_fifo_per_tenant_and_round_robin_across_tenants(engine):
+    gate, order = Gate(engine), []
     names = [("x", 1), ("x", 2), ("x", 3), ("y", 1), ("y", 2), ("z", 1)]
     jobs = [
-        scheduler.submit(Job(t, [5, 6, 7], one_token(), "", lambda _, n=(t, i): order.append(n)))
+        engine.add_request(
+            Request([5, 6, 7], one_token(), tenant=t, on_token=lambda _, n=(t, i): order.append(n)),
+            max_waiting=16,
+        )
         for t, i in names
     ]
-    assert scheduler.stats().waiting_by_tenant == {"x": 3, "y": 2, "z": 1}
+    assert engine.queue_stats().waiting_by_tenant == {"x": 3, "y": 2, "z": 1}
     gate.open()
     for job in jobs:
         assert isinstance(job.future.result(30), GenerateResult)
     assert order == [("x", 1), ("y", 1), ("z", 1), ("x", 2), ("y", 2), ("x", 3)]
-    scheduler.close()
 
 
 def test_a_full_queue_refuses_and_cancel_frees_a_slot(engine):
-    scheduler = Scheduler(engine, max_queue=2)
-    gate = Gate(scheduler)
-    first = scheduler.submit(Job("x", [5, 6], one_token(), ""))
-    scheduler.submit(Job("y", [5, 6], one_token(), ""))
+    gate = Gate(engine)
+    first = engine.add_request(Request([5, 6], one_token(), tenant="x"), max_waiting=2)
+    engine.add_request(Request([5, 6], one_token(), tenant="y"), max_waiting=2)
     with pytest.raises(QueueFullError):
-        scheduler.submit(Job("z", [5, 6], one_token(), ""))
-    scheduler.cancel(first)
+        engine.add_request(Request([5, 6], one_token(), tenant="z"), max_waiting=2)
+    engine.cancel(first)
     assert first.future.cancelled()
-    late = scheduler.submit(Job("z", [5, 6], one_token(), ""))
-    scheduler.cancel(gate.job)  # running: it stops at its next token
+    late = engine.add_request(Request([5, 6], one_token(), tenant="z"), max_waiting=2)
+    engine.cancel(gate.job)  # running: it stops at its next token
     gate.open()
     with pytest.raises(RequestCancelled):
         gate.job.future.result(30)
     assert late.future.result(30).prompt_tokens == 2
-    assert scheduler.stats() == (0, 0, {})
-    scheduler.close()
+    assert engine.queue_stats() == (0, 0, {})
 
 
-def test_server_metrics_observe_finished_jobs(engine):
+def test_server_metrics_observe_finished_requests(engine):
     metrics = ServerMetrics()
-    scheduler = Scheduler(engine, max_queue=4, on_done=metrics.observe)
-    job = scheduler.submit(Job("acme", list(range(1, 10)), SamplingParams(max_new_tokens=2), ""))
-    result = job.future.result(30)
-    scheduler.close()
+    params = SamplingParams(max_new_tokens=2)
+    job = Request(list(range(1, 10)), params, tenant="acme", on_done=metrics.observe)
+    result = engine.add_request(job, max_waiting=4).future.result(30)
+    engine.close()
     lines = metrics.counter_lines()
     assert lines["kvstore_requests_total"] == ['kvstore_requests_total{outcome="ok"} 1']
     assert lines["kvstore_tenant_prompt_tokens_total"] == [

@@ -1,0 +1,179 @@
+"""One request from the HTTP route (or `Engine.submit`) to the engine, and how it samples.
+
+A `Request` carries what was asked (validated token ids, sampling, salt, tenant, callback)
+and where it stands (admitted, output so far, first token, cancelled); its `future`
+resolves to a `GenerateResult`.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+
+Prompt = str | Sequence[int]
+TokenCallback = Callable[[int], None]
+
+
+class InvalidRequestError(ValueError):
+    """A request is malformed; the message says what to fix."""
+
+
+class EngineClosedError(RuntimeError):
+    """The engine was closed; no more requests are accepted."""
+
+
+def _int_tuple(name: str, values: Sequence[int]) -> tuple[int, ...]:
+    out = tuple(values)
+    if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in out):
+        raise InvalidRequestError(f"{name} must be non-negative ints, got {values!r}")
+    return out
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request. temperature 0 = greedy (top_p and seed then unused)."""
+
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()  # stop strings; the text is cut before the first one
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        n = self.max_new_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+            raise InvalidRequestError(f"max_new_tokens must be an int >= 1, got {n!r}")
+        if not isinstance(self.temperature, int | float) or not 0 <= self.temperature <= 100:
+            raise InvalidRequestError(f"temperature must be in [0, 100], got {self.temperature!r}")
+        if not isinstance(self.top_p, int | float) or not 0 < self.top_p <= 1:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (
+            isinstance(self.seed, bool)
+            or not isinstance(self.seed, int)
+            or not -(2**63) <= self.seed < 2**64  # what torch.Generator.manual_seed takes
+        ):
+            raise InvalidRequestError(f"seed must be a 64-bit int or None, got {self.seed!r}")
+        object.__setattr__(
+            self, "stop_token_ids", _int_tuple("stop_token_ids", self.stop_token_ids)
+        )
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise InvalidRequestError(f"stop must be non-empty strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", stop)
+
+
+class GenerateResult(NamedTuple):
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens whose KV was loaded from the cache
+    output_token_ids: list[int]
+    text: str
+    ttft_s: float  # lookup + load + suffix prefill + first token
+    finish_reason: str  # "stop" or "length"
+    cached_by_tier: dict[str, int]  # cached tokens by source tier ("device", "lmdb", ...)
+    queue_s: float  # time from submit until the worker started the request
+
+
+class Sampler:
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        self.generator = torch.Generator()
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        if self.params.temperature == 0:
+            return int(torch.argmax(logits))
+        probs = torch.softmax(logits.float().cpu() / self.params.temperature, dim=-1)
+        if self.params.top_p < 1:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            drop = torch.cumsum(sorted_probs, -1) - sorted_probs > self.params.top_p
+            probs[order[drop]] = 0.0  # the top token always stays
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+class StopChecker:
+    """When a request's output is done: a stop string (the text is cut before it), a stop or
+    EOS token, or max_new_tokens. Stop strings decode the text so far at each token."""
+
+    def __init__(self, params: SamplingParams, eos_token_ids: Sequence[int], tokenizer: Any):
+        self.params = params
+        self.stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            self.stop_ids.update(eos_token_ids)
+        self.decode = functools.partial(tokenizer.decode, skip_special_tokens=True)
+
+    def __call__(self, output: list[int]) -> tuple[str, str] | None:
+        """(finish_reason, text), or None to go on."""
+        if self.params.stop:
+            text = self.decode(output)
+            cut = min((i for s in self.params.stop if (i := text.find(s)) >= 0), default=None)
+            if cut is not None:
+                return "stop", text[:cut]
+        if output[-1] in self.stop_ids:
+            return "stop", self.decode(output)
+        if len(output) >= self.params.max_new_tokens:
+            return "length", self.decode(output)
+        return None
+
+
+class RequestCancelled(Exception):
+    """The request was cancelled (its client went away); nothing more is generated for it."""
+
+
+class QueueFullError(Exception):
+    """The wait queue is at its bound; retry later."""
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request and its progress through the engine."""
+
+    token_ids: list[int]  # the prompt, validated (Engine.encode)
+    params: SamplingParams
+    cache_salt: str = ""
+    tenant: str | None = None  # quota and fairness group; None: no API key
+    on_token: TokenCallback | None = None
+    future: Future = field(default_factory=Future)
+    arrival: float = field(default_factory=time.perf_counter)
+    scheduled: float | None = None  # first admitted into a step
+    first_token: float | None = None
+    cancelled: bool = False
+    output: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the cache (first admission)
+    cached_by_tier: dict[str, int] = field(default_factory=dict)
+    num_preemptions: int = 0
+    sampler: Sampler | None = None
+    state: Any = None  # the engine's per-request state while admitted
+    on_done: Callable[[Request, GenerateResult | None], None] | None = None  # after the future
+
+    @property
+    def owner(self) -> str:
+        return self.tenant or ""
+
+    @property
+    def queue_wait_s(self) -> float | None:
+        return None if self.scheduled is None else self.scheduled - self.arrival
+
+    @property
+    def ttft_s(self) -> float | None:
+        """From arrival to the first generated token, queueing included."""
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    def emit(self, token_id: int) -> None:
+        """Record a sampled token and hand it to the callback; a cancelled request raises."""
+        if self.cancelled:
+            raise RequestCancelled("the client went away")
+        if self.first_token is None:
+            self.first_token = time.perf_counter()
+        self.output.append(token_id)
+        if self.on_token is not None:
+            self.on_token(token_id)

@@ -1,0 +1,232 @@
+"""Continuous batching: which requests run in the next step, and how many tokens each feeds.
+
+Waiting requests are fair across tenants (round-robin, FIFO within a tenant) and bounded.
+Each step, under a token budget: every running request feeds its next tokens (one when
+decoding; a chunk of its prompt when prefilling, so a long prompt never stalls decodes), then
+waiting requests are admitted while the budget, `max_num_seqs` and the pool allow. Admission
+looks the prompt up (cached blocks enter the request's table by reference) and needs free or
+evictable blocks for the rest of the prompt. When a running request cannot get a block, the
+newest running request is preempted: its committed blocks stay cached, the rest return to the
+pool, and it waits at the head of its tenant's queue to resume from the cache.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from engine.request import (
+    InvalidRequestError,
+    QueueFullError,
+    Request,
+    RequestCancelled,
+    StopChecker,
+)
+from kvstore.sequences import BlockTables, SeqBlocks
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Step shape: tokens fed per step (all rows) and requests running at once."""
+
+    max_num_batched_tokens: int = 256
+    max_num_seqs: int = 32
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+@dataclass(eq=False)
+class Running:
+    """A request's engine state while admitted."""
+
+    blocks: SeqBlocks
+    num_computed: int  # leading tokens whose K/V is in the blocks
+    stop: StopChecker | None = None
+
+
+class Scheduled(NamedTuple):
+    request: Request
+    start: int  # first position fed
+    num_new: int  # tokens fed this step
+
+
+class QueueStats(NamedTuple):
+    waiting: int
+    running: int
+    waiting_by_tenant: dict[str | None, int]
+
+
+def all_tokens(request: Request) -> list[int]:
+    """The tokens whose K/V the request needs: prompt and output so far."""
+    return request.token_ids + request.output
+
+
+class WaitQueue:
+    """Per-tenant FIFO deques served round-robin; thread-safe."""
+
+    def __init__(self) -> None:
+        self._queues: dict[str | None, deque[Request]] = {}
+        self._turns: deque[str | None] = deque()  # tenants with waiting requests, next first
+        self._lock = threading.Lock()
+        self.size = 0
+
+    def push(self, request: Request, bound: int | None = None, front: bool = False) -> None:
+        with self._lock:
+            if bound is not None and self.size >= bound:
+                raise QueueFullError(f"{self.size} requests are waiting (the bound)")
+            queue = self._queues.setdefault(request.tenant, deque())
+            if not queue:
+                (self._turns.appendleft if front else self._turns.append)(request.tenant)
+            (queue.appendleft if front else queue.append)(request)
+            self.size += 1
+
+    def peek(self) -> Request | None:
+        with self._lock:
+            return self._queues[self._turns[0]][0] if self._turns else None
+
+    def pop(self) -> Request:
+        """The head of the tenant whose turn it is; that tenant goes to the back."""
+        with self._lock:
+            tenant = self._turns.popleft()
+            queue = self._queues[tenant]
+            request = queue.popleft()
+            if queue:
+                self._turns.append(tenant)
+            self.size -= 1
+            return request
+
+    def remove(self, request: Request) -> bool:
+        """Take a waiting request out of the queue; False if it is not waiting."""
+        with self._lock:
+            queue = self._queues.get(request.tenant)
+            if queue is None or request not in queue:
+                return False
+            queue.remove(request)
+            if not queue:
+                self._turns.remove(request.tenant)
+            self.size -= 1
+            return True
+
+    def drain(self) -> list[Request]:
+        with self._lock:
+            out = [r for tenant in self._turns for r in self._queues[tenant]]
+            self._queues.clear()
+            self._turns.clear()
+            self.size = 0
+            return out
+
+    def by_tenant(self) -> dict[str | None, int]:
+        with self._lock:
+            return {t: len(q) for t, q in self._queues.items() if q}
+
+
+class Scheduler:
+    """Plans steps over `tables`; the engine loop is its only caller besides `add`/`stats`."""
+
+    def __init__(self, config: SchedulerConfig, tables: BlockTables):
+        self.config = config
+        self.tables = tables
+        self.waiting = WaitQueue()
+        self.running: list[Request] = []
+
+    def add(self, request: Request, bound: int | None = None) -> None:
+        self.waiting.push(request, bound)
+
+    def stats(self) -> QueueStats:
+        return QueueStats(self.waiting.size, len(self.running), self.waiting.by_tenant())
+
+    def schedule(self, reject: Callable[[Request, BaseException], None]) -> list[Scheduled]:
+        """The next step's rows: running requests first (oldest first), then admissions.
+        `reject(request, error)` ends a waiting request that can never run."""
+        budget, rows = self.config.max_num_batched_tokens, []
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.state is None:  # preempted earlier in this loop
+                continue
+            row = self._continue(request, budget)
+            if row is not None:
+                rows.append(row)
+                budget -= row.num_new
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+            row = self._admit(budget, reject)
+            if row is None:
+                break
+            rows.append(row)
+            budget -= row.num_new
+        return rows
+
+    def _continue(self, request: Request, budget: int) -> Scheduled | None:
+        state: Running = request.state
+        start = state.num_computed
+        num_new = min(len(request.token_ids) + len(request.output) - start, budget)
+        while not self.tables.grow(state.blocks, start + num_new):
+            victim = self.running[-1]
+            self.preempt(victim)
+            if victim is request:
+                return None
+        return Scheduled(request, start, num_new)
+
+    def preempt(self, request: Request) -> None:
+        """Release a running request's blocks; it resumes from the cache later."""
+        self.running.remove(request)
+        self.tables.close(request.state.blocks)
+        request.state = None
+        request.num_preemptions += 1
+        self.waiting.push(request, front=True)
+
+    def _admit(
+        self, budget: int, reject: Callable[[Request, BaseException], None]
+    ) -> Scheduled | None:
+        request = self.waiting.peek()
+        if request is None:
+            return None
+        if request.cancelled or request.future.cancelled():
+            reject(self.waiting.pop(), _cancelled())
+            return self._admit(budget, reject)
+        tokens = all_tokens(request)
+        need = self.tables.blocks_for(len(tokens) + 1)  # the prompt and a first decode slot
+        if need > self.tables.pool.num_blocks - 1:
+            reject(self.waiting.pop(), _too_long(len(tokens), self.tables))
+            return self._admit(budget, reject)
+        blocks = self.tables.open(tokens, request.cache_salt, request.owner)
+        state = Running(blocks, min(blocks.num_cached_tokens, len(tokens) - 1))
+        num_new = min(len(tokens) - state.num_computed, budget)
+        room = self.tables.num_available() >= need - len(blocks.block_table)
+        if not (room or not self.running) or not self.tables.grow(blocks, len(tokens)):
+            self.tables.close(blocks)  # not now: it stays at the head of its queue
+            return None
+        self.waiting.pop()
+        request.state = state
+        self.running.append(request)
+        if request.num_preemptions == 0:  # a whole-prompt hit counts every prompt token
+            request.num_cached_tokens = min(blocks.num_cached_tokens, len(request.token_ids))
+            request.cached_by_tier = dict(blocks.tier_tokens)
+        return Scheduled(request, state.num_computed, num_new)
+
+    def finish(self, request: Request) -> None:
+        """Take a finished (or failed) running request out; its committed blocks stay cached."""
+        if request in self.running:
+            self.running.remove(request)
+        if request.state is not None:
+            self.tables.close(request.state.blocks)
+            request.state = None
+
+
+def _cancelled() -> BaseException:
+    return RequestCancelled("cancelled while waiting")
+
+
+def _too_long(num_tokens: int, tables: BlockTables) -> BaseException:
+    usable = (tables.pool.num_blocks - 1) * tables.block_size
+    return InvalidRequestError(
+        f"the request needs {num_tokens + 1} tokens of KV; the device pool holds {usable} "
+        "(raise --device-blocks / --device-cache-gb or shorten the prompt)"
+    )

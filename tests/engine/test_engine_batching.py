@@ -1,0 +1,156 @@
+"""Continuous batching over the paged pool: each request meets its own no-cache reference
+whatever it shares a step with (prompt lengths, cached prefixes from different tiers, a
+cancelled neighbour, preemption), and a perturbed cached block is caught."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+from arch_configs import ARCHS, arch_config
+from engine_helpers import greedy_matches_reference, micro_cache_config
+
+from engine.engine import Engine
+from engine.model import LoadedModel, byte_tokenizer, random_model, wrap_model
+from engine.request import Request, RequestCancelled, SamplingParams
+from engine.scheduler import SchedulerConfig
+
+GREEDY = SamplingParams(max_new_tokens=10, ignore_eos=True)
+BS = 4
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, 256, n).tolist()
+
+
+def run_together(engine: Engine, prompts: list[list[int]], params=GREEDY) -> list:
+    """All prompts queued at once, so they share steps."""
+    requests = engine.add_requests([Request(p, params) for p in prompts])
+    return [r.future.result(60) for r in requests]
+
+
+def test_a_mixed_batch_meets_each_requests_reference(micro: LoadedModel, tmp_path) -> None:
+    system = tokens(24, seed=1)
+    config = micro_cache_config(lmdb_dir=str(tmp_path), lmdb_write_policy="write-through")
+    with Engine(micro, config) as warm:  # system prompt + one whole prompt into LMDB
+        warm.generate([system + tokens(5, 2)], GREEDY)
+    sched = SchedulerConfig(max_num_batched_tokens=16)  # prefill in chunks beside decodes
+    with Engine(micro, config, scheduler_config=sched) as engine:
+        engine.generate([tokens(9, 3)], GREEDY)  # on the device only
+        prompts = [
+            system + tokens(5, 2),  # LMDB: the whole prompt's blocks
+            tokens(9, 3),  # device: 8 of 9 tokens
+            system + tokens(30, 4),  # LMDB prefix, then a chunked suffix
+            tokens(3, 5),  # under one block: nothing to cache
+            tokens(61, 6),  # a miss, prefilled over 4 steps
+        ]
+        results = run_together(engine, prompts)
+        engine.cache.check_integrity()
+    assert [r.cached_tokens for r in results] == [28, 8, 24, 0, 0]
+    assert results[0].cached_by_tier == {"lmdb": 28}
+    assert results[1].cached_by_tier == {"device": 8}
+    for prompt, result in zip(prompts, results, strict=True):
+        assert len(result.output_token_ids) == 10
+        assert greedy_matches_reference(micro, prompt, result.output_token_ids)
+
+
+def test_batched_text_equals_one_at_a_time_text(micro: LoadedModel) -> None:
+    prompts = [tokens(n, seed=10 + n) for n in (5, 12, 17, 33, 40, 7, 26, 19)]
+    with Engine(micro, micro_cache_config()) as alone:
+        single = [alone.generate([p], GREEDY)[0].output_token_ids for p in prompts]
+    with Engine(micro, micro_cache_config()) as engine:
+        batched = [r.output_token_ids for r in run_together(engine, prompts)]
+    assert batched == single
+
+
+def test_a_cancelled_request_leaves_its_neighbours_correct(micro: LoadedModel) -> None:
+    prompts = [tokens(18, seed=20), tokens(22, seed=21), tokens(9, seed=22)]
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    with Engine(micro, micro_cache_config()) as engine:
+        requests = [Request(p, params) for p in prompts]
+        seen = threading.Event()
+
+        def cancel_after_3(token_id: int, request=requests[1]) -> None:
+            if len(request.output) == 3:
+                engine.cancel(request)
+                seen.set()
+
+        requests[1].on_token = cancel_after_3
+        engine.add_requests(requests)
+        with pytest.raises(RequestCancelled):
+            requests[1].future.result(60)
+        others = [requests[0].future.result(60), requests[2].future.result(60)]
+        assert seen.is_set() and len(requests[1].output) == 3  # no token after the cancel
+        engine.cache.check_integrity()
+    for prompt, result in zip([prompts[0], prompts[2]], others, strict=True):
+        assert len(result.output_token_ids) == 30
+        assert greedy_matches_reference(micro, prompt, result.output_token_ids)
+
+
+def test_an_exhausted_pool_preempts_the_newest_request_and_resumes_it(micro) -> None:
+    # 24 blocks: 1 scratch, 23 for 3 requests that each grow to ceil((30 + 40) / 4) = 18
+    prompts = [tokens(30, seed=30 + i) for i in range(3)]
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    with Engine(micro, micro_cache_config(device_blocks=24)) as engine:
+        requests = engine.add_requests([Request(p, params) for p in prompts])
+        results = [r.future.result(120) for r in requests]
+        engine.cache.check_integrity()
+    assert sum(r.num_preemptions for r in requests) >= 1
+    assert requests[0].num_preemptions == 0  # the oldest runs through
+    for prompt, result in zip(prompts, results, strict=True):
+        assert len(result.output_token_ids) == 40
+        assert greedy_matches_reference(micro, prompt, result.output_token_ids)
+
+
+def test_a_perturbed_cached_block_fails_the_reference(micro: LoadedModel) -> None:
+    prompt = tokens(41, seed=40)
+    with Engine(micro, micro_cache_config()) as engine:
+        first = engine.generate([prompt], GREEDY)[0]
+        assert greedy_matches_reference(micro, prompt, first.output_token_ids)
+        hit = engine.cache.lookup(prompt)
+        engine.cache.pool.kv[hit.block_ids[3]] += 2.0  # one cached block, every layer
+        engine.cache.release(hit)
+        again = engine.generate([prompt], GREEDY)[0]
+    assert again.cached_tokens == 40
+    assert not greedy_matches_reference(micro, prompt, again.output_token_ids)
+
+
+def test_sampling_is_per_request_and_reproducible_by_seed(micro: LoadedModel) -> None:
+    prompt = tokens(14, seed=50)
+    hot = SamplingParams(max_new_tokens=12, temperature=1.5, top_p=0.9, seed=7, ignore_eos=True)
+    with Engine(micro, micro_cache_config()) as engine:
+        a, greedy, b = run_together(engine, [prompt, prompt, prompt], hot)[0], None, None
+        greedy = engine.generate([prompt], GREEDY)[0]
+        b = run_together(engine, [tokens(20, 51), prompt], hot)[1]
+    assert a.output_token_ids == b.output_token_ids  # same seed, other neighbours
+    assert a.output_token_ids != greedy.output_token_ids[:12]
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_every_architecture_is_batched_or_says_why_not(arch: str, caplog) -> None:
+    model = wrap_model(random_model(arch_config(arch), seed=0), byte_tokenizer(), arch)
+    prompts = [tokens(n, seed=60 + n) for n in (6, 13, 9)]
+    with caplog.at_level("WARNING"), Engine(model, micro_cache_config()) as engine:
+        engine.generate(prompts, GREEDY)  # fill the cache
+        results = engine.generate(prompts, GREEDY)
+        mode = engine.mode
+    expected = "sequential" if arch == "falcon" else "paged"  # falcon: its attention adds a bias
+    assert mode == expected
+    if mode == "sequential":
+        assert "paged attention unavailable" in caplog.text
+    assert [r.cached_tokens for r in results] == [4, 12, 8]
+    for prompt, result in zip(prompts, results, strict=True):
+        assert greedy_matches_reference(model, prompt, result.output_token_ids)
+
+
+def test_the_model_stays_plain_sdpa_for_other_callers(micro: LoadedModel) -> None:
+    prompt = tokens(10, seed=70)
+    with torch.inference_mode():
+        before = micro.model(input_ids=torch.tensor([prompt]), use_cache=False).logits
+    with Engine(micro, micro_cache_config()) as engine:
+        engine.generate([prompt], GREEDY)
+        with torch.inference_mode():
+            after = micro.model(input_ids=torch.tensor([prompt]), use_cache=False).logits
+    assert torch.equal(before, after)
