@@ -55,8 +55,9 @@ class StepBatch:
     write_blocks: torch.Tensor  # [T] long: the block each new token's K/V goes to
     write_offsets: torch.Tensor  # [T] long: its offset inside the block
     decode_index: torch.Tensor | None  # [B] long: query index of each one-token row
-    decode_tables: torch.Tensor | None  # [B, max_blocks] long (padded with the scratch block)
-    decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] bool
+    decode_shared: torch.Tensor | None  # [k] long: leading blocks every decode row shares
+    decode_tables: torch.Tensor | None  # [B, w] long: each row's blocks after those k (padded)
+    decode_mask: torch.Tensor | None  # [B, 1, 1, w * block_size] bool: positions to attend
     prefills: list[_Prefill]
     num_tokens: int
 
@@ -84,14 +85,9 @@ def build_step(
             prefills.append(_prefill(offset, row, table, device))
         offset += row.num_new
     batch = StepBatch(
-        torch.cat(blocks).to(device),
-        torch.cat(offsets).to(device),
-        None,
-        None,
-        None,
-        prefills,
-        offset,
-    )
+        torch.cat(blocks).to(device), torch.cat(offsets).to(device),
+        None, None, None, None, prefills, offset,
+    )  # fmt: skip
     if decode_rows:
         _add_decode(batch, decode_rows, block_size, scratch_block, device)
     return batch
@@ -104,6 +100,19 @@ def _prefill(offset: int, row: Row, table: torch.Tensor, device: torch.device) -
     return _Prefill(offset, row.num_new, table.to(device), row.end, mask.to(device))
 
 
+def _shared_prefix(rows: list[Row], block_size: int) -> int:
+    """Leading blocks that every row's table holds (the same block ids: read once for all);
+    each row keeps at least the block of its own last position."""
+    if len(rows) < 2:
+        return 0
+    limit = min((row.end - 1) // block_size for row in rows)
+    first = rows[0].block_table
+    k = 0
+    while k < limit and all(row.block_table[k] == first[k] for row in rows[1:]):
+        k += 1
+    return k
+
+
 def _add_decode(
     batch: StepBatch,
     decode_rows: list[tuple[int, Row]],
@@ -111,14 +120,18 @@ def _add_decode(
     scratch_block: int,
     device: torch.device,
 ) -> None:
-    width = max((row.end + block_size - 1) // block_size for _, row in decode_rows)
-    tables = torch.full((len(decode_rows), width), scratch_block, dtype=torch.long)
-    for i, (_, row) in enumerate(decode_rows):
+    rows = [row for _, row in decode_rows]
+    k = _shared_prefix(rows, block_size)
+    width = max((row.end + block_size - 1) // block_size for row in rows) - k
+    tables = torch.full((len(rows), width), scratch_block, dtype=torch.long)
+    for i, row in enumerate(rows):
         used = (row.end + block_size - 1) // block_size
-        tables[i, :used] = torch.as_tensor(list(row.block_table[:used]), dtype=torch.long)
-    lengths = torch.tensor([row.end for _, row in decode_rows])
+        tables[i, : used - k] = torch.as_tensor(list(row.block_table[k:used]), dtype=torch.long)
+    lengths = torch.tensor([row.end - k * block_size for row in rows])
     mask = torch.arange(width * block_size).unsqueeze(0) < lengths.unsqueeze(1)
     batch.decode_index = torch.tensor([offset for offset, _ in decode_rows], device=device)
+    if k:
+        batch.decode_shared = torch.as_tensor(list(rows[0].block_table[:k])).to(device)
     batch.decode_tables = tables.to(device)
     batch.decode_mask = mask[:, None, None, :].to(device)
 
@@ -140,6 +153,35 @@ def _attend(
 ) -> torch.Tensor:
     """SDPA with grouped K/V heads; q [B, Hq, n, D], k/v [B, Hkv, S, D] -> [B, Hq, n, D]."""
     return sdpa(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _decode_attention(
+    q: torch.Tensor, layer: torch.Tensor, batch: StepBatch, scale: float | None
+) -> torch.Tensor:
+    """One query per row, q [B, Hq, D] -> [B, Hq, D]. The shared blocks are read once and
+    scored against every row's queries; each row's own blocks are read through its table;
+    one softmax runs over both. Query head h uses K/V head h // (Hq / Hkv), as HF's repeat_kv;
+    the grouping is a view, so K/V are never repeated."""
+    rows, q_heads, dim = q.shape
+    kv_heads = layer.shape[2]
+    scale = dim**-0.5 if scale is None else scale
+    qg = q.float().view(rows, kv_heads, q_heads // kv_heads, dim)  # [B, Hkv, G, D]
+    k2, v2 = (x.float() for x in _read(layer, batch.decode_tables))  # [B, Hkv, S2, D]
+    s2 = torch.matmul(qg, k2.transpose(-1, -2)) * scale  # [B, Hkv, G, S2]
+    s2 = s2.masked_fill(~batch.decode_mask, float("-inf"))
+    if batch.decode_shared is None:
+        out = torch.matmul(torch.softmax(s2, dim=-1), v2)
+        return out.reshape(rows, q_heads, dim).to(q.dtype)
+    k1, v1 = (x.float() for x in _read(layer, batch.decode_shared))  # [Hkv, S1, D]
+    q1 = qg.transpose(0, 1).reshape(kv_heads, -1, dim)  # [Hkv, B * G, D]
+    s1 = torch.matmul(q1, k1.transpose(-1, -2)) * scale  # [Hkv, B * G, S1]
+    s1 = s1.view(kv_heads, rows, -1, s1.shape[-1]).transpose(0, 1)  # [B, Hkv, G, S1]
+    w = torch.softmax(torch.cat((s1, s2), dim=-1), dim=-1)
+    w1, w2 = w.split((s1.shape[-1], s2.shape[-1]), dim=-1)
+    w1 = w1.transpose(0, 1).reshape(kv_heads, -1, w1.shape[-1])  # [Hkv, B * G, S1]
+    out1 = torch.matmul(w1, v1).view(kv_heads, rows, -1, dim).transpose(0, 1)
+    out = out1 + torch.matmul(w2, v2)  # [B, Hkv, G, D]
+    return out.reshape(rows, q_heads, dim).to(q.dtype)
 
 
 class PagedAttention:
@@ -169,10 +211,8 @@ class PagedAttention:
         layer[batch.write_blocks, :, :, batch.write_offsets] = new.to(layer.dtype)
         out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
         if batch.decode_index is not None:
-            q = query[0, :, batch.decode_index].transpose(0, 1).unsqueeze(2)  # [B, Hq, 1, D]
-            k, v = _read(layer, batch.decode_tables)
-            o = _attend(q, k.to(q.dtype), v.to(q.dtype), batch.decode_mask, scaling)
-            out[0, batch.decode_index] = o[:, :, 0]
+            q = query[0, :, batch.decode_index].transpose(0, 1)  # [B, Hq, D]
+            out[0, batch.decode_index] = _decode_attention(q, layer, batch, scaling)
         for row in batch.prefills:
             q = query[:, :, row.offset : row.offset + row.num_new]
             k, v = _read(layer, row.table)
