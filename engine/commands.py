@@ -45,6 +45,15 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="pin the fingerprint to this string instead of hashing weights",
     )
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=32, help="requests running at once (batched)"
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=256,
+        help="tokens fed per step over all requests (prefill chunks + decodes)",
+    )
 
 
 def load_engine(args: argparse.Namespace, **cache_defaults: object):
@@ -53,9 +62,11 @@ def load_engine(args: argparse.Namespace, **cache_defaults: object):
 
     from engine.engine import Engine
     from engine.model import load_model
+    from engine.scheduler import SchedulerConfig
     from kvstore.pool import resolve_device
 
     hf_logging.disable_progress_bar()
     config = cache_config_from_args(args, **cache_defaults)
     model = load_model(args.model, args.dtype, resolve_device(config.device), args.model_revision)
-    return model, Engine(model, config)
+    steps = SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs)
+    return model, Engine(model, config, scheduler_config=steps)

@@ -15,12 +15,13 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from engine.model import LoadedModel
-from engine.paged import PagedAttentionError, Row
+from engine.paged import Row
 from engine.request import (
     EngineClosedError,
     GenerateResult,
@@ -33,16 +34,25 @@ from engine.request import (
     StopChecker,
     TokenCallback,
 )
-from engine.runner import PagedRunner, self_test
+from engine.runner import start_paged
 from engine.scheduler import QueueStats, Scheduled, Scheduler, SchedulerConfig, all_tokens
-from engine.sequential import Prefill, SequentialPath
+from engine.sequential import SequentialPath
 from hashing import validate_salt
 from kvstore.cache import PrefixCache
 from kvstore.config import CacheConfig
 from kvstore.sequences import BlockTables
 
 log = logging.getLogger("kvstore.engine")
-SELF_TEST_BLOCKS = 5
+
+
+class PrefillResult(NamedTuple):
+    logits: torch.Tensor  # [vocab] float32, last prompt position
+    cached_tokens: int
+    cached_by_tier: dict[str, int]
+
+
+class PoolExhaustedError(RuntimeError):
+    """The device pool cannot hold a synchronous prefill now (running requests hold it)."""
 
 
 class Engine:
@@ -66,8 +76,13 @@ class Engine:
         self.scheduler = Scheduler(scheduler_config or SchedulerConfig(), self.tables)
         self.sequential = SequentialPath(model, self.cache, cache_generated)
         self._forward_lock = threading.Lock()  # one forward pass at a time
-        self._scratch: list[int] = []
-        self.runner, self.fallback_reason = self._paged_runner()
+        self.runner, self.fallback_reason = start_paged(model, self.tables)
+        if self.runner is None:
+            log.warning(
+                "model %s: paged attention unavailable (%s); serving one request at a time",
+                model.name,
+                self.fallback_reason,
+            )
         self._cond = threading.Condition()
         self._closed = False
         self._worker = threading.Thread(target=self._loop, name="kvstore-engine", daemon=True)
@@ -77,33 +92,6 @@ class Engine:
     def mode(self) -> str:
         """ "paged" (continuous batching) or "sequential" (one request at a time)."""
         return "sequential" if self.runner is None else "paged"
-
-    def _paged_runner(self) -> tuple[PagedRunner | None, str | None]:
-        pool = self.cache.pool
-        if pool.device != self.model.device:
-            why = f"the pool is on {pool.device}, the model on {self.model.device}"
-        elif pool.num_blocks < SELF_TEST_BLOCKS + 2:
-            why = f"the pool has {pool.num_blocks} blocks, the self-test needs {SELF_TEST_BLOCKS}"
-        else:
-            with self.cache._lock:
-                self._scratch = self.cache._allocate(1)  # held for the engine's lifetime
-                pool.kv[self._scratch].zero_()  # read (masked) as padding: must hold no NaN
-                ids = self.cache._allocate(SELF_TEST_BLOCKS)
-            try:
-                runner = PagedRunner(self.model, pool.kv, self._scratch[0])
-                why = self_test(runner, ids) if len(ids) == SELF_TEST_BLOCKS else "pool is full"
-            except PagedAttentionError as e:
-                why = str(e)
-            with self.cache._lock:
-                pool.free(ids)
-            if why is None:
-                return runner, None
-        log.warning(
-            "model %s: paged attention unavailable (%s); serving one request at a time",
-            self.model.name,
-            why,
-        )
-        return None, why
 
     # --- requests -------------------------------------------------------------------------
 
@@ -219,18 +207,37 @@ class Engine:
         with self._forward_lock:
             return self.sequential.run(token_ids, params, cache_salt, on_token, tenant)
 
-    def prefill(self, token_ids: list[int], cache_salt: str = "") -> Prefill:
-        """Lookup, load and suffix prefill of validated token ids; stores nothing."""
-        with self._forward_lock, torch.inference_mode():
-            return self.sequential.prefill(token_ids, cache_salt)
+    def prefill(self, token_ids: list[int], cache_salt: str = "") -> PrefillResult:
+        """Lookup, load and prefill of the rest of validated token ids (the last token is always
+        computed); stores nothing. Paged when the model is, else on a DynamicCache."""
+        return self._prefill(token_ids, cache_salt, store=False)
 
     def prefill_logits(self, token_ids: Sequence[int]) -> tuple[torch.Tensor, int]:
         """Last-position logits ([vocab], float32) and cached_tokens; stores the prompt's blocks."""
         ids = self.encode(list(token_ids), SamplingParams(max_new_tokens=1))
-        pre = self.prefill(ids)
-        with self._forward_lock, torch.inference_mode():
-            self.sequential.store(ids, [], pre.past)
+        pre = self._prefill(ids, "", store=True)
         return pre.logits, pre.cached_tokens
+
+    def _prefill(self, ids: list[int], salt: str, store: bool) -> PrefillResult:
+        if self.runner is None:
+            with self._forward_lock, torch.inference_mode():
+                pre = self.sequential.prefill(ids, salt)
+                if store:
+                    self.sequential.store(ids, [], pre.past)
+            return PrefillResult(pre.logits, pre.cached_tokens, pre.cached_by_tier)
+        seq = self.tables.open(ids, salt, "", whole_prompt=False)
+        try:
+            start = seq.num_cached_tokens
+            if not self.tables.grow(seq, len(ids)):
+                raise PoolExhaustedError(f"the device pool cannot hold {len(ids)} tokens now")
+            row = Row(seq.block_table, start, len(ids) - start, seq.num_shared_blocks)
+            with self._forward_lock:
+                logits = self.runner.forward([row], [ids[start:]], [0])[0]
+            if store:
+                self.tables.commit(seq, ids, len(ids))
+            return PrefillResult(logits, start, dict(seq.tier_tokens))
+        finally:
+            self.tables.close(seq)
 
     # --- the loop -------------------------------------------------------------------------
 
@@ -384,9 +391,8 @@ class Engine:
         for request in waiting:
             self._fail(request, EngineClosedError("the server is shutting down"))
         self._worker.join()
-        with self.cache._lock:
-            self.cache.pool.free(self._scratch)
-        self._scratch = []
+        if self.runner is not None:
+            self.tables.release([self.runner.scratch_block])
         self.cache.close()
 
     def __enter__(self) -> Engine:

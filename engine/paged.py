@@ -138,13 +138,17 @@ def _add_decode(
 
 def _read(kv_layer: torch.Tensor, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V through block tables: tables [n] -> [heads, n * bs, dim]; tables [B, n] ->
-    [B, heads, n * bs, dim] (a view of the one gathered copy)."""
+    [B, heads, n * bs, dim]. Whole blocks are gathered (each [2, heads, bs, dim] is one
+    contiguous run of the pool), then K and V are laid out position-major."""
+    flat = tables.reshape(-1)
+    blocks = kv_layer.index_select(0, flat)  # [B * n, 2, heads, bs, dim]
+    _, _, heads, bs, dim = blocks.shape
+    lead = tables.shape[:-1]
+    blocks = blocks.view(*lead, tables.shape[-1], 2, heads, bs, dim)
     out = []
     for i in (0, 1):
-        x = kv_layer[:, i].transpose(0, 1)[:, tables]  # [heads, (B,) n, bs, dim], one copy
-        heads, *lead, n, bs, dim = x.shape
-        x = x.reshape(heads, *lead, n * bs, dim)
-        out.append(x.transpose(0, 1) if lead else x)
+        x = blocks.select(-4, i).transpose(-4, -3)  # [..., heads, n, bs, dim]
+        out.append(x.reshape(*lead, heads, tables.shape[-1] * bs, dim))
     return out[0], out[1]
 
 
@@ -165,13 +169,14 @@ def _decode_attention(
     rows, q_heads, dim = q.shape
     kv_heads = layer.shape[2]
     scale = dim**-0.5 if scale is None else scale
-    qg = q.float().view(rows, kv_heads, q_heads // kv_heads, dim)  # [B, Hkv, G, D]
-    k2, v2 = (x.float() for x in _read(layer, batch.decode_tables))  # [B, Hkv, S2, D]
+    qg = q.view(rows, kv_heads, q_heads // kv_heads, dim)  # [B, Hkv, G, D]
+    k2, v2 = _read(layer, batch.decode_tables)  # [B, Hkv, S2, D]
+    if batch.decode_shared is None:  # the G query heads of a K/V head as G query rows
+        out = sdpa(qg, k2.to(q.dtype), v2.to(q.dtype), attn_mask=batch.decode_mask, scale=scale)
+        return out.reshape(rows, q_heads, dim)
+    qg, k2, v2 = qg.float(), k2.float(), v2.float()
     s2 = torch.matmul(qg, k2.transpose(-1, -2)) * scale  # [B, Hkv, G, S2]
     s2 = s2.masked_fill(~batch.decode_mask, float("-inf"))
-    if batch.decode_shared is None:
-        out = torch.matmul(torch.softmax(s2, dim=-1), v2)
-        return out.reshape(rows, q_heads, dim).to(q.dtype)
     k1, v1 = (x.float() for x in _read(layer, batch.decode_shared))  # [Hkv, S1, D]
     q1 = qg.transpose(0, 1).reshape(kv_heads, -1, dim)  # [Hkv, B * G, D]
     s1 = torch.matmul(q1, k1.transpose(-1, -2)) * scale  # [Hkv, B * G, S1]

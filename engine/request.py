@@ -153,6 +153,7 @@ class Request:
     num_preemptions: int = 0
     sampler: Sampler | None = None
     state: Any = None  # the engine's per-request state while admitted
+    block_keys: Any = None  # the scheduler's note of its block keys while waiting
     on_done: Callable[[Request, GenerateResult | None], None] | None = None  # after the future
 
     @property

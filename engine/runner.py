@@ -25,6 +25,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from engine.model import LoadedModel
 from engine.paged import PagedAttention, PagedAttentionError, Row, build_step
 from engine.reference import tolerance_for
+from kvstore.sequences import BlockTables
 
 log = logging.getLogger("kvstore.engine")
 
@@ -116,6 +117,34 @@ class PagedRunner:
             )
         logits = out.logits[0]
         return (logits if extra else logits[keep]).float()
+
+
+SELF_TEST_BLOCKS = 5
+
+
+def start_paged(model: LoadedModel, tables: BlockTables) -> tuple[PagedRunner | None, str | None]:
+    """A runner on the tables' pool that passed `self_test` (it holds one scratch block), or
+    None and why not."""
+    pool = tables.pool
+    if pool.device != model.device:
+        return None, f"the pool is on {pool.device}, the model on {model.device}"
+    if pool.num_blocks < SELF_TEST_BLOCKS + 2:
+        return (
+            None,
+            f"the pool has {pool.num_blocks} blocks, the self-test needs {SELF_TEST_BLOCKS}",
+        )
+    scratch, ids = tables.reserve(1), tables.reserve(SELF_TEST_BLOCKS)
+    try:
+        runner = PagedRunner(model, pool.kv, scratch[0])
+        why = self_test(runner, ids) if len(ids) == SELF_TEST_BLOCKS else "the pool is full"
+    except PagedAttentionError as e:
+        runner, why = None, str(e)
+    finally:
+        tables.release(ids)
+    if why is not None:
+        tables.release(scratch)
+        return None, why
+    return runner, None
 
 
 def self_test(runner: PagedRunner, block_ids: list[int]) -> str | None:

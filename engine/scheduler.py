@@ -57,6 +57,11 @@ class Scheduled(NamedTuple):
     num_new: int  # tokens fed this step
 
 
+class _CachedKeys(NamedTuple):
+    num_tokens: int
+    keys: set[bytes]
+
+
 class QueueStats(NamedTuple):
     waiting: int
     running: int
@@ -87,9 +92,22 @@ class WaitQueue:
             (queue.appendleft if front else queue.append)(request)
             self.size += 1
 
-    def peek(self) -> Request | None:
+    def candidates(self) -> list[Request]:
+        """Every waiting request in the order they would be popped (round-robin)."""
         with self._lock:
-            return self._queues[self._turns[0]][0] if self._turns else None
+            queues = [list(self._queues[tenant]) for tenant in self._turns]
+        depth = max((len(q) for q in queues), default=0)
+        return [q[i] for i in range(depth) for q in queues if i < len(q)]
+
+    def take(self, request: Request) -> None:
+        """Pop `request` (a candidate): its tenant's turn goes to the back, as with `pop`."""
+        with self._lock:
+            queue = self._queues[request.tenant]
+            queue.remove(request)
+            self._turns.remove(request.tenant)
+            if queue:
+                self._turns.append(request.tenant)
+            self.size -= 1
 
     def pop(self) -> Request:
         """The head of the tenant whose turn it is; that tenant goes to the back."""
@@ -155,13 +173,45 @@ class Scheduler:
             if row is not None:
                 rows.append(row)
                 budget -= row.num_new
-        while budget > 0 and len(self.running) < self.config.max_num_seqs:
-            row = self._admit(budget, reject)
-            if row is None:
+        pending = self._pending_keys()
+        for request in self.waiting.candidates():
+            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            rows.append(row)
-            budget -= row.num_new
+            if request.cancelled or request.future.cancelled():
+                self.waiting.remove(request)
+                reject(request, RequestCancelled("cancelled while waiting"))
+                continue
+            if not pending.isdisjoint(self._keys(request)):
+                continue  # another request is computing its blocks: it waits, then hits them
+            row = self._admit(request, budget, reject)
+            if row is None:
+                break  # no room now: later requests wait behind it
+            if row.num_new:
+                rows.append(row)
+                budget -= row.num_new
+                pending |= self._pending(request)
         return rows
+
+    def _keys(self, request: Request) -> set[bytes]:
+        """Lookup keys of the full blocks of a waiting request's tokens (kept while waiting)."""
+        tokens = all_tokens(request)
+        if request.block_keys is None or request.block_keys.num_tokens != len(tokens):
+            keys = self.tables.keys_of(tokens, request.cache_salt)
+            request.block_keys = _CachedKeys(len(tokens), set(keys))
+        return request.block_keys.keys
+
+    def _pending(self, request: Request) -> set[bytes]:
+        """Keys of the prompt blocks a running request will still commit."""
+        blocks, state = request.state.blocks, request.state
+        if state.num_computed >= len(request.token_ids):
+            return set()
+        return set(blocks.keys[blocks.num_committed :])
+
+    def _pending_keys(self) -> set[bytes]:
+        pending: set[bytes] = set()
+        for request in self.running:
+            pending |= self._pending(request)
+        return pending
 
     def _continue(self, request: Request, budget: int) -> Scheduled | None:
         state: Running = request.state
@@ -183,19 +233,16 @@ class Scheduler:
         self.waiting.push(request, front=True)
 
     def _admit(
-        self, budget: int, reject: Callable[[Request, BaseException], None]
+        self, request: Request, budget: int, reject: Callable[[Request, BaseException], None]
     ) -> Scheduled | None:
-        request = self.waiting.peek()
-        if request is None:
-            return None
-        if request.cancelled or request.future.cancelled():
-            reject(self.waiting.pop(), _cancelled())
-            return self._admit(budget, reject)
+        """Admit a waiting request: its row, a row of no tokens if it was rejected, or None
+        if the pool has no room for it now."""
         tokens = all_tokens(request)
         need = self.tables.blocks_for(len(tokens) + 1)  # the prompt and a first decode slot
         if need > self.tables.pool.num_blocks - 1:
-            reject(self.waiting.pop(), _too_long(len(tokens), self.tables))
-            return self._admit(budget, reject)
+            self.waiting.remove(request)
+            reject(request, _too_long(len(tokens), self.tables))
+            return Scheduled(request, 0, 0)
         blocks = self.tables.open(tokens, request.cache_salt, request.owner)
         state = Running(blocks, min(blocks.num_cached_tokens, len(tokens) - 1))
         num_new = min(len(tokens) - state.num_computed, budget)
@@ -203,7 +250,7 @@ class Scheduler:
         if not (room or not self.running) or not self.tables.grow(blocks, len(tokens)):
             self.tables.close(blocks)  # not now: it stays at the head of its queue
             return None
-        self.waiting.pop()
+        self.waiting.take(request)
         request.state = state
         self.running.append(request)
         if request.num_preemptions == 0:  # a whole-prompt hit counts every prompt token
@@ -218,10 +265,6 @@ class Scheduler:
         if request.state is not None:
             self.tables.close(request.state.blocks)
             request.state = None
-
-
-def _cancelled() -> BaseException:
-    return RequestCancelled("cancelled while waiting")
 
 
 def _too_long(num_tokens: int, tables: BlockTables) -> BaseException:

@@ -48,10 +48,17 @@ class BlockTables:
         self.pool = cache.pool
         self.block_size = cache.block_size
 
-    def open(self, token_ids: Sequence[int] | np.ndarray, salt: str, owner: str) -> SeqBlocks:
-        """Look up the longest cached prefix of all of token_ids; its blocks enter the table."""
+    def open(
+        self,
+        token_ids: Sequence[int] | np.ndarray,
+        salt: str,
+        owner: str,
+        whole_prompt: bool = True,
+    ) -> SeqBlocks:
+        """Look up the longest cached prefix of token_ids (of token_ids[:-1] unless
+        `whole_prompt`); its blocks enter the table."""
         cache = self.cache
-        hit = cache.lookup(token_ids, salt=salt, owner=owner, whole_prompt=True)
+        hit = cache.lookup(token_ids, salt=salt, owner=owner, whole_prompt=whole_prompt)
         with cache._lock:
             self.pool.incref(hit.block_ids)
             hit.released = True  # its lock now belongs to the SeqBlocks
@@ -60,6 +67,10 @@ class BlockTables:
             salt, owner, list(hit.block_ids), n, hit.num_cached_tokens, dict(hit.tier_tokens),
             list(hit.keys), n, hit.node,
         )  # fmt: skip
+
+    def keys_of(self, token_ids: Sequence[int] | np.ndarray, salt: str) -> list[BlockHash]:
+        """Lookup keys of the full blocks of token_ids (what `open` would look up)."""
+        return self.cache.hasher_for(salt).hash_blocks(as_token_array(token_ids))
 
     def num_available(self) -> int:
         """Blocks a request could get now: free, or cached and unlocked (evictable)."""
@@ -132,6 +143,18 @@ class BlockTables:
             targets = cache.tiers.targets("write-through")
             cache.tiers.submit_from_pool(scope, targets, keys, tokens, start, ids, self.pool)
         return len(new) - len(unkept)
+
+    def reserve(self, n: int) -> list[int]:
+        """Up to n zeroed blocks held outside any table (an engine's scratch, a self-test)."""
+        with self.cache._lock:
+            ids = self.cache._allocate(n)
+        self.pool.kv[ids] = 0
+        return ids
+
+    def release(self, block_ids: list[int]) -> None:
+        """Return blocks taken with `reserve`."""
+        with self.cache._lock:
+            self.pool.free(block_ids)
 
     def close(self, seq: SeqBlocks) -> None:
         """Drop the request's references and lock. Idempotent."""

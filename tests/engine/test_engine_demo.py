@@ -25,14 +25,13 @@ def test_demo_outputs_equal_the_no_cache_reference_and_pass_2_hits_lmdb(capsys, 
     for prev, row in itertools.pairwise(rows[:4]):
         # turn k+1 hits turn k's prompt and all its generated tokens but the last (block 16)
         assert row["cached_tokens"] == (prev["prompt_tokens"] + 4 - 1) // 16 * 16
-    # the batch shares the system prompt with the chat; its 8 prompts arrive together and are
-    # prefilled in the same step, so none can hit the "Question " block another computes
-    assert [r["cached_tokens"] for r in rows[4:12]] == [1008] * 8
-    # pass 2: a fresh device pool; each prompt's whole blocks but the last token come back,
-    # the first from LMDB alone, the rest from blocks pass 2 already promoted plus LMDB
+    # the batch shares the system prompt with the chat; batch 1 computes the "Question " block
+    # while the other 7 wait for it (they arrive together), then hit it
+    assert [r["cached_tokens"] for r in rows[4:12]] == [1008] + [1024] * 7
+    # pass 2: a fresh device pool; each prompt's whole blocks come back (a prompt of exactly
+    # 70 blocks is a whole-prompt hit), the first from LMDB alone, the rest from blocks pass 2
+    # already promoted plus LMDB
     pass2 = rows[12:]
-    assert [r["cached_tokens"] for r in pass2] == [
-        (r["prompt_tokens"] - 1) // 16 * 16 for r in pass2
-    ]
+    assert [r["cached_tokens"] for r in pass2] == [r["prompt_tokens"] // 16 * 16 for r in pass2]
     assert pass2[0]["cached_by_tier"] == {"lmdb": pass2[0]["cached_tokens"]}
     assert all(r["cached_by_tier"]["lmdb"] >= 80 for r in pass2)

@@ -40,8 +40,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def keyed_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
-    """One server for the client, auth and limit tests: tenants x (two keys) and y, a queue
-    bound of 1, small body and prompt limits, /metrics behind a key."""
+    """One server for the client, auth and limit tests: tenants x (two keys) and y, one
+    request running at a time and a queue bound of 1, small body and prompt limits, /metrics
+    behind a key."""
     base = tmp_path_factory.mktemp("keyed-server")
     keys = base / "api_keys.json"
     keys.write_text(json.dumps(TENANT_KEYS))
@@ -49,7 +50,8 @@ def keyed_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     args = [kvstore_script(), "serve", "--model", str(model_dir), "--served-model-name",
             SERVED_NAME, "--port", str(port), "--block-size", "4", "--device-blocks", "1024",
             "--device", "cpu", "--api-keys-file", str(keys), "--metrics-require-key",
-            "--max-queue", "1", "--max-body-bytes", "65536", "--max-prompt-tokens", "2000",
+            "--max-queue", "1", "--max-num-seqs", "1", "--max-body-bytes", "65536",
+            "--max-prompt-tokens", "2000",
             "--max-tokens-limit", "6000", "--log-level", "warning"]  # fmt: skip
     server = ServerProcess(args, port, base / "server.log", clean_env()).start()
     try:
