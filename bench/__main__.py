@@ -15,6 +15,7 @@ BENCHMARKS = {
     "io": "tier bandwidth as a ratio to a baseline moving the same bytes",
     "faults": "fault injection: corruption, collisions, outages, full disks, tenants, leaks",
     "serve": "load on `kvstore serve` replicas: client-side TTFT p50/p99 and reported hit rate",
+    "load": "multi-turn chat at rising concurrency: kvstore serve vs transformers serve (CB)",
 }
 
 

@@ -51,7 +51,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-num-batched-tokens",
         type=int,
-        default=256,
+        default=512,
         help="tokens fed per step over all requests (prefill chunks + decodes)",
     )
 

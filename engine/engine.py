@@ -392,6 +392,7 @@ class Engine:
             self._fail(request, EngineClosedError("the server is shutting down"))
         self._worker.join()
         if self.runner is not None:
+            self.runner.close()
             self.tables.release([self.runner.scratch_block])
         self.cache.close()
 

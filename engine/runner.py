@@ -35,6 +35,7 @@ class AttentionDispatch:
 
     def __init__(self) -> None:
         self.local = threading.local()  # .attention: the PagedAttention of this thread's step
+        self.users = 0  # runners on this model; the last to close restores plain SDPA
 
     def active(self) -> PagedAttention | None:
         return getattr(self.local, "attention", None)
@@ -57,19 +58,32 @@ class AttentionDispatch:
 
 
 def install_dispatch(model: torch.nn.Module) -> AttentionDispatch:
-    """The model's dispatch, installed once (its attention must be SDPA before)."""
+    """The model's dispatch, installed by its first runner (its attention must be SDPA)."""
     dispatch = getattr(model, "_kvstore_dispatch", None)
-    if dispatch is not None:
-        return dispatch
-    config = model.config
-    if config._attn_implementation != "sdpa":
-        raise PagedAttentionError(f"attention is {config._attn_implementation!r}, not sdpa")
-    dispatch, name = AttentionDispatch(), f"kvstore_dispatch_{id(model):x}"
-    AttentionInterface.register(name, dispatch.attention)
-    AttentionMaskInterface.register(name, dispatch.mask)
-    config._attn_implementation = name
-    model._kvstore_dispatch = dispatch
+    if dispatch is None:
+        config = model.config
+        if config._attn_implementation != "sdpa":
+            raise PagedAttentionError(f"attention is {config._attn_implementation!r}, not sdpa")
+        dispatch, name = AttentionDispatch(), f"kvstore_dispatch_{id(model):x}"
+        AttentionInterface.register(name, dispatch.attention)
+        AttentionMaskInterface.register(name, dispatch.mask)
+        config._attn_implementation = name
+        model._kvstore_dispatch = dispatch
+    dispatch.users += 1
     return dispatch
+
+
+def uninstall_dispatch(model: torch.nn.Module) -> None:
+    """Undo one `install_dispatch`; the last one gives the model plain SDPA back (so other
+    libraries that check the implementation's name, as transformers' own batching does,
+    accept the model again)."""
+    dispatch = getattr(model, "_kvstore_dispatch", None)
+    if dispatch is None:
+        return
+    dispatch.users -= 1
+    if dispatch.users == 0:
+        model.config._attn_implementation = "sdpa"
+        del model._kvstore_dispatch
 
 
 @functools.cache
@@ -94,6 +108,13 @@ class PagedRunner:
         self.scratch_block = scratch_block
         self.attention = PagedAttention(kv, _layer_of)
         self.dispatch = install_dispatch(model.model)
+        self.closed = False
+
+    def close(self) -> None:
+        """Give the model back its plain attention (once no other runner uses it)."""
+        if not self.closed:
+            self.closed = True
+            uninstall_dispatch(self.model.model)
 
     def forward(
         self, rows: Sequence[Row], token_ids: Sequence[Sequence[int]], logit_rows: Sequence[int]
@@ -142,6 +163,8 @@ def start_paged(model: LoadedModel, tables: BlockTables) -> tuple[PagedRunner | 
     finally:
         tables.release(ids)
     if why is not None:
+        if runner is not None:
+            runner.close()
         tables.release(scratch)
         return None, why
     return runner, None

@@ -32,7 +32,7 @@ from kvstore.sequences import BlockTables, SeqBlocks
 class SchedulerConfig:
     """Step shape: tokens fed per step (all rows) and requests running at once."""
 
-    max_num_batched_tokens: int = 256
+    max_num_batched_tokens: int = 512
     max_num_seqs: int = 32
 
     def __post_init__(self) -> None:

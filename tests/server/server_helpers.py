@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -13,18 +11,14 @@ from pathlib import Path
 import httpx
 import yaml
 
+from bench.launch import ServerProcess as LaunchedServer
+from bench.launch import free_port  # noqa: F401  (re-exported for the server tests)
+
 ROOT = Path(__file__).resolve().parents[2]
-READY_TIMEOUT_S = 90.0
 TENANT_KEYS = {"sk-x-one": "x", "sk-x-two": "x", "sk-y": "y"}  # the keyed server's tenants
 SERVED_NAME = "micro"
 BLOCK_SIZE = 4  # the keyed server's block size
 _VAR = re.compile(r"\$\$|\$\{(\w+)(?::-([^}]*))?\}")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def kvstore_script() -> str:
@@ -77,35 +71,8 @@ def clean_env(**extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
-class ServerProcess:
-    """One `kvstore serve` subprocess; `url` is its base URL."""
-
-    def __init__(self, args: list[str], port: int, log_path: Path, env: dict[str, str]):
-        self.args, self.port, self.log_path, self.env = args, port, log_path, env
-        self.url = f"http://127.0.0.1:{port}"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> ServerProcess:
-        with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(
-                self.args, stdout=log, stderr=subprocess.STDOUT, env=self.env
-            )
-        return self
-
-    def wait_ready(self) -> ServerProcess:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc is None or self.proc.poll() is not None:
-                break
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        log = self.log_path.read_text(errors="replace")[-3000:]
-        self.stop()
-        raise RuntimeError(f"kvstore serve on port {self.port} did not start:\n{log}")
+class ServerProcess(LaunchedServer):
+    """One `kvstore serve` subprocess (bench.launch: own process group); `url` is its base URL."""
 
     def healthy(self) -> bool:
         return httpx.get(f"{self.url}/health", timeout=5.0).json()["status"] == "ok"
@@ -115,16 +82,6 @@ class ServerProcess:
         response = httpx.get(f"{self.url}/metrics", headers=headers, timeout=10.0)
         response.raise_for_status()
         return parse_metrics(response.text)
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
 
 
 def parse_metrics(text: str) -> dict[str, float]:

@@ -1,0 +1,101 @@
+"""Runs `bench load`: every level on each server in turn, servers always stopped at the end."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+from tqdm import tqdm
+
+from bench.load.report import summarize_level
+from bench.load.runner import Request, run_level, warm_up
+from bench.load.servers import KVSTORE, PEER, Running, Target
+from bench.load.workload import make_sessions, warmup_session
+
+
+def request_for(running: Running, target: Target, args: argparse.Namespace) -> Request:
+    return Request(running.url, running.extra, args.max_tokens, args.timeout, target.api_key)
+
+
+def start(target: Target, args: argparse.Namespace) -> Running:
+    """A started (or reached) server that has answered one warm-up request."""
+    running = target.start()
+    session = warmup_session(args.system_prompt_bytes, args.seed)
+    try:
+        warm_up(request_for(running, target, args), session)
+    except BaseException:
+        running.stop()
+        raise
+    return running
+
+
+def measure(running: Running, target: Target, args: argparse.Namespace, c: int) -> dict:
+    sessions = make_sessions(max(args.sessions, c), args.turns, args.system_prompt_bytes, args.seed)
+    total = len(sessions) * args.turns
+    with tqdm(total=total, desc=f"{target.name} c={c}", unit="req", leave=False,
+              disable=args.json) as bar:  # fmt: skip
+        outcomes, wall = run_level(request_for(running, target, args), sessions, c, bar)
+    return summarize_level(outcomes, wall, c, len(sessions), args.turns)
+
+
+def run_server(target: Target, args: argparse.Namespace) -> dict:
+    """All levels on one server, started anew before each level unless --keep-servers (or
+    --url, a server that is not ours). A server that cannot start or serve ends its run with
+    `error` saying why; the levels measured so far stay."""
+    restart = target.restartable and not args.keep_servers
+    entry = {"label": target.label, "url": target.url, "restarted_per_level": restart,
+             "command": [], "error": None, "levels": []}  # fmt: skip
+    running: Running | None = None
+    try:
+        for c in args.levels:
+            if running is None or restart:
+                if running is not None:
+                    running.stop()
+                    running = None
+                running = start(target, args)
+            entry["levels"].append(measure(running, target, args, c))
+    except (RuntimeError, httpx.HTTPError) as e:
+        entry["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        if running is not None:
+            running.stop()
+        entry["command"] = target.command
+    return entry
+
+
+def run_all(args: argparse.Namespace, model_dir: Path | None, log_dir: Path) -> dict:
+    """kvstore's levels, then the peer's (one server up at a time)."""
+    servers = {}
+    blocks = args.pool_blocks
+    targets = [Target(KVSTORE, model_dir or Path(), log_dir, blocks, args.url, args.api_key)]
+    if not args.no_peer and model_dir is not None:
+        targets.append(Target(PEER, model_dir, log_dir, blocks))
+    for target in targets:
+        servers[target.name] = run_server(target, args)
+        if error := servers[target.name]["error"]:
+            more = "; continuing with kvstore only" if target.name == PEER else ""
+            print(f"bench load: {target.name}: {error}{more}", file=sys.stderr)
+    return {"servers": servers}
+
+
+@contextlib.contextmanager
+def sigterm_as_exit() -> Iterator[None]:
+    """SIGTERM raises SystemExit, so the servers' `finally` stops them (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
