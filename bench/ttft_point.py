@@ -41,7 +41,8 @@ def suffix_first_token(model, ids: list[int], past: DynamicCache) -> int:
 
 
 def cache_config_for(tier: str, args: argparse.Namespace, num_blocks: int, tmp: str):
-    """Only `tier` besides the device pool; write-through so a store reaches it at once."""
+    """Only `tier` besides the device pool (room for the whole prompt, whose suffix the paged
+    prefill writes in place); write-through so a store reaches it at once."""
     from kvstore.config import CacheConfig
 
     base = {"block_size": args.block_size, "device": "cpu", "device_blocks": num_blocks + 8}
@@ -81,7 +82,7 @@ def measure_point(lm, ids: list[int], kv: list, tier: str, cached: int, args) ->
     from engine.engine import Engine
 
     with tempfile.TemporaryDirectory() as tmp:
-        config = cache_config_for(tier, args, cached // args.block_size, tmp)
+        config = cache_config_for(tier, args, -(-len(ids) // args.block_size), tmp)  # the prompt
         with Engine(lm, config) as engine:
             for store in engine.cache.tiers.stores if engine.cache.tiers else ():
                 store.clear()  # exactly this prefix: nothing left from an earlier point or run
