@@ -90,7 +90,7 @@ class Engine:
 
     @property
     def mode(self) -> str:
-        """ "paged" (continuous batching) or "sequential" (one request at a time)."""
+        """`paged` (continuous batching) or `sequential` (one request at a time)."""
         return "sequential" if self.runner is None else "paged"
 
     # --- requests -------------------------------------------------------------------------

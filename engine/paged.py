@@ -45,7 +45,8 @@ class _Prefill:
     num_new: int
     table: torch.Tensor  # [blocks] long
     context: int  # keys attended: positions [0, context)
-    mask: torch.Tensor  # [num_new, context] bool, causal with the row's offset
+    mask: torch.Tensor | None  # [num_new, context] bool, causal with the row's offset; None
+    # when the row starts at position 0 (plain causal: SDPA skips the masked half)
 
 
 @dataclass
@@ -94,6 +95,8 @@ def build_step(
 
 
 def _prefill(offset: int, row: Row, table: torch.Tensor, device: torch.device) -> _Prefill:
+    if row.start == 0:
+        return _Prefill(offset, row.num_new, table.to(device), row.end, None)
     keys = torch.arange(row.end)
     queries = torch.arange(row.start, row.end)
     mask = keys.unsqueeze(0) <= queries.unsqueeze(1)  # [num_new, end]
@@ -153,10 +156,16 @@ def _read(kv_layer: torch.Tensor, tables: torch.Tensor) -> tuple[torch.Tensor, t
 
 
 def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float | None,
 ) -> torch.Tensor:
-    """SDPA with grouped K/V heads; q [B, Hq, n, D], k/v [B, Hkv, S, D] -> [B, Hq, n, D]."""
-    return sdpa(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    """SDPA with grouped K/V heads; q [B, Hq, n, D], k/v [B, Hkv, S, D] -> [B, Hq, n, D].
+    No mask: causal from position 0 (n == S)."""
+    gqa = q.shape[1] != k.shape[1]
+    return sdpa(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa)
 
 
 def _decode_attention(
