@@ -25,11 +25,12 @@ Each workload (bench/workloads.py, scaled down) runs three ways in the same proc
   RAM (tens of seconds on CPU). A mode that fails (error, stopped loop, a request unanswered
   after a timeout) reports `error`, printed under the table.
 
-Outputs. `contract_outputs` counts the outputs that meet DESIGN.md's contract: every greedy
-token is the argmax of one full no-cache forward over the prompt and the tokens before it,
-wherever that forward's top-2 gap exceeds 1e-4. `same_outputs` counts outputs equal to HF
-`generate`'s; they differ where the argmax is the EOS token, which `generate` (asked for
-exactly `--new-tokens` with `min_new_tokens`) suppresses and the other paths emit and go on.
+Outputs. `contract_outputs` counts the outputs that meet the output contract (README.md,
+"Correctness"): every greedy token is the argmax of one full no-cache forward over the prompt
+and the tokens before it, wherever that forward's top-2 gap exceeds 1e-4. `same_outputs`
+counts outputs equal to HF `generate`'s; they differ where the argmax is the EOS token,
+which `generate` (asked for exactly `--new-tokens` with `min_new_tokens`) suppresses and the
+other paths emit and go on.
 
 Repeats. This machine's load drifts by tens of percent within a minute, so each timed path
 runs `--repeats` times, the paths alternating within each repeat (HF no cache, the engine
@@ -64,8 +65,8 @@ takes 42 ms, against 30 ms at the average per-token cost of the 900-token prompt
 
 Free prefix. The token-savings ideal cannot be reached where suffixes are short: each
 suffix is a forward of its own, with a floor that saving the prefix's tokens does not
-remove. `free_prefix_s` times DESIGN.md's ideal engine instead, the yardstick of `bench ttft`:
-each request's reusable prefix already in memory as a `DynamicCache` (built untimed), the
+remove. `free_prefix_s` times the ideal engine instead, the yardstick of `bench ttft`: each
+request's reusable prefix already in memory as a `DynamicCache` (built untimed), the
 suffix prefilled on it and the tokens decoded as the engine does, with no lookup, load or
 store. `ratio_to_free_prefix` = free_prefix_s / kvstore_s is the share of kvstore's time
 that any prefix cache would spend; the rest is kvstore's own cost.

@@ -95,9 +95,9 @@ def run_kvstore(engine, prompts: list[list[int]], new_tokens: int, bar) -> RunRe
 
 def run_free_prefix(lm, prompts: list[list[int]], reusable: list[int], new_tokens: int,
                     bar) -> RunResult:  # fmt: skip
-    """DESIGN.md's ideal engine: each request's reusable prefix is already in memory as a
-    `DynamicCache` (built untimed), the suffix is prefilled on it and `new_tokens` decoded
-    greedily, as the engine does; no lookup, load or store."""
+    """The ideal engine of `bench ttft` (docs/BENCHMARKS.md): each request's reusable prefix
+    is already in memory as a `DynamicCache` (built untimed), the suffix is prefilled on it
+    and `new_tokens` decoded greedily, as the engine does; no lookup, load or store."""
     total, outputs, ttfts = 0.0, [], []
     for ids, n in zip(prompts, reusable, strict=True):
         past = DynamicCache(config=lm.model.config)

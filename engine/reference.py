@@ -1,4 +1,5 @@
-"""The output contract (DESIGN.md), checked against an independent full no-cache forward."""
+"""The output contract (README.md, "Correctness"), checked against an independent full
+no-cache forward."""
 
 from __future__ import annotations
 
