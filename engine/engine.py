@@ -35,7 +35,7 @@ from engine.request import (
     TokenCallback,
 )
 from engine.runner import start_paged
-from engine.scheduler import QueueStats, Scheduled, Scheduler, SchedulerConfig, all_tokens
+from engine.scheduler import QueueStats, Scheduled, Scheduler, SchedulerConfig
 from engine.sequential import SequentialPath
 from hashing import validate_salt
 from kvstore.cache import PrefixCache
@@ -266,19 +266,14 @@ class Engine:
         if not rows:
             time.sleep(0.001)  # nothing could be admitted now (all waiting on blocks)
             return
-        tokens = [all_tokens(row.request) for row in rows]
-        sample = [i for i, row in enumerate(rows) if row.start + row.num_new == len(tokens[i])]
+        fed = [row.request.token_slice(row.start, row.start + row.num_new) for row in rows]
+        sample = [
+            i for i, row in enumerate(rows) if row.start + row.num_new == row.request.num_tokens
+        ]
         with self._forward_lock:
-            logits = self.runner.forward(
-                [self._row(row) for row in rows],
-                [
-                    t[row.start : row.start + row.num_new]
-                    for row, t in zip(rows, tokens, strict=True)
-                ],
-                sample,
-            )
-        for row, ids in zip(rows, tokens, strict=True):
-            self._computed(row, ids)
+            logits = self.runner.forward([self._row(row) for row in rows], fed, sample)
+        for row in rows:
+            self._computed(row)
         self._sample([rows[i].request for i in sample], logits)
 
     def _row(self, row: Scheduled) -> Row:
@@ -295,15 +290,15 @@ class Engine:
         self.scheduler.finish(request)
         return False
 
-    def _computed(self, row: Scheduled, tokens: list[int]) -> None:
+    def _computed(self, row: Scheduled) -> None:
         """K/V of the row's tokens is written: commit the blocks that became full."""
         state = row.request.state
         state.num_computed = row.start + row.num_new
         limit = state.num_computed
         if not self.cache_generated:
             limit = min(limit, len(row.request.token_ids))
-        if limit // self.tables.block_size > state.blocks.num_committed:
-            self.tables.commit(state.blocks, tokens, limit)
+        if limit // self.tables.block_size > state.blocks.num_committed:  # a block filled
+            self.tables.commit(state.blocks, row.request.token_slice(0, limit), limit)
 
     def _sample(self, requests: list[Request], logits: torch.Tensor) -> None:
         greedy = logits.argmax(dim=-1).tolist()

@@ -157,6 +157,20 @@ class Request:
     on_done: Callable[[Request, GenerateResult | None], None] | None = None  # after the future
 
     @property
+    def num_tokens(self) -> int:
+        """Tokens whose K/V the request needs: prompt and output so far."""
+        return len(self.token_ids) + len(self.output)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """(prompt + output)[start:end], without building the whole list."""
+        n = len(self.token_ids)
+        if end <= n:
+            return self.token_ids[start:end]
+        if start >= n:
+            return self.output[start - n : end - n]
+        return self.token_ids[start:] + self.output[: end - n]
+
+    @property
     def owner(self) -> str:
         return self.tenant or ""
 

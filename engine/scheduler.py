@@ -70,7 +70,7 @@ class QueueStats(NamedTuple):
 
 def all_tokens(request: Request) -> list[int]:
     """The tokens whose K/V the request needs: prompt and output so far."""
-    return request.token_ids + request.output
+    return request.token_slice(0, request.num_tokens)
 
 
 class WaitQueue:
@@ -216,7 +216,7 @@ class Scheduler:
     def _continue(self, request: Request, budget: int) -> Scheduled | None:
         state: Running = request.state
         start = state.num_computed
-        num_new = min(len(request.token_ids) + len(request.output) - start, budget)
+        num_new = min(request.num_tokens - start, budget)
         while not self.tables.grow(state.blocks, start + num_new):
             victim = self.running[-1]
             self.preempt(victim)
