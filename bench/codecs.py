@@ -20,8 +20,8 @@ import torch
 from tqdm import tqdm
 
 from hashing import BlockHasher
-from kvstore.codec import BlockEntry, decode_entry, encode_entry
 from kvstore.config import CODEC_NAMES, CODEC_TOLERANCE
+from kvstore.entry import BlockEntry, decode_entry, encode_entry
 
 
 def _median_s(fn, rounds: int) -> float:

@@ -91,7 +91,7 @@ from bench.e2e_paths import (
     run_prefixes,
 )
 from bench.e2e_peer import PEER_NAME, peer_cells, peer_errors, run_peer
-from engine.reference import count_meeting_contract
+from engine.contract import count_meeting_contract
 
 # row name -> (bench/workloads.py generator, its parameters)
 SCALES = {

@@ -13,7 +13,7 @@ from bench.cb_peer import (
     run_batch,
     serve_in_order,
 )
-from engine.reference import count_meeting_contract
+from engine.contract import count_meeting_contract
 
 PEER_NAME = "transformers continuous batching (allow_block_sharing)"
 PEER_RUNS = {"batch": run_batch, "serving": serve_in_order}

@@ -32,8 +32,8 @@ from bench.offline import infinite_hits, offline_leaf_hits, upper_bound_hits
 from bench.traces import BlockTrace, TraceError, from_token_requests, load_trace
 from bench.workloads import WORKLOADS, WorkloadError, make_workload
 from kvstore.index import RadixIndex
-from kvstore.policy import POLICIES, make_policy
-from kvstore.policy_base import Policy
+from kvstore.policies import POLICIES, make_policy
+from kvstore.policies.base import Policy
 
 __all__ = ["ReplayResult", "main", "parse_capacities", "replay", "run"]
 

@@ -15,13 +15,13 @@ import redis
 import torch
 
 from hashing import BlockHasher, Namespace
-from kvstore.codec import CHECKSUM_BYTES, BlockEntry, encode_entry
 from kvstore.config import CacheConfig
+from kvstore.entry import CHECKSUM_BYTES, BlockEntry, encode_entry
 from kvstore.metrics import CacheMetrics
 from kvstore.pool import BlockPool
+from kvstore.scopes import Scope, Scopes
 from kvstore.stores import LmdbStore, MemoryStore, RedisStore, SpillStore
-from kvstore.tiers import Tiers
-from kvstore.writer import PendingWrite, Scope
+from kvstore.tiers import PendingWrite, Tiers
 
 LAYERS, KV_HEADS, BLOCK_SIZE, HEAD_DIM = 8, 2, 16, 64  # the pinned tiny model
 BATCH_BLOCKS = 112  # a 1792-token prefix
@@ -119,15 +119,15 @@ class Paths:
             block_size=BLOCK_SIZE, lookup_deadline_ms=DEADLINE_MS, chunk_blocks=batch.chunk_blocks
         )
         self.metrics = CacheMetrics()
-        self.tiers = Tiers(config, batch.hasher, self.metrics, [store])
         self.pool = BlockPool(BATCH_BLOCKS, namespace(), torch.device("cpu"))
+        self.tiers = Tiers(config, [store], self.pool, self.metrics)
+        self.scope = Scopes(config, namespace(), with_entries=True).default
         self.block_ids = list(range(BATCH_BLOCKS))
 
     def read(self) -> None:
         """PrefixCache.lookup for a device miss: fetch + verify, promote into the pool."""
-        scope = self.tiers.scope(self.batch.hasher)
         segments = self.tiers.fetch_into(
-            scope,
+            self.scope,
             self.batch.keys,
             self.batch.tokens,
             0,
@@ -143,7 +143,7 @@ class Paths:
     def write(self) -> None:
         """The tier writer's work for one queued write: encode every entry + put_many."""
         before = self.metrics.get("tier_writes_blocks_total", tier=self.store.name)
-        self.tiers.writer.write(self.batch.pending(self.tiers.scope(self.batch.hasher)))
+        self.tiers.writer.write(self.batch.pending(self.scope))
         after = self.metrics.get("tier_writes_blocks_total", tier=self.store.name)
         _check_count(self.store, after - before, BATCH_BLOCKS)
 

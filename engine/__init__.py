@@ -1,4 +1,4 @@
-"""The reference engine on HF transformers: model loading, generate with prefix caching, CLI.
+"""The serving engine on HF transformers: model loading, generate with prefix caching, CLI.
 
 Names are imported lazily so that `kvstore` subcommands not needing transformers start fast.
 """

@@ -36,7 +36,7 @@ def _namespace_id(args: argparse.Namespace, config: CacheConfig) -> str:
     from engine.model import load_model
 
     model = load_model(args.model, args.dtype, "cpu", args.model_revision)
-    return model.namespace(config.block_size, config.tenant_salt, config.codec).id
+    return config.bind(model.namespace(config.block_size)).id
 
 
 def _open(args: argparse.Namespace) -> tuple[str, list[SpillStore]]:

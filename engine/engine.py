@@ -68,10 +68,8 @@ class Engine:
         self.model = model
         self.cache_config = cache_config
         self.cache_generated = cache_generated
-        namespace = model.namespace(
-            cache_config.block_size, cache_config.tenant_salt, cache_config.codec
-        )
-        self.cache = PrefixCache(cache_config, namespace)
+        # the cache binds the config's codec and tenant salt into the namespace
+        self.cache = PrefixCache(cache_config, model.namespace(cache_config.block_size))
         self.tables = BlockTables(self.cache)
         self.scheduler = Scheduler(scheduler_config or SchedulerConfig(), self.tables)
         self.sequential = SequentialPath(model, self.cache, cache_generated)
@@ -223,7 +221,7 @@ class Engine:
             with self._forward_lock, torch.inference_mode():
                 pre = self.sequential.prefill(ids, salt)
                 if store:
-                    self.sequential.store(ids, [], pre.past)
+                    self.sequential.store(ids, [], pre, salt)
             return PrefillResult(pre.logits, pre.cached_tokens, pre.cached_by_tier)
         seq = self.tables.open(ids, salt, "", whole_prompt=False)
         try:
@@ -359,7 +357,7 @@ class Engine:
                     request.params,
                     request.cache_salt,
                     request.emit,
-                    request.owner,
+                    request.tenant or "",
                     request.sampler,
                 )
         except BaseException as e:

@@ -242,7 +242,7 @@ class LoadedModel:
     def kv_dtype(self) -> str:
         return str(self.dtype).removeprefix("torch.")
 
-    def namespace(self, block_size: int, tenant_salt: str = "", codec: str = "none") -> Namespace:
+    def namespace(self, block_size: int, salt: str = "", codec: str = "none") -> Namespace:
         return Namespace(
             model_fingerprint=self.fingerprint,
             kv_dtype=self.kv_dtype,
@@ -251,7 +251,7 @@ class LoadedModel:
             head_dim=self.layout.head_dim,
             block_size=block_size,
             codec=codec,
-            tenant_salt=tenant_salt,
+            salt=salt,
         )
 
 

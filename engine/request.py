@@ -171,10 +171,6 @@ class Request:
         return self.token_ids[start:] + self.output[: end - n]
 
     @property
-    def owner(self) -> str:
-        return self.tenant or ""
-
-    @property
     def queue_wait_s(self) -> float | None:
         return None if self.scheduled is None else self.scheduled - self.arrival
 

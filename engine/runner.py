@@ -22,9 +22,9 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from engine.contract import tolerance_for
 from engine.model import LoadedModel
 from engine.paged import PagedAttention, PagedAttentionError, Row, build_step
-from engine.reference import tolerance_for
 from kvstore.sequences import BlockTables
 
 log = logging.getLogger("kvstore.engine")

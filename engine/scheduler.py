@@ -243,7 +243,7 @@ class Scheduler:
             self.waiting.remove(request)
             reject(request, _too_long(len(tokens), self.tables))
             return Scheduled(request, 0, 0)
-        blocks = self.tables.open(tokens, request.cache_salt, request.owner)
+        blocks = self.tables.open(tokens, request.cache_salt, request.tenant or "")
         state = Running(blocks, min(blocks.num_cached_tokens, len(tokens) - 1))
         num_new = min(len(tokens) - state.num_computed, budget)
         room = self.tables.num_available() >= need - len(blocks.block_table)

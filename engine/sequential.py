@@ -27,6 +27,7 @@ class Prefill(NamedTuple):
     cached_tokens: int
     past: DynamicCache  # KV of every prompt token
     cached_by_tier: dict[str, int]
+    keys: list[bytes]  # the lookup's block keys: storing continues their chain
 
 
 @functools.cache
@@ -95,7 +96,7 @@ class SequentialPath:
             ttft = time.perf_counter() - start
             emit(output[0])
             reason, text = self._decode(pre.past, output, params, sampler, emit)
-            self.store(token_ids, output, pre.past, cache_salt, tenant)
+            self.store(token_ids, output, pre, cache_salt, tenant)
         return GenerateResult(
             len(token_ids), pre.cached_tokens, output, text, ttft, reason, pre.cached_by_tier, 0.0
         )
@@ -105,14 +106,14 @@ class SequentialPath:
 
     def prefill(self, token_ids: list[int], cache_salt: str = "", tenant: str = "") -> Prefill:
         """Lookup, load and suffix prefill of validated token ids; stores nothing."""
-        hit = self.cache.lookup(token_ids, salt=cache_salt, owner=tenant)
+        hit = self.cache.lookup(token_ids, cache_salt=cache_salt, tenant=tenant)
         try:
             kv = self.cache.load(hit)
         finally:
             self.cache.release(hit)
         past = past_from_prefix(self.model.model.config, kv, self.model.device)
         logits = self._forward(token_ids[kv.num_tokens :], past)
-        return Prefill(logits, kv.num_tokens, past, hit.tier_tokens)
+        return Prefill(logits, kv.num_tokens, past, hit.tier_tokens, hit.keys)
 
     def _decode(
         self,
@@ -133,15 +134,15 @@ class SequentialPath:
         self,
         prompt: list[int],
         output: list[int],
-        past: DynamicCache,
+        pre: Prefill,
         cache_salt: str = "",
         tenant: str = "",
     ) -> int:
         """Store new full blocks: the prompt, plus generated tokens when cache_generated."""
         ids = prompt + output if self.cache_generated else prompt
-        n = min(len(ids), past.get_seq_length())  # the last generated token has no KV
-        layers = [(layer.keys[:, :, :n], layer.values[:, :, :n]) for layer in past.layers]
-        return self.cache.store(ids[:n], layers, salt=cache_salt, owner=tenant)
+        n = min(len(ids), pre.past.get_seq_length())  # the last generated token has no KV
+        layers = [(layer.keys[:, :, :n], layer.values[:, :, :n]) for layer in pre.past.layers]
+        return self.cache.store(ids[:n], layers, cache_salt, tenant, pre.keys)
 
 
 def reference_generate(

@@ -20,11 +20,11 @@ class InvalidNamespace(ValueError):
 def validate_salt(salt: str) -> str:
     """Return `salt` if it is at most 256 printable characters; empty means no salt."""
     if not isinstance(salt, str):
-        raise InvalidNamespace(f"tenant_salt must be a str, got {type(salt).__name__}")
+        raise InvalidNamespace(f"salt must be a str, got {type(salt).__name__}")
     if len(salt) > MAX_SALT_CHARS:
-        raise InvalidNamespace(f"tenant_salt is {len(salt)} characters; at most {MAX_SALT_CHARS}")
+        raise InvalidNamespace(f"salt is {len(salt)} characters; at most {MAX_SALT_CHARS}")
     if not salt.isprintable():
-        raise InvalidNamespace("tenant_salt must contain only printable characters")
+        raise InvalidNamespace("salt must contain only printable characters")
     return salt
 
 
@@ -55,7 +55,7 @@ class Namespace:
     block_size: int
     codec: str = "none"
     adapter_id: str = ""
-    tenant_salt: str = ""
+    salt: str = ""
     format_version: int = FORMAT_VERSION
 
     def __post_init__(self) -> None:
@@ -67,7 +67,7 @@ class Namespace:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise InvalidNamespace(f"{name} must be a positive int, got {value!r}")
-        validate_salt(self.tenant_salt)
+        validate_salt(self.salt)
 
     def framed(self) -> bytes:
         fields = (
@@ -78,7 +78,7 @@ class Namespace:
             self.block_size,
             self.codec,
             self.adapter_id,
-            self.tenant_salt,
+            self.salt,
         )
         return b"kvstore-namespace" + b"".join(_frame(f) for f in fields)
 
@@ -90,8 +90,8 @@ class Namespace:
         """Parent verification digest of block 0 (16 bytes), keyed by the deployment secret."""
         return hashlib.blake2b(self.framed(), digest_size=16, key=secret).digest()
 
-    def with_salt(self, tenant_salt: str) -> Namespace:
-        return Namespace(**{**self.__dict__, "tenant_salt": tenant_salt})
+    def with_salt(self, salt: str) -> Namespace:
+        return Namespace(**{**self.__dict__, "salt": salt})
 
     @property
     def id(self) -> str:

@@ -11,7 +11,6 @@ Protocol for a caller (an engine, or another serving stack):
 from __future__ import annotations
 
 import threading
-from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -19,17 +18,17 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from hashing import BlockHash, BlockHasher, Namespace, as_token_array, combine_salts
+from hashing import BlockHash, Namespace, as_token_array
 from kvstore.config import CacheConfig
-from kvstore.index import RadixIndex, TreeNode
+from kvstore.index import MatchResult, RadixIndex, TreeNode
+from kvstore.layout import LayerKV
 from kvstore.metrics import CacheMetrics
-from kvstore.policy import make_policy
-from kvstore.pool import BlockPool, LayerKV, PoolExhausted
+from kvstore.policies import make_policy
+from kvstore.pool import BlockPool, PoolExhausted
+from kvstore.scopes import Scope, Scopes
 from kvstore.stores import SpillStore, make_stores
+from kvstore.tenants import TenantBlocks
 from kvstore.tiers import Tiers
-from kvstore.writer import Scope
-
-MAX_SALTS = 4096  # request salts whose hashers are kept
 
 
 class KVPrefix(NamedTuple):
@@ -50,6 +49,14 @@ class CacheHit:
     released: bool = False
 
 
+class Commit(NamedTuple):
+    """Where a `PrefixCache.commit` left a caller's path."""
+
+    node: TreeNode | None  # the locked last node of the committed path
+    num_blocks: int  # leading blocks committed (the path's length)
+    kept: int  # new blocks the index kept
+
+
 class PrefixCache:
     """Prefix-caching KV store for one namespace (model, KV format, tenant)."""
 
@@ -64,7 +71,6 @@ class PrefixCache:
         self.config = config
         self.namespace = namespace
         self.block_size = config.block_size
-        self.hasher = BlockHasher(namespace, config.secret_bytes, config.key_bytes)
         self.pool = BlockPool.from_config(config, namespace)
         self.index = RadixIndex(
             config.block_size, make_policy(config.eviction_policy, self.pool.num_blocks)
@@ -72,36 +78,21 @@ class PrefixCache:
         self.metrics = CacheMetrics()
         if stores is None and config.has_tiers:
             stores = make_stores(config, namespace)
-        self.tiers = Tiers(config, self.hasher, self.metrics, stores) if stores else None
-        self._hashers: OrderedDict[str, BlockHasher] = OrderedDict()  # by request salt
-        # first block key -> (request salt, owner): a path's salt (write-back) and owner (quota)
-        self._path_of: dict[BlockHash, tuple[str, str]] = {}
-        self._owner_blocks: Counter[str] = Counter()  # device blocks per owner
+        self.tiers = Tiers(config, stores, self.pool, self.metrics) if stores else None
+        self.scopes = Scopes(config, namespace, with_entries=self.tiers is not None)
+        self.hasher = self.scopes.default.hasher
+        self.tenants = TenantBlocks(config.tenant_quota_blocks, self.pool.num_blocks)
         self._lock = threading.RLock()
 
     @property
     def device(self) -> torch.device:
         return self.pool.device
 
-    def hasher_for(self, salt: str = "") -> BlockHasher:
-        """The hasher of requests with cache salt `salt` (narrowing the config's tenant salt)."""
-        if not salt:
-            return self.hasher
-        with self._lock:
-            hasher = self._hashers.pop(salt, None)
-            if hasher is None:
-                ns = self.namespace.with_salt(combine_salts(self.namespace.tenant_salt, salt))
-                hasher = BlockHasher(ns, self.config.secret_bytes, self.config.key_bytes)
-            self._hashers[salt] = hasher
-            if len(self._hashers) > MAX_SALTS:
-                self._hashers.popitem(last=False)
-            return hasher
-
     def lookup(
         self,
         token_ids: Sequence[int] | np.ndarray,
-        salt: str = "",
-        owner: str = "",
+        cache_salt: str = "",
+        tenant: str = "",
         whole_prompt: bool = False,
     ) -> CacheHit:
         """Find and lock the longest cached whole-block prefix of token_ids[:-1] (of all of
@@ -109,104 +100,55 @@ class PrefixCache:
 
         Blocks the device pool misses are asked of the spill tiers (fastest first), verified
         and promoted into the pool; `num_cached_tokens` counts only verified blocks. Only
-        blocks stored with the same `salt` can match. Blocks promoted from the tiers count
-        against `owner`'s quota (`tenant_quota_blocks`).
+        blocks stored with the same `cache_salt` can match. Blocks promoted from the tiers count
+        against `tenant`'s quota (`tenant_quota_blocks`).
         """
         tokens = as_token_array(token_ids)
         usable = len(tokens) if whole_prompt else max(len(tokens) - 1, 0)
-        max_blocks = usable // self.block_size
-        hasher = self.hasher_for(salt)
-        keys = hasher.hash_blocks(tokens[: max_blocks * self.block_size])
+        scope = self.scopes.get(cache_salt)
+        keys = scope.hasher.hash_blocks(tokens[: usable // self.block_size * self.block_size])
         with self._lock:
             match = self.index.match_prefix(keys, tokens)
             self.index.lock(match.last_node)
         num_device = match.num_blocks * self.block_size
-        hit = CacheHit(
-            len(tokens),
-            num_device,
-            match.block_ids,
-            {"device": num_device} if num_device else {},
-            match.last_node,
-            keys,
-        )
+        tier_tokens = {"device": num_device} if num_device else {}
+        hit = CacheHit(len(tokens), num_device, match.block_ids, tier_tokens, match.last_node, keys)
         if self.tiers:
-            scope = self.tiers.scope(hasher)
-            self._write_selective(scope, keys, tokens, hit)
+            self.tiers.on_hit(scope, keys, tokens, hit.block_ids)
             if match.num_blocks < len(keys):
-                self._promote(scope, hit, keys, tokens, salt, owner)
+                self._promote(scope, hit, tokens, tenant)
         self.metrics.record_lookup(len(tokens), hit.tier_tokens)
         return hit
 
-    def _promote(
-        self,
-        scope: Scope,
-        hit: CacheHit,
-        keys: list[BlockHash],
-        tokens: np.ndarray,
-        salt: str,
-        owner: str,
-    ) -> None:
+    def _promote(self, scope: Scope, hit: CacheHit, tokens: np.ndarray, tenant: str) -> None:
         """Copy verified tier blocks into fresh pool blocks, index them, move the hit's lock."""
         new_ids: list[int] = []
 
         def allocate(n: int) -> list[torch.Tensor | memoryview]:
             with self._lock:
-                n = min(n, self._quota_left(owner) - len(new_ids))
+                n = min(n, self.tenants.quota_left(tenant) - len(new_ids))
                 ids = self._allocate(n) if n > 0 else []
             new_ids.extend(ids)
             return self.pool.destinations(ids)
 
         start = len(hit.block_ids)
         try:
-            segments = self.tiers.fetch_into(scope, keys, tokens, start, allocate)
+            segments = self.tiers.fetch_into(scope, hit.keys, tokens, start, allocate)
         except BaseException:
-            with self._lock:
-                self.pool.free(new_ids)
+            self.free(new_ids)
             raise
         got = sum(segment.num_blocks for segment in segments)
         with self._lock:
             self.pool.free(new_ids[got:])  # allocated for blocks that did not verify
-            n = start + got
-            self._track(keys, salt, owner)
-            unkept = self.index.insert(keys[:n], tokens, hit.block_ids + new_ids[:got])
-            self.pool.free(unkept)
-            self._owner_blocks[owner] += got - len(unkept)
-            match = self.index.match_prefix(keys[:n], tokens)
-            self.index.lock(match.last_node)
-            self.index.unlock(hit.node)
+            ids = hit.block_ids + new_ids[:got]
+            self._insert(hit.keys[: start + got], tokens, ids, start, scope.cache_salt, tenant)
+            self.pool.free(new_ids[:got])  # the index holds them now
+            match = self._relock(hit.keys[: start + got], tokens, hit.node)
         hit.node, hit.block_ids = match.last_node, match.block_ids
         hit.num_cached_tokens = match.num_blocks * self.block_size
-        for segment in segments:
-            hit.tier_tokens[segment.tier] = segment.num_blocks * self.block_size
-            stop = start + segment.num_blocks
-            self._fill_faster(scope, segment.tier, keys[:stop], tokens, start, hit.block_ids)
-            start = stop
+        hit.tier_tokens |= {seg.tier: seg.num_blocks * self.block_size for seg in segments}
+        self.tiers.on_promote(scope, segments, hit.keys, tokens, start, hit.block_ids)
         self.metrics.inc("promoted_blocks_total", got)
-
-    def _fill_faster(
-        self,
-        scope: Scope,
-        tier: str,
-        keys: list[BlockHash],
-        tokens: np.ndarray,
-        start: int,
-        block_ids: list[int],
-    ) -> None:
-        """Blocks that hit in `tier` are written to the faster write-through tiers that lacked
-        them (an LMDB replica fills from Redis). The hit is locked: its ids are stable."""
-        targets = self.tiers.faster_write_through(tier)
-        if targets:
-            self.tiers.submit_from_pool(scope, targets, keys, tokens, start, block_ids, self.pool)
-
-    def _write_selective(
-        self, scope: Scope, keys: list[BlockHash], tokens: np.ndarray, hit: CacheHit
-    ) -> None:
-        """Selective write-through: write device blocks once they have been hit N times."""
-        targets = self.tiers.targets("selective")
-        reached = self.tiers.count_hits(keys[: len(hit.block_ids)]) if targets else 0
-        if reached:
-            ids = hit.block_ids[:reached]  # hit is locked: ids are stable
-            self.tiers.submit_from_pool(scope, targets, keys[:reached], tokens, 0, ids, self.pool)
 
     def load(self, hit: CacheHit) -> KVPrefix:
         """Per-layer K/V of the hit, gathered from the device pool into contiguous tensors."""
@@ -227,47 +169,141 @@ class PrefixCache:
         self,
         token_ids: Sequence[int] | np.ndarray,
         layers: Sequence[LayerKV],
-        salt: str = "",
-        owner: str = "",
+        cache_salt: str = "",
+        tenant: str = "",
+        keys: Sequence[BlockHash] = (),
     ) -> int:
         """Cache the full blocks of token_ids[:T] not cached yet (T = tokens the K/V cover).
 
-        Returns the number of new blocks. When the pool is full of locked blocks, or `owner`
-        is at its quota, stores a shorter prefix (possibly nothing) rather than failing.
+        `keys`: lookup keys of leading blocks already hashed (a lookup's `CacheHit.keys`);
+        only the blocks past them are hashed. Returns the number of new blocks. When the
+        pool is full of locked blocks, or `tenant` is at its quota, stores a shorter prefix
+        (possibly nothing) rather than failing.
         """
         tokens = as_token_array(token_ids)
         num_tokens = min(len(tokens), int(layers[0][0].shape[2])) if layers else 0
-        hasher = self.hasher_for(salt)
-        keys = hasher.hash_blocks(tokens[:num_tokens])
+        scope = self.scopes.get(cache_salt)
+        keys = scope.keys(tokens[:num_tokens], keys)
         with self._lock:
-            self._track(keys, salt, owner)
             match = self.index.match_prefix(keys, tokens)
             self.index.lock(match.last_node)
             try:
-                want = min(len(keys) - match.num_blocks, self._quota_left(owner))
+                want = min(len(keys) - match.num_blocks, self.tenants.quota_left(tenant))
                 new_ids = self._allocate(max(want, 0))
                 if new_ids:
-                    self.pool.scatter(
-                        new_ids, layers, start_token=match.num_blocks * self.block_size
-                    )
-                    n = match.num_blocks + len(new_ids)
-                    redundant = self.index.insert(keys[:n], tokens, match.block_ids + new_ids)
-                    self.pool.free(redundant)
-                    self._owner_blocks[owner] += len(new_ids) - len(redundant)
+                    start = match.num_blocks
+                    self.pool.scatter(new_ids, layers, start_token=start * self.block_size)
+                    ids, n = match.block_ids + new_ids, start + len(new_ids)
+                    self._insert(keys[:n], tokens, ids, start, cache_salt, tenant)
                     if self.tiers:  # write-through: an independent copy, taken while owned
-                        targets = self.tiers.targets("write-through")
-                        ids = match.block_ids + new_ids
-                        scope = self.tiers.scope(hasher)
-                        self.tiers.submit_from_pool(
-                            scope, targets, keys[:n], tokens, match.num_blocks, ids, self.pool
-                        )
+                        self.tiers.on_store(scope, keys[:n], tokens, start, ids)
+                    self.pool.free(new_ids)  # the index holds them now
             finally:
                 self.index.unlock(match.last_node)
         self.metrics.inc("stored_blocks_total", len(new_ids))
         return len(new_ids)
 
+    # --- blocks held by a caller (an engine's block tables) ---------------------------------
+
+    def hold(self, hit: CacheHit) -> None:
+        """Take a reference to each of the hit's blocks for the caller, who also takes over
+        the hit's lock (`hit.node`): the hit counts as released, the caller ends both with
+        `drop(hit.node, its block ids)`."""
+        with self._lock:
+            self.pool.incref(hit.block_ids)
+            hit.released = True
+
+    def allocate(self, n: int, all_or_none: bool = False) -> list[int]:
+        """Up to n fresh blocks owned by the caller (evicting unlocked cached blocks as
+        needed); with `all_or_none`, n blocks or none."""
+        with self._lock:
+            if all_or_none and self.num_available() < n:
+                return []
+            ids = self._allocate(n)
+            if all_or_none and len(ids) < n:
+                self.pool.free(ids)
+                return []
+            return ids
+
+    def num_available(self) -> int:
+        """Blocks a caller could get now: free, or cached and unlocked (evictable)."""
+        with self._lock:
+            return self.pool.num_free_blocks + self.index.num_evictable_blocks
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        """Drop the caller's reference to each block."""
+        with self._lock:
+            self.pool.free(block_ids)
+
+    def commit(
+        self,
+        keys: list[BlockHash],
+        token_ids: np.ndarray,
+        block_ids: Sequence[int],
+        start: int,
+        cache_salt: str,
+        tenant: str,
+        node: TreeNode | None,
+    ) -> Commit:
+        """Give the index the caller's blocks keys[start:] (written, full; block_ids[i] holds
+        keys[i], the leading `start` are the caller's committed path, locked at `node`).
+        The caller keeps its references; the lock moves to the new path's last node. Fewer
+        blocks are committed when `tenant` is at its quota."""
+        with self._lock:
+            n = min(len(keys), start + max(self.tenants.quota_left(tenant), 0))
+            if n <= start:
+                return Commit(node, start, 0)
+            unkept = self._insert(keys[:n], token_ids, block_ids[:n], start, cache_salt, tenant)
+            match = self._relock(keys[:n], token_ids, node)
+            if self.tiers:  # write-through: an independent copy of whole chunks, taken now
+                scope = self.scopes.get(cache_salt)
+                self.tiers.on_store(scope, keys[:n], token_ids, start, block_ids[:n])
+        kept = n - start - len(unkept)
+        self.metrics.inc("stored_blocks_total", kept)
+        return Commit(match.last_node, n, kept)
+
+    def drop(self, node: TreeNode | None, block_ids: Sequence[int]) -> None:
+        """Unlock `node` (if any) and drop the caller's reference to each block."""
+        with self._lock:
+            if node is not None:
+                self.index.unlock(node)
+            self.pool.free(block_ids)
+
+    # --- internals (the caller holds the lock) ---------------------------------------------
+
+    def _insert(
+        self,
+        keys: list[BlockHash],
+        tokens: np.ndarray,
+        block_ids: Sequence[int],
+        start: int,
+        cache_salt: str,
+        tenant: str,
+    ) -> list[int]:
+        """Insert blocks keys[start:] (block_ids[start:], held by the caller, who keeps its
+        reference: the index takes one more). Returns the ids the index did not keep (the
+        keys were cached already: the caller's copy stays private)."""
+        new = list(block_ids[start:])
+        self.pool.incref(new)
+        self.tenants.track(keys, cache_salt, tenant, self.index.root.children)
+        new_set = set(new)
+        unkept = [b for b in self.index.insert(keys, tokens, block_ids) if b in new_set]
+        self.pool.free(unkept)
+        self.tenants.blocks[tenant] += len(new) - len(unkept)
+        return unkept
+
+    def _relock(
+        self, keys: list[BlockHash], tokens: np.ndarray, node: TreeNode | None
+    ) -> MatchResult:
+        """Lock the indexed path of keys and unlock `node`; returns the path's match."""
+        match = self.index.match_prefix(keys, tokens)
+        self.index.lock(match.last_node)
+        if node is not None:
+            self.index.unlock(node)
+        return match
+
     def _allocate(self, n: int) -> list[int]:
-        """Up to n free blocks, evicting unlocked leaves as needed (caller holds the lock)."""
+        """Up to n free blocks, evicting unlocked leaves as needed."""
         short = n - self.pool.num_free_blocks
         if short > 0:
             self._evict(short)
@@ -277,7 +313,7 @@ class PrefixCache:
             return self.pool.allocate(self.pool.num_free_blocks)
 
     def _evict(self, n: int) -> list[int]:
-        """Evict up to n unlocked blocks and free them (caller holds the lock)."""
+        """Evict up to n unlocked blocks and free them."""
         if n > 0:
             evicted = self.index.evict(n, self._on_evict)
             self.pool.free(evicted)
@@ -286,41 +322,20 @@ class PrefixCache:
         return []
 
     def _on_evict(self, node: TreeNode, start: int, block_ids: list[int]) -> None:
-        """Eviction callback: the owner's count, and the write-back tiers."""
-        salt, owner = self._path_of.get(self._first_key(node), ("", ""))
-        self._owner_blocks[owner] -= len(block_ids)
-        if self.tiers and self.tiers.targets("write-back"):
-            self._write_back(node, start, salt)
+        """Eviction callback: the tenant's count, and the write-back tiers (a chunk may need
+        blocks of ancestors: they are still cached, parents go last)."""
+        cache_salt, tenant = self.tenants.path(self._first_key(node))
+        self.tenants.blocks[tenant] -= len(block_ids)
+        if self.tiers and self.tiers.writes_evicted:
+            keys = self.index.path_keys(node)
+            first = len(keys) - node.num_blocks + start
+            tokens, ids = self.index.path_token_ids(node), self.index.path_block_ids(node)
+            self.tiers.on_evict(self.scopes.get(cache_salt), keys, tokens, first, ids)
 
     def _first_key(self, node: TreeNode) -> BlockHash:
         while node.parent is not self.index.root:
             node = node.parent
         return node.key(0)
-
-    def _quota_left(self, owner: str) -> int:
-        quota = self.config.tenant_quota_blocks
-        return self.pool.num_blocks if quota is None else quota - self._owner_blocks[owner]
-
-    def _write_back(self, node: TreeNode, start: int, salt: str) -> None:
-        """Queue blocks [start:] of `node` for the write-back tiers (a chunk may need blocks
-        of ancestors: they are still cached, parents go last)."""
-        keys = self.index.path_keys(node)
-        tokens = self.index.path_token_ids(node)
-        first = len(keys) - node.num_blocks + start
-        ids = self.index.path_block_ids(node)
-        scope = self.tiers.scope(self.hasher_for(salt))
-        self.tiers.submit_from_pool(
-            scope, self.tiers.targets("write-back"), keys, tokens, first, ids, self.pool
-        )
-
-    def _track(self, keys: list[BlockHash], salt: str, owner: str) -> None:
-        """Remember a path's salt and owner by its first key (caller holds the lock)."""
-        if not keys or not (salt or owner):
-            return
-        self._path_of[keys[0]] = (salt, owner)
-        if len(self._path_of) > 2 * len(self.index.root.children) + 1024:
-            live = self.index.root.children
-            self._path_of = {k: v for k, v in self._path_of.items() if k in live}
 
     def evict_device(self) -> int:
         """Evict every unlocked block from the device pool (write-back tiers get them)."""
@@ -378,9 +393,7 @@ class PrefixCache:
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for queued tier writes; False if the timeout ran out first."""
-        if not self.tiers:
-            return True
-        return self.tiers.writer.flush(self.config.flush_timeout_s if timeout is None else timeout)
+        return self.tiers.flush(timeout) if self.tiers else True
 
     def close(self) -> None:
         """Flush pending tier writes (bounded by flush_timeout_s) and close the stores."""
@@ -392,8 +405,3 @@ class PrefixCache:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def block_keys(cache: PrefixCache, token_ids: Sequence[int] | np.ndarray) -> list[BlockHash]:
-    """Lookup keys of every full block of token_ids (for diagnostics and tests)."""
-    return cache.hasher.hash_blocks(as_token_array(token_ids))

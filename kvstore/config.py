@@ -129,12 +129,12 @@ class CacheConfig:
                 "block_size",
                 f"namespace block_size {namespace.block_size} != config {self.block_size}",
             )
-        for name, default in (("codec", "none"), ("tenant_salt", "")):
-            ns_value, cfg_value = getattr(namespace, name), getattr(self, name)
+        for name, field, default in (("codec", "codec", "none"), ("tenant_salt", "salt", "")):
+            ns_value, cfg_value = getattr(namespace, field), getattr(self, name)
             if ns_value != cfg_value and default not in (ns_value, cfg_value):
                 raise ConfigError(name, f"namespace has {ns_value!r}, config has {cfg_value!r}")
             if cfg_value != default:
-                namespace = replace(namespace, **{name: cfg_value})
+                namespace = replace(namespace, **{field: cfg_value})
         return namespace
 
     @property

@@ -9,11 +9,8 @@ import numpy as np
 import torch
 
 from hashing import Namespace
-from kvstore.codec import tensor_bytes
 from kvstore.config import CacheConfig
-
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-LayerKV = tuple[torch.Tensor, torch.Tensor]  # K, V: [1, kv_heads, tokens, head_dim]
+from kvstore.layout import KVLayout, LayerKV, layers_to_blocks, split_layers, tensor_bytes
 
 
 class PoolExhausted(RuntimeError):
@@ -29,9 +26,7 @@ def resolve_device(name: str) -> torch.device:
 
 
 def bytes_per_block(namespace: Namespace) -> int:
-    ns = namespace
-    itemsize = torch.empty((), dtype=DTYPES[ns.kv_dtype]).element_size()
-    return ns.num_layers * 2 * ns.num_kv_heads * ns.block_size * ns.head_dim * itemsize
+    return KVLayout.of(namespace).bytes_per_block
 
 
 def pool_blocks(config: CacheConfig, namespace: Namespace) -> int:
@@ -47,13 +42,13 @@ class BlockPool:
     a block is on the free list iff its ref_cnt is 0."""
 
     def __init__(self, num_blocks: int, namespace: Namespace, device: torch.device):
-        ns = namespace
+        self.layout = KVLayout.of(namespace)
         self.num_blocks = num_blocks
-        self.block_size = ns.block_size
+        self.block_size = self.layout.block_size
         self.device = device
-        self.dtype = DTYPES[ns.kv_dtype]
+        self.dtype = self.layout.dtype
         # [num_blocks, layers, 2, kv_heads, block_size, head_dim]; torch.empty commits no pages
-        shape = (num_blocks, ns.num_layers, 2, ns.num_kv_heads, ns.block_size, ns.head_dim)
+        shape = (num_blocks, *self.layout.block_shape)
         self.kv = torch.empty(shape, dtype=self.dtype, device=device)
         self.bytes_per_block = self.kv[0].numel() * self.kv.element_size()
         # flat and writable, in the entry payload's byte order (a big-endian host has none)
@@ -110,26 +105,15 @@ class BlockPool:
         layers, _, heads, bs, dim = self.kv.shape[1:]
         # one copy: index the block axis of a [layers, 2, heads, blocks, bs, dim] view
         out = torch.index_select(self.kv.permute(1, 2, 3, 0, 4, 5), 3, self._ids(block_ids))
-        out = out.view(layers, 2, heads, n * bs, dim)
-        return [(out[i, 0].unsqueeze(0), out[i, 1].unsqueeze(0)) for i in range(layers)]
+        return split_layers(out.view(layers, 2, heads, n * bs, dim))
 
     def scatter(
         self, block_ids: Sequence[int], kv: Sequence[LayerKV], start_token: int = 0
     ) -> None:
         """Write tokens [start_token, start_token + n * block_size) of per-layer K/V into blocks."""
-        n, bs = len(block_ids), self.block_size
-        if n == 0:
-            return
-        end = start_token + n * bs
-        # [layers, 2, heads, n * bs, dim] -> [n, layers, 2, heads, bs, dim]
-        stacked = torch.stack(
-            [torch.stack((k[0, :, start_token:end], v[0, :, start_token:end])) for k, v in kv]
-        )
-        if stacked.shape[3] != n * bs:
-            raise ValueError(f"kv covers {stacked.shape[3] + start_token} tokens, need {end}")
-        layers, _, heads, _, dim = stacked.shape
-        blocks = stacked.view(layers, 2, heads, n, bs, dim).permute(3, 0, 1, 2, 4, 5)
-        self.kv.index_copy_(0, self._ids(block_ids), blocks.to(self.dtype))
+        if block_ids:
+            blocks = layers_to_blocks(kv, start_token, len(block_ids), self.block_size)
+            self.kv.index_copy_(0, self._ids(block_ids), blocks.to(self.dtype))
 
     def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
         """Independent copy of whole blocks: [n, layers, 2, kv_heads, block_size, head_dim]."""

@@ -20,11 +20,11 @@ import redis
 from transformers import LlamaConfig
 
 from bench.local_redis import free_port, wait_ready
+from engine.contract import greedy_matches_reference
 from engine.engine import Engine, GenerateResult, SamplingParams
 from engine.model import BYTE_VOCAB_SIZE, LoadedModel, byte_tokenizer, random_model, wrap_model
-from engine.reference import greedy_matches_reference
-from kvstore.codec import FIXED_HEADER_BYTES, ID_BYTES
 from kvstore.config import CacheConfig
+from kvstore.entry import FIXED_HEADER_BYTES, ID_BYTES
 
 BS = 4
 PARAMS = SamplingParams(max_new_tokens=4)

@@ -25,8 +25,8 @@ from bench.faults.common import (
     serve,
 )
 from engine.engine import Engine
-from kvstore.codec import EntryError, decode_entry
 from kvstore.config import CacheConfig
+from kvstore.entry import EntryError, decode_entry
 
 # ----------------------------------------------------------------------------- 11. leaks
 

@@ -29,7 +29,7 @@ from bench.faults.common import (
     tier_config,
 )
 from engine.engine import Engine
-from kvstore.codec import CHECKSUM_BYTES, FIXED_HEADER_BYTES, ID_BYTES
+from kvstore.entry import CHECKSUM_BYTES, FIXED_HEADER_BYTES, ID_BYTES
 
 # ----------------------------------------------------------------------------- 2. corruption
 

@@ -49,8 +49,7 @@ def request_salt(base_salt: str, cache_salt: object) -> str:
     try:
         validate_salt(cache_salt)
     except ValueError as e:
-        message = str(e).replace("tenant_salt", "cache_salt")
-        raise CacheSaltError(message) from None
+        raise CacheSaltError(f"cache_{e}") from None  # "salt ..." names the field
     return combine_salts(base_salt, cache_salt)
 
 

@@ -1,6 +1,6 @@
 """The spill-store contract: a batch key-value store of encoded block entries.
 
-Keys are 16-byte block hashes (lookup keys); values are entries made by `kvstore.codec`.
+Keys are 16-byte block hashes (lookup keys); values are entries made by `kvstore.entry.codec`.
 Every method is one round trip (or one transaction) per call, whatever the batch size, and
 none raises on a backend failure: a failing tier reads as misses and drops writes, and
 counts them in `stats()`.

@@ -157,7 +157,7 @@ def test_config_codec_and_salt_join_the_namespace_so_they_never_share_blocks():
     zstd = PrefixCache(CacheConfig(block_size=BS, device_blocks=4, codec="zstd"), ns)
     roots = {c.hasher.root for c in (plain, salted, zstd)}
     assert len(roots) == 3
-    assert (salted.namespace.tenant_salt, zstd.namespace.codec) == ("t1", "zstd")
+    assert (salted.namespace.salt, zstd.namespace.codec) == ("t1", "zstd")
     with pytest.raises(ConfigError, match="tenant_salt"):
         PrefixCache(CacheConfig(block_size=BS, device_blocks=4, tenant_salt="a"),
                     ns.with_salt("b"))  # fmt: skip
@@ -166,20 +166,20 @@ def test_config_codec_and_salt_join_the_namespace_so_they_never_share_blocks():
 def test_tenant_quota_caps_each_owners_device_blocks_and_frees_on_eviction():
     cache = make_cache(num_blocks=16, tenant_quota_blocks=4)
     a, b = tokens(6 * BS, seed=1), tokens(6 * BS, seed=2)
-    assert cache.store(a, kv_for(a), owner="x") == 4  # capped: a shorter prefix
-    assert cache.store(a, kv_for(a), owner="x") == 0  # at quota
-    assert cache.store(b, kv_for(b), owner="y") == 4  # y has its own quota
-    hit = cache.lookup(np.concatenate([a, [1]]).astype(np.uint32), owner="x")
+    assert cache.store(a, kv_for(a), tenant="x") == 4  # capped: a shorter prefix
+    assert cache.store(a, kv_for(a), tenant="x") == 0  # at quota
+    assert cache.store(b, kv_for(b), tenant="y") == 4  # y has its own quota
+    hit = cache.lookup(np.concatenate([a, [1]]).astype(np.uint32), tenant="x")
     assert hit.num_cached_tokens == 4 * BS
     cache.release(hit)
     assert cache.evict_device() == 8
-    assert cache.store(b, kv_for(b), owner="x") == 4  # x's evicted blocks no longer count
+    assert cache.store(b, kv_for(b), tenant="x") == 4  # x's evicted blocks no longer count
     cache.check_integrity()
 
 
 def test_quota_counts_per_owner_not_per_salt():
     cache = make_cache(num_blocks=16, tenant_quota_blocks=3)
     a = tokens(3 * BS, seed=3)
-    assert cache.store(a, kv_for(a), salt="s1", owner="x") == 3
-    assert cache.store(a, kv_for(a), salt="s2", owner="x") == 0  # another salt, same owner
-    assert cache.store(a, kv_for(a), salt="s2", owner="z") == 3
+    assert cache.store(a, kv_for(a), cache_salt="s1", tenant="x") == 3
+    assert cache.store(a, kv_for(a), cache_salt="s2", tenant="x") == 0  # another salt, same tenant
+    assert cache.store(a, kv_for(a), cache_salt="s2", tenant="z") == 3

@@ -27,7 +27,7 @@ FIELD_CHANGES = {
     "block_size": 8,
     "codec": "fp16",
     "adapter_id": "lora-a",
-    "tenant_salt": "tenant-1",
+    "salt": "tenant-1",
 }
 
 
@@ -46,8 +46,8 @@ def test_format_version_is_part_of_the_namespace():
 
 
 def test_adapter_and_salt_fields_are_framed_so_shifting_characters_changes_the_root():
-    a = dataclasses.replace(BASE, adapter_id="org_1", tenant_salt="2345")
-    b = dataclasses.replace(BASE, adapter_id="org_12345", tenant_salt="")
+    a = dataclasses.replace(BASE, adapter_id="org_1", salt="2345")
+    b = dataclasses.replace(BASE, adapter_id="org_12345", salt="")
     assert a.root() != b.root()
     assert a.framed() != b.framed()
     assert BlockHasher(a).hash_blocks(TOKENS) != BlockHasher(b).hash_blocks(TOKENS)
@@ -58,7 +58,7 @@ def test_namespace_root_and_id_are_deterministic():
     assert twin.root() == BASE.root()
     assert len(BASE.root()) == HASH_BYTES
     assert BASE.id == BASE.root().hex()[:16]
-    assert BASE.with_salt("x") == dataclasses.replace(BASE, tenant_salt="x")
+    assert BASE.with_salt("x") == dataclasses.replace(BASE, salt="x")
 
 
 @pytest.mark.parametrize(
@@ -87,7 +87,7 @@ def test_salt_validation_accepts_up_to_256_printable_characters():
     with pytest.raises(InvalidNamespace, match="must be a str"):
         validate_salt(42)  # type: ignore[arg-type]
     with pytest.raises(InvalidNamespace, match="printable"):
-        dataclasses.replace(BASE, tenant_salt="bad\x00salt")
+        dataclasses.replace(BASE, salt="bad\x00salt")
 
 
 def test_block_hash_is_xxh3_128_of_parent_and_little_endian_uint32_tokens():

@@ -3,7 +3,7 @@ import pytest
 
 from hashing import BlockHasher, Namespace
 from kvstore.index import IntegrityError, RadixIndex, TreeNode
-from kvstore.policy import LFUPolicy
+from kvstore.policies import LFUPolicy
 
 BS = 4
 HASHER = BlockHasher(Namespace("index-model", "float32", 1, 1, 4, BS))

@@ -3,7 +3,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore.config import POLICY_NAMES
-from kvstore.policy import (
+from kvstore.policies import (
     POLICIES,
     LFUPolicy,
     LRUPolicy,

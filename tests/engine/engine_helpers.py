@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig
 
+from engine.contract import FP32_TOL, greedy_matches_reference  # noqa: F401 (re-exported)
 from engine.model import BYTE_VOCAB_SIZE, LoadedModel, byte_tokenizer, random_model, wrap_model
-from engine.reference import FP32_TOL, greedy_matches_reference  # noqa: F401 (re-exported)
 from kvstore.config import CacheConfig
 
 BLOCK_SIZE = 4

@@ -100,7 +100,7 @@ def test_a_corrupted_tier_entry_is_a_miss_that_is_deleted_and_counted(tier, redi
 def test_a_perturbed_but_well_formed_entry_fails_the_comparison_with_reference(tmp_path):
     """Control: a block re-encoded with other KV verifies, so only the equivalence check
     against the original KV catches it; the round-trip assert must then fail."""
-    from kvstore.codec import BlockEntry, decode_entry, encode_entry
+    from kvstore.entry import BlockEntry, decode_entry, encode_entry
 
     prompt = tokens(3 * BS + 1, seed=4)
     kv = kv_for(prompt)
@@ -277,18 +277,18 @@ def test_request_salts_isolate_tenants_in_the_device_pool_and_every_tier(tmp_pat
                          lmdb_dir=str(tmp_path / "lmdb"), redis_url=redis_server.url)  # fmt: skip
     a = tokens(6 * BS + 1, seed=15)
     with PrefixCache(config, NS) as cache:
-        cache.store(a, kv_for(a), salt="tenant-x")
+        cache.store(a, kv_for(a), cache_salt="tenant-x")
         for salt, expected in (("tenant-y", 0), ("", 0), ("tenant-x", 6 * BS)):
-            hit = cache.lookup(a, salt=salt)
+            hit = cache.lookup(a, cache_salt=salt)
             assert hit.num_cached_tokens == expected
             cache.release(hit)
         b = tokens(8 * BS, seed=16)
-        cache.store(b, kv_for(b), salt="tenant-y")  # evicts x's blocks: memory gets them
+        cache.store(b, kv_for(b), cache_salt="tenant-y")  # evicts x's blocks: memory gets them
         cache.flush(10)
         assert cache.tiers.stores[0].stats().entries == 6
     with PrefixCache(config, NS) as fresh:  # empty pool and memory tier: lmdb, redis remain
         for salt, expected in (("tenant-y", 0), ("", 0), ("tenant-x", 6 * BS)):
-            hit = fresh.lookup(a, salt=salt)
+            hit = fresh.lookup(a, cache_salt=salt)
             assert hit.num_cached_tokens == expected
             if expected:
                 assert hit.tier_tokens == {"lmdb": 6 * BS}
@@ -301,10 +301,10 @@ def test_write_back_of_a_salted_prefix_verifies_under_its_salt():
     config = CacheConfig(block_size=BS, device_blocks=8, memory_cache_gb=0.01)
     a, b = tokens(6 * BS + 1, seed=17), tokens(8 * BS, seed=18)
     with PrefixCache(config, NS) as cache:
-        cache.store(a, kv_for(a), salt="t1")
+        cache.store(a, kv_for(a), cache_salt="t1")
         cache.store(b, kv_for(b))  # evicts all of a into the write-back memory tier
         cache.flush(10)
-        hit = cache.lookup(a, salt="t1")
+        hit = cache.lookup(a, cache_salt="t1")
         assert hit.tier_tokens == {"memory": 6 * BS}
         assert_kv_equal(cache.load(hit), kv_for(a), 6 * BS)
         cache.release(hit)

@@ -7,9 +7,8 @@ import torch
 
 from hashing import BlockHasher, Namespace
 from kvstore.cache import PrefixCache
-from kvstore.codec import read_header
 from kvstore.config import CacheConfig
-from kvstore.template import EntryTemplate
+from kvstore.entry import ExpectedEntry, read_header
 
 LAYERS, HEADS, BS, DIM = 2, 2, 4, 8
 NS = Namespace("fp-chunks", "float32", LAYERS, HEADS, DIM, BS)
@@ -116,7 +115,7 @@ def test_stored_entries_hold_chunk_blocks_keyed_by_their_last_block(make_config,
         others = [k for i, k in enumerate(keys) if i not in last_blocks]
         assert store.get_many(others) == [None] * len(others)
         # the readers' fast verification accepts exactly what the writer wrote
-        template = EntryTemplate(NS.root(), torch.float32, headers[0].shape, chunk)
+        template = ExpectedEntry(NS.root(), torch.float32, headers[0].shape, chunk)
         digests, token_bytes = cache.hasher.digest_blocks(prompt), prompt.tobytes()
         for c, (value, header) in enumerate(zip(values, headers, strict=True)):
             step = chunk * BS * 4
@@ -226,22 +225,22 @@ def test_selective_write_through_writes_whole_chunks_once_hit_n_times():
 
 
 def test_a_write_larger_than_the_writer_buffer_goes_out_in_verified_batches(tmp_path, chunk):
-    from kvstore.codec import decode_entry
+    from kvstore.entry import ExpectedEntry, decode_entry
     from kvstore.metrics import CacheMetrics
+    from kvstore.scopes import Scope
     from kvstore.stores import LmdbStore
-    from kvstore.template import EntryTemplate
-    from kvstore.writer import PendingWrite, Scope, TierWriter
+    from kvstore.tiers import PendingWrite, TierWriter
 
     hasher = BlockHasher(NS)
     prompt = tokens(8 * BS, seed=9)
     keys, digests = hasher.hash_blocks(prompt), hasher.digest_blocks(prompt)
     kv = torch.randn(8, LAYERS, 2, HEADS, BS, DIM)
     shape = (LAYERS, 2, HEADS, chunk * BS, DIM)
-    template = EntryTemplate(NS.root(), torch.float32, shape, chunk)
+    template = ExpectedEntry(NS.root(), torch.float32, shape, chunk)
     store = LmdbStore(str(tmp_path / "lmdb"), 2**22)
     metrics = CacheMetrics()
     writer = TierWriter([store], "none", 64, metrics, arena_bytes=1)
-    scope = Scope(hasher, NS.root(), template)
+    scope = Scope("", hasher, NS.root(), template)
     last = list(range(chunk - 1, 8, chunk))
     entry_keys, entry_digests = [keys[i] for i in last], [digests[i] for i in last]
     writer.write(PendingWrite(entry_keys, entry_digests, hasher.root, prompt, kv, (0,), scope))

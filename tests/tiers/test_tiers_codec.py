@@ -10,16 +10,16 @@ import torch
 from tier_helpers import assert_same_entry, make_chain, namespace
 
 from hashing import BlockHasher
-from kvstore.codec import (
+from kvstore.entry import (
     CHECKSUM_BYTES,
     FIXED_HEADER_BYTES,
     BlockEntry,
     EntryError,
+    ExpectedEntry,
     decode_entry,
     encode_entry,
     read_header,
 )
-from kvstore.template import EntryTemplate
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 LOSSLESS = ["none", "lz4", "zstd"]
@@ -209,7 +209,7 @@ def test_template_verifies_an_entry_however_its_buffer_is_typed(view: str) -> No
     e, value = chain.entries[0], chain.encoded[0]
     views = {"bytes": value, "byte view": memoryview(value)}
     data = views.get(view) or memoryview(value).cast("H")
-    template = EntryTemplate(ns.root(), torch.float32, tuple(e.kv.shape))
+    template = ExpectedEntry(ns.root(), torch.float32, tuple(e.kv.shape))
     tokens = e.token_ids.astype("<u4").tobytes()
     out = torch.empty_like(e.kv)
     assert template.copy_verified(data, e.key, e.digest, e.parent, tokens, out)

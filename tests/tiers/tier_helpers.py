@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from hashing import BlockHasher, Namespace
-from kvstore.codec import BlockEntry, decode_entry, encode_entry
+from kvstore.entry import BlockEntry, decode_entry, encode_entry
 
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -30,7 +30,7 @@ def namespace(
         num_kv_heads=kv_heads,
         head_dim=head_dim,
         block_size=block_size,
-        tenant_salt=salt,
+        salt=salt,
     )
 
 

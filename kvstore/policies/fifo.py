@@ -1,14 +1,14 @@
 """FIFO-family eviction policies: S3-FIFO, and two long-memory adaptive variants of it
 (adaptive S3-FIFO and ARC over radix entries); docs/POLICIES.md describes them. They share
-the lazy-heap machinery of `kvstore.policy_heap`."""
+the lazy-heap machinery of `kvstore.policies.heap`."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from typing import Any
 
-from kvstore.policy_base import IntegrityError
-from kvstore.policy_heap import HeapEntry, HeapPolicy
+from kvstore.policies.base import IntegrityError
+from kvstore.policies.heap import HeapEntry, HeapPolicy
 
 SMALL, MAIN = 0, 1
 _MAX_FREQ = 3

@@ -1,5 +1,5 @@
-"""EntryTemplate: the entries of one namespace, dtype and shape with codec "none", encoded
-and verified on the hot paths with one comparison of the whole header (see codec.py)."""
+"""ExpectedEntry: the entries of one namespace, dtype and shape with codec "none", encoded
+and verified on the hot paths with one comparison of the whole header (see format.py)."""
 
 from __future__ import annotations
 
@@ -12,22 +12,20 @@ import numpy as np
 import torch
 import xxhash
 
-from kvstore.codec import (
+from kvstore.entry.format import (
     CHECKSUM_BYTES,
     DTYPE_CODES,
     FIXED_HEADER_BYTES,
     ID_BYTES,
-    NP_DTYPES,
     BlockEntry,
     EntryError,
     assemble_entry,
-    frombuffer_le,
     pack_header,
-    tensor_bytes,
 )
+from kvstore.layout import NP_DTYPES, frombuffer_le, tensor_bytes
 
 
-class EntryTemplate:
+class ExpectedEntry:
     """The entries of one namespace, dtype and KV shape with codec "none", for the hot paths.
 
     `kv()` verifies an entry the reader knows exactly (ids, parent, shape, token ids and

@@ -17,16 +17,11 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from hashing import BlockHasher
-from kvstore.codec import (
-    BlockEntry,
-    encode_entry,
-    max_entry_bytes,
-    payload_bytes,
-)
+from kvstore.entry import BlockEntry, encode_entry, max_entry_bytes, payload_bytes
+from kvstore.layout import blocks_to_entries, token_bytes
 from kvstore.metrics import CacheMetrics
+from kvstore.scopes import Scope
 from kvstore.stores import SpillStore
-from kvstore.template import EntryTemplate
 
 ARENA_BYTES = 32 * 2**20  # bound of the writer's reused encode buffer
 
@@ -51,14 +46,6 @@ class PendingWrite(NamedTuple):
     @property
     def num_blocks(self) -> int:
         return int(self.kv.shape[0])
-
-
-class Scope(NamedTuple):
-    """One namespace's view of the tiers (a cache serves one per tenant salt)."""
-
-    hasher: BlockHasher
-    root: bytes  # Namespace.root(): the namespace field of its entries
-    template: EntryTemplate | None  # the exact entries it writes (codec "none"): fast verify
 
 
 class TierWriter:
@@ -145,23 +132,23 @@ class TierWriter:
 
     def _encode_all(self, write: PendingWrite) -> list[bytes]:
         """Every entry of `write` as new bytes (for stores that keep the values they get)."""
-        template = write.scope.template
-        if template is None:
+        expected = write.scope.expected
+        if expected is None:
             encode, _ = self._encoder(write)
             return [encode(i, None) for i in range(len(write.keys))]
-        kv = entry_layout(write.kv, write.num_blocks // len(write.keys))
-        tokens = write.token_ids.astype("<u4", copy=False).tobytes()
+        kv = blocks_to_entries(write.kv, write.num_blocks // len(write.keys))
+        tokens = token_bytes(write.token_ids)
         parents = [write.parent, *write.keys[:-1]]
-        return template.encode_many(write.keys, write.digests, parents, tokens, payload_bytes(kv))
+        return expected.encode_many(write.keys, write.digests, parents, tokens, payload_bytes(kv))
 
     def _encoder(self, write: PendingWrite) -> tuple[Encoder, int]:
         """encode(i, out): entry i of `write` (into `out` if given); and a bound of its size."""
         n = len(write.keys)
         per, tokens_per = write.num_blocks // n, len(write.token_ids) // n
-        kv = entry_layout(write.kv, per)  # one copy at most, for the whole write
+        kv = blocks_to_entries(write.kv, per)  # one copy at most, for the whole write
         keys, digests, parents = write.keys, write.digests, [write.parent, *write.keys[:-1]]
-        template, root = write.scope.template, write.scope.root
-        if template is None:
+        expected, root = write.scope.expected, write.scope.root
+        if expected is None:
 
             def entry(i: int) -> BlockEntry:
                 tokens = write.token_ids[i * tokens_per : (i + 1) * tokens_per]
@@ -170,28 +157,17 @@ class TierWriter:
             return lambda i, out: encode_entry(entry(i), self._codec, out), max_entry_bytes(
                 entry(0)
             )
-        payload, tokens = payload_bytes(kv), write.token_ids.astype("<u4", copy=False).tobytes()
+        payload, tokens = payload_bytes(kv), token_bytes(write.token_ids)
         size, step = payload.nbytes // n, 4 * tokens_per
 
         def encode(i: int, out: memoryview | None) -> bytes | memoryview:
             token_part, part = tokens[i * step : (i + 1) * step], payload[i * size : (i + 1) * size]
-            return template.encode(keys[i], digests[i], parents[i], token_part, part, out)
+            return expected.encode(keys[i], digests[i], parents[i], token_part, part, out)
 
-        return encode, template.total_bytes
+        return encode, expected.total_bytes
 
     def _put(self, write: PendingWrite, items: list[tuple[bytes, bytes | memoryview]]) -> None:
         per = write.num_blocks // len(write.keys)
         for target in write.targets:
             written = self._stores[target].put_many(items) * per
             self._metrics.inc("tier_writes_blocks_total", written, tier=self._stores[target].name)
-
-
-def entry_layout(blocks: torch.Tensor, n: int) -> torch.Tensor:
-    """[E * n, layers, 2, kv_heads, bs, head_dim] -> contiguous CPU [E, layers, 2, kv_heads,
-    n * bs, head_dim]: the KV of each entry of n blocks, in the layout `encode_entry` stores."""
-    blocks = blocks.detach().to("cpu")
-    if n == 1:
-        return blocks.contiguous()
-    e, layers, _, heads, bs, dim = blocks.shape
-    grouped = blocks.view(e // n, n, layers, 2, heads, bs, dim).permute(0, 2, 3, 4, 1, 5, 6)
-    return grouped.contiguous().view(e // n, layers, 2, heads, n * bs, dim)

@@ -1,14 +1,14 @@
 """Eviction policies by name: `POLICIES` and `make_policy`. Each policy implements the
-`Policy` contract of `kvstore.policy_base`: the recency and frequency policies live in
-`kvstore.policy_heap`, the FIFO family in `kvstore.policy_fifo`, LHD in `kvstore.policy_lhd`
+`Policy` contract of `kvstore.policies.base`: the recency and frequency policies live in
+`kvstore.policies.heap`, the FIFO family in `kvstore.policies.fifo`, LHD in `kvstore.policies.lhd`
 (docs/POLICIES.md describes them all)."""
 
 from __future__ import annotations
 
-from kvstore.policy_base import IntegrityError, Policy
-from kvstore.policy_fifo import MAIN, SMALL, AdaptiveS3FIFOPolicy, ARCPolicy, S3FIFOPolicy
-from kvstore.policy_heap import LFUPolicy, LRUPolicy, SLRUPolicy
-from kvstore.policy_lhd import LHDPolicy
+from kvstore.policies.base import IntegrityError, Policy
+from kvstore.policies.fifo import MAIN, SMALL, AdaptiveS3FIFOPolicy, ARCPolicy, S3FIFOPolicy
+from kvstore.policies.heap import LFUPolicy, LRUPolicy, SLRUPolicy
+from kvstore.policies.lhd import LHDPolicy
 
 __all__ = [
     "MAIN",

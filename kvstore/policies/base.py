@@ -1,5 +1,5 @@
 """The eviction-policy interface: the `Policy` ABC every policy implements, and the error its
-integrity checks raise. Policies live in `kvstore.policy` (and `kvstore.policy_*` modules), which
+integrity checks raise. Policies live in `kvstore.policies` (and `kvstore.policy_*` modules), which
 registers them by name."""
 
 from __future__ import annotations

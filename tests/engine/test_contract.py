@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from engine_helpers import micro_model
 
-from engine.reference import count_meeting_contract, greedy_matches_reference
+from engine.contract import count_meeting_contract, greedy_matches_reference
 from engine.sequential import reference_generate
 
 

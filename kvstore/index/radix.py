@@ -26,8 +26,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from hashing import HASH_BYTES, as_token_array
-from kvstore.policy import IntegrityError, Policy, make_policy
-from kvstore.tree import MatchResult, TreeNode, num_equal, run_tag
+from kvstore.index.tree import MatchResult, TreeNode, num_equal, run_tag
+from kvstore.policies import IntegrityError, Policy, make_policy
 
 __all__ = ["IntegrityError", "MatchResult", "RadixIndex", "TreeNode"]
 

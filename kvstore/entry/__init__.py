@@ -1,0 +1,37 @@
+"""The self-verifying entry a spill tier stores (docs/FORMAT.md): `format` lays out and
+parses its bytes, `codec` encodes and decodes whole entries (payload codecs included), and
+`expected` is the hot path for the entries a reader knows exactly (codec "none")."""
+
+from kvstore.entry.codec import decode_entry, encode_entry, payload_bytes
+from kvstore.entry.expected import ExpectedEntry
+from kvstore.entry.format import (
+    CHECKSUM_BYTES,
+    CODEC_CODES,
+    DTYPE_CODES,
+    FIXED_HEADER_BYTES,
+    ID_BYTES,
+    REASONS,
+    BlockEntry,
+    EntryError,
+    EntryHeader,
+    max_entry_bytes,
+    read_header,
+)
+
+__all__ = [
+    "CHECKSUM_BYTES",
+    "CODEC_CODES",
+    "DTYPE_CODES",
+    "FIXED_HEADER_BYTES",
+    "ID_BYTES",
+    "REASONS",
+    "BlockEntry",
+    "EntryError",
+    "EntryHeader",
+    "ExpectedEntry",
+    "decode_entry",
+    "encode_entry",
+    "max_entry_bytes",
+    "payload_bytes",
+    "read_header",
+]

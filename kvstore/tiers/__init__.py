@@ -1,0 +1,178 @@
+"""The spill tiers below the device pool: verified reads into the pool, and the write policy.
+
+The cache calls one hook per event, with plain keys and block ids (`block_ids[i]` is the
+pool block of `keys[i]`, owned or locked by the caller for the duration of the call):
+`on_hit` (device hit: selective write-through), `on_promote` (blocks came from a tier: fill
+the faster write-through ones), `on_store` (new blocks: write-through) and `on_evict`
+(write-back). Which stores each event writes is the tiers' business (`WritePolicies`).
+
+Writes never run on the caller's thread: a queued write holds an independent copy of whole
+chunks of blocks (taken from the pool during the hook), so a block id reused after eviction
+can never be written under another block's key. A background `TierWriter` encodes and
+writes; its queue is bounded in blocks and a write that does not fit is dropped and counted.
+"""
+
+from __future__ import annotations
+
+import atexit
+import weakref
+from collections.abc import Sequence
+from dataclasses import asdict
+
+import numpy as np
+
+from kvstore.config import CacheConfig
+from kvstore.metrics import CacheMetrics
+from kvstore.pool import BlockPool
+from kvstore.scopes import Scope
+from kvstore.stores import SpillStore
+from kvstore.tiers.fetch import Allocate, Segment, TierReader
+from kvstore.tiers.policy import WritePolicies
+from kvstore.tiers.writer import PendingWrite, TierWriter
+
+__all__ = ["Allocate", "PendingWrite", "Segment", "TierWriter", "Tiers", "WritePolicies"]
+
+
+class Tiers:
+    """Spill stores fastest first over one device pool, with their write policies and one
+    background writer."""
+
+    def __init__(
+        self,
+        config: CacheConfig,
+        stores: Sequence[SpillStore],
+        pool: BlockPool,
+        metrics: CacheMetrics,
+    ):
+        self.config, self.pool, self.metrics = config, pool, metrics
+        self.stores = list(stores)
+        self.chunk_blocks = config.chunk_blocks
+        self.policies = WritePolicies(config, self.stores)
+        self.reader = TierReader(self.stores, pool.layout, config.chunk_blocks, metrics)
+        self.writer = TierWriter(self.stores, config.codec, config.write_queue_blocks, metrics)
+        _flush_at_exit(self)
+
+    def __bool__(self) -> bool:
+        return bool(self.stores)
+
+    def fetch_into(
+        self,
+        scope: Scope,
+        keys: Sequence[bytes],
+        token_ids: np.ndarray,
+        start: int,
+        allocate: Allocate,
+    ) -> list[Segment]:
+        """`TierReader.fetch_into`: verified blocks keys[start:] into pool destinations."""
+        return self.reader.fetch_into(scope, keys, token_ids, start, allocate)
+
+    # --- write hooks -----------------------------------------------------------------------
+
+    def on_hit(
+        self, scope: Scope, keys: list[bytes], token_ids: np.ndarray, block_ids: Sequence[int]
+    ) -> None:
+        """The device pool hit blocks keys[:len(block_ids)]: selective write-through."""
+        targets = self.policies.on_hit
+        reached = self.policies.count_hits(keys[: len(block_ids)]) if targets else 0
+        if reached:
+            self._submit(scope, targets, keys[:reached], token_ids, 0, block_ids[:reached])
+
+    def on_promote(
+        self,
+        scope: Scope,
+        segments: Sequence[Segment],
+        keys: list[bytes],
+        token_ids: np.ndarray,
+        start: int,
+        block_ids: Sequence[int],
+    ) -> None:
+        """Blocks from keys[start] on came from `segments`' tiers: each fills the faster
+        write-through tiers that lacked them (an LMDB replica fills from Redis)."""
+        for segment in segments:
+            stop = start + segment.num_blocks
+            targets = self.policies.on_promote(segment.tier)
+            self._submit(scope, targets, keys[:stop], token_ids, start, block_ids[:stop])
+            start = stop
+
+    def on_store(
+        self,
+        scope: Scope,
+        keys: list[bytes],
+        token_ids: np.ndarray,
+        start: int,
+        block_ids: Sequence[int],
+    ) -> None:
+        """Blocks keys[start:] were inserted: write-through."""
+        self._submit(scope, self.policies.on_store, keys, token_ids, start, block_ids)
+
+    @property
+    def writes_evicted(self) -> bool:
+        """Whether `on_evict` writes anything (the caller may skip building its arguments)."""
+        return bool(self.policies.on_evict)
+
+    def on_evict(
+        self,
+        scope: Scope,
+        keys: list[bytes],
+        token_ids: np.ndarray,
+        start: int,
+        block_ids: Sequence[int],
+    ) -> None:
+        """Blocks keys[start:] are being evicted (their ancestors are still cached, the
+        parents go last): write-back."""
+        self._submit(scope, self.policies.on_evict, keys, token_ids, start, block_ids)
+
+    def _submit(
+        self,
+        scope: Scope,
+        targets: tuple[int, ...],
+        keys: list[bytes],
+        token_ids: np.ndarray,
+        start: int,
+        block_ids: Sequence[int],
+    ) -> None:
+        """Queue the whole chunks of keys that hold blocks keys[start:], for `targets`; the
+        chunks are copied out of the pool now."""
+        n = self.chunk_blocks
+        first, end = start // n * n, len(keys) // n * n
+        if not targets or end <= start:
+            return
+        bs, hasher = self.pool.block_size, scope.hasher
+        digests = hasher.digest_blocks(token_ids, num_blocks=end)
+        last = range(first + n - 1, end, n)  # the last block of each chunk
+        self.writer.submit(
+            PendingWrite(
+                [keys[i] for i in last],
+                [digests[i] for i in last],
+                keys[first - 1] if first else hasher.root,
+                token_ids[first * bs : end * bs],
+                self.pool.read_blocks(block_ids[first:end]),
+                targets,
+                scope,
+            )
+        )
+
+    # --- state -----------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, dict]:
+        return {store.name: asdict(store.stats()) for store in self.stores}
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for queued writes; False if the timeout ran out first."""
+        return self.writer.flush(self.config.flush_timeout_s if timeout is None else timeout)
+
+    def close(self) -> None:
+        self.writer.close(self.config.flush_timeout_s)
+        for store in self.stores:
+            store.close()
+
+
+def _flush_at_exit(tiers: Tiers) -> None:
+    ref = weakref.ref(tiers)
+
+    def flush() -> None:
+        live = ref()
+        if live is not None:
+            live.flush()
+
+    atexit.register(flush)

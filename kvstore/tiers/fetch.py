@@ -1,0 +1,191 @@
+"""The read path of the tiers: verified blocks copied straight into pool blocks.
+
+A tier entry holds a chunk of `chunk_blocks` (N) consecutive blocks: chunk c covers blocks
+[c*N, (c+1)*N) of a prompt, aligned from the root, and is keyed by the lookup key of its last
+block (whose verification digest covers the whole prefix). A read may start inside a chunk
+(the blocks the device pool already has are skipped) and never returns a block at or past
+the caller's cap.
+
+Each block is verified and copied while it is in cache (one pass over cold memory); a store
+may hand out zero-copy views (LMDB's map) for that. With codec "none" one comparison of the
+whole expected header (`ExpectedEntry`) and the checksum verify an entry; anything else
+goes through `decode_entry`, which says why it fails.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from hashing import BlockHasher
+from kvstore.entry import EntryError, decode_entry
+from kvstore.layout import KVLayout, as_block, entry_to_blocks, token_bytes
+from kvstore.metrics import CacheMetrics
+from kvstore.scopes import Scope
+from kvstore.stores import SpillStore
+
+
+class Segment(NamedTuple):
+    """Verified blocks fetched from one tier, consecutive in the prompt."""
+
+    tier: str
+    num_blocks: int
+
+
+Allocate = Callable[[int], list[torch.Tensor | memoryview]]  # up to n destination blocks
+
+
+class _Read(NamedTuple):
+    """What every chunk read of one fetch shares."""
+
+    scope: Scope
+    store: SpillStore
+    keys: Sequence[bytes]
+    digests: list[bytes]
+    token_ids: np.ndarray
+    token_bytes: bytes
+
+
+class TierReader:
+    """Fetches verified blocks from the stores, fastest first."""
+
+    def __init__(
+        self,
+        stores: Sequence[SpillStore],
+        layout: KVLayout,
+        chunk_blocks: int,
+        metrics: CacheMetrics,
+    ):
+        self.stores, self.layout, self.metrics = stores, layout, metrics
+        self.chunk_blocks = chunk_blocks
+
+    def fetch_into(
+        self,
+        scope: Scope,
+        keys: Sequence[bytes],
+        token_ids: np.ndarray,
+        start: int,
+        allocate: Allocate,
+    ) -> list[Segment]:
+        """Copy verified blocks keys[start:] into destinations, tier by tier; a tier is asked
+        only for what faster ones missed. Returns how many blocks each tier gave, in order.
+
+        `allocate(n)` returns up to n destination blocks (pool block tensors or their raw
+        bytes; an upper bound: verification may stop early, the caller frees the rest).
+        `keys` are the prompt's first block keys and cap what is returned; every chunk
+        overlapping keys[start:] is read, the last one verified whole even past the cap.
+        """
+        limit, n = len(keys), self.chunk_blocks
+        keys = self._through_chunk_end(scope.hasher, keys, token_ids)
+        ends = range((start // n + 1) * n, len(keys) + 1, n)  # end block of each chunk
+        digests: list[bytes] | None = None
+        segments, pos, dst = [], start, []  # pos: the next block to return
+        for store in self.stores:
+            todo = [end for end in ends if end > pos]
+            if pos >= limit or not todo:
+                break
+            with store.read_prefix([keys[end - 1] for end in todo]) as values:
+                if not values:
+                    continue
+                if digests is None:
+                    digests = scope.hasher.digest_blocks(token_ids, num_blocks=len(keys))
+                dst += allocate(min(limit, todo[len(values) - 1]) - pos - len(dst))
+                read = _Read(scope, store, keys, digests, token_ids, token_bytes(token_ids))
+                got = self._read(read, values, todo, pos, dst)
+            if got:
+                segments.append(Segment(store.name, got))
+                pos, dst = pos + got, dst[got:]
+        return segments
+
+    def _through_chunk_end(
+        self, hasher: BlockHasher, keys: Sequence[bytes], token_ids: np.ndarray
+    ) -> Sequence[bytes]:
+        """`keys`, extended to the end of their last chunk when the prompt has those blocks."""
+        n, bs = self.chunk_blocks, hasher.block_size
+        end = -(-len(keys) // n) * n
+        if end == len(keys) or len(token_ids) < end * bs:
+            return keys
+        more = hasher.hash_blocks(token_ids[: end * bs], parent=keys[-1], start_block=len(keys))
+        return [*keys, *more]
+
+    def _read(
+        self,
+        read: _Read,
+        values: Sequence[bytes | memoryview],
+        ends: list[int],
+        pos: int,
+        dst: list[torch.Tensor | memoryview],
+    ) -> int:
+        """Copy blocks [pos, pos + len(dst)) of the leading chunks that verify (chunk i ends
+        at ends[i]) into dst; returns how many were copied."""
+        n, done = self.chunk_blocks, 0
+        for value, end in zip(values, ends, strict=False):  # values: a prefix
+            if done == len(dst):
+                break
+            first = end - n
+            if n == 1 and self._copy_verified(read, value, end, dst[done]):
+                done += 1  # copied, then verified from the hot copy
+                continue
+            kv = self._verified_kv(read, value, first, end)
+            if kv is None:
+                break  # a miss from this chunk on
+            blocks = entry_to_blocks(kv, n)[max(pos + done, first) - first :]
+            for block in blocks[: len(dst) - done]:
+                as_block(dst[done], self.layout).copy_(block)  # bytes still hot
+                done += 1
+        return done
+
+    def _entry_args(self, read: _Read, first: int, end: int) -> tuple[bytes, ...]:
+        """key, digest, parent and token bytes of the chunk of blocks [first, end)."""
+        bs4 = read.scope.hasher.block_size * 4
+        parent = read.keys[first - 1] if first else read.scope.hasher.root
+        chunk_tokens = read.token_bytes[first * bs4 : end * bs4]
+        return read.keys[end - 1], read.digests[end - 1], parent, chunk_tokens
+
+    def _copy_verified(
+        self, read: _Read, value: bytes | memoryview, end: int, dst: torch.Tensor | memoryview
+    ) -> bool:
+        expected = read.scope.expected
+        if expected is None:
+            return False
+        return expected.copy_verified(value, *self._entry_args(read, end - 1, end), dst)
+
+    def _verified_kv(
+        self, read: _Read, value: bytes | memoryview, first: int, end: int
+    ) -> torch.Tensor | None:
+        """The KV of the chunk's entry if it verifies; else None (rejected and counted)."""
+        args = self._entry_args(read, first, end)
+        if read.scope.expected is not None:
+            kv = read.scope.expected.kv(value, *args)
+            if kv is not None:
+                return kv
+        bs = read.scope.hasher.block_size  # not the expected bytes: the full decode says why
+        chunk_ids = read.token_ids[first * bs : end * bs]
+        return self._decode(read, value, args[0], args[1], chunk_ids)
+
+    def _decode(
+        self,
+        read: _Read,
+        value: bytes | memoryview,
+        key: bytes,
+        digest: bytes,
+        tokens: np.ndarray,
+    ) -> torch.Tensor | None:
+        """KV of a verified entry, or None after rejecting (deleting and counting) it."""
+        try:
+            return decode_entry(
+                value,
+                namespace=read.scope.root,
+                key=key,
+                digest=digest,
+                dtype=self.layout.dtype,
+                token_ids=tokens,
+                shape=self.layout.entry_shape(self.chunk_blocks),
+            ).kv
+        except EntryError as e:
+            read.store.reject([key])
+            self.metrics.inc("verify_failures_total", tier=read.store.name, reason=e.reason)
+            return None
