@@ -1,19 +1,73 @@
-"""Cache counters, named and labelled as they are exported to Prometheus."""
+"""The cache's counter families, declared once (name, help, labels), and their counts.
+
+`CacheMetrics` counts without any exporter library; the server reads the counts from
+`PrefixCache.stats()` and exports each family below as a Prometheus counter named
+`PREFIX + name`. `inc` refuses a name or label set the table does not declare.
+"""
 
 from __future__ import annotations
 
 import threading
 from collections import Counter
+from types import MappingProxyType
+from typing import NamedTuple
 
 PREFIX = "kvstore_"
+DEVICE_TIER = "device"  # the tier name of hits served from the device pool
+
+# Which series a family exports as 0 before its first count (an unlabelled family always
+# has its one series).
+EVERY_TIER = "every tier"  # the device pool and each spill tier
+SPILL_TIERS = "spill tiers"
+NO_ZEROS = "none"  # only the series that were counted
 
 
-def series(name: str, **labels: str) -> str:
-    """Prometheus series name: `kvstore_<name>{label="value",...}` (labels sorted)."""
-    if not labels:
-        return PREFIX + name
-    body = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    return f"{PREFIX}{name}{{{body}}}"
+class Family(NamedTuple):
+    """One counter family: `name` as counted (exported as PREFIX + name), labels sorted as
+    the exported series write them."""
+
+    name: str
+    help: str
+    labels: tuple[str, ...] = ()
+    zeros: str = NO_ZEROS
+
+    def zero_series(self, spill_tiers: list[str]) -> list[tuple[str, ...]]:
+        """Label values of the series exported as 0 when nothing was counted yet."""
+        if not self.labels:
+            return [()]
+        if self.zeros == EVERY_TIER:
+            return [(tier,) for tier in [DEVICE_TIER, *spill_tiers]]
+        if self.zeros == SPILL_TIERS:
+            return [(tier,) for tier in spill_tiers]
+        return []
+
+
+CACHE_FAMILIES = (
+    Family("lookups_total", "prefix-cache lookups"),
+    Family("prefix_cache_queries_tokens_total", "prompt tokens looked up"),
+    Family("prefix_cache_hits_tokens_total", "prompt tokens served from cache, by tier",
+           ("tier",), EVERY_TIER),
+    Family("stored_blocks_total", "blocks stored into the device pool"),
+    Family("promoted_blocks_total", "tier blocks promoted into the device pool"),
+    Family("evicted_blocks_total", "blocks evicted from the device pool"),
+    Family("tier_writes_blocks_total", "blocks written to a spill tier", ("tier",), SPILL_TIERS),
+    Family("dropped_writes_blocks_total", "tier writes dropped (queue full)"),
+    Family("verify_failures_total", "tier entries that failed verification",
+           ("reason", "tier")),
+)  # fmt: skip
+FAMILIES = MappingProxyType({family.name: family for family in CACHE_FAMILIES})
+
+SeriesKey = tuple[str, tuple[str, ...]]  # (family name, label values in the family's order)
+
+
+def series_key(name: str, labels: dict[str, str]) -> SeriesKey:
+    """The key of one series; ValueError for a name or label set not declared above."""
+    family = FAMILIES.get(name)
+    if family is None:
+        raise ValueError(f"{name!r} is not a cache metric family (kvstore.metrics.FAMILIES)")
+    if sorted(labels) != list(family.labels):
+        raise ValueError(f"{name} takes labels {family.labels}, got {tuple(sorted(labels))}")
+    return name, tuple(str(labels[label]) for label in family.labels)
 
 
 class CacheMetrics:
@@ -21,29 +75,35 @@ class CacheMetrics:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._counts: Counter[str] = Counter()
+        self._counts: Counter[SeriesKey] = Counter()
 
     def inc(self, name: str, value: int = 1, **labels: str) -> None:
+        key = series_key(name, labels)
         with self._lock:
-            self._counts[series(name, **labels)] += value
+            self._counts[key] += value
 
     def record_lookup(self, num_prompt_tokens: int, tier_tokens: dict[str, int]) -> None:
+        hits = {series_key("prefix_cache_hits_tokens_total", {"tier": t}): n
+                for t, n in tier_tokens.items()}  # fmt: skip
         with self._lock:
-            self._counts[series("lookups_total")] += 1
-            self._counts[series("prefix_cache_queries_tokens_total")] += num_prompt_tokens
-            for tier, tokens in tier_tokens.items():
-                self._counts[series("prefix_cache_hits_tokens_total", tier=tier)] += tokens
+            self._counts[("lookups_total", ())] += 1
+            self._counts[("prefix_cache_queries_tokens_total", ())] += num_prompt_tokens
+            self._counts.update(hits)
 
     def get(self, name: str, **labels: str) -> int:
+        key = series_key(name, labels)
         with self._lock:
-            return self._counts.get(series(name, **labels), 0)
+            return self._counts.get(key, 0)
 
     def snapshot(self) -> dict:
-        """{"counters": {series: value}, "hits_tokens": {tier: tokens}, "hit_rate": float}."""
+        """{"counters": {family name: {label values: count}}, "hits_tokens": {tier: tokens},
+        "hit_rate": float}; label values are in the order of the family's `labels`."""
         with self._lock:
             counts = dict(self._counts)
-        hits_prefix = series("prefix_cache_hits_tokens_total") + '{tier="'
-        hits = {k[len(hits_prefix) : -2]: v for k, v in counts.items() if k.startswith(hits_prefix)}
-        queries = counts.get(series("prefix_cache_queries_tokens_total"), 0)
+        counters: dict[str, dict[tuple[str, ...], int]] = {}
+        for (name, values), count in counts.items():
+            counters.setdefault(name, {})[values] = count
+        hits = {v[0]: n for v, n in counters.get("prefix_cache_hits_tokens_total", {}).items()}
+        queries = counts.get(("prefix_cache_queries_tokens_total", ()), 0)
         rate = sum(hits.values()) / queries if queries else 0.0
-        return {"counters": counts, "hits_tokens": hits, "hit_rate": rate}
+        return {"counters": counters, "hits_tokens": hits, "hit_rate": rate}

@@ -14,12 +14,12 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import JSONResponse, Response
 
 from engine.engine import Engine
-from engine.server import metrics as prom
 from engine.server.config import ServerConfig, server_config_from_args
 from engine.server.protocol import ApiError, now
 from engine.server.service import Service
@@ -43,7 +43,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     async def api_error(request: Request, error: ApiError) -> JSONResponse:
         if error.status != 500:
             reason = REJECT_REASONS.get(error.status, "invalid")
-            service.metrics.inc("kvstore_requests_rejected_total", reason=reason)
+            service.metrics.reject(reason)
         return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
     @app.post("/v1/completions")
@@ -69,12 +69,12 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
-    async def metrics(request: Request) -> PlainTextResponse:
+    async def metrics(request: Request) -> Response:
         if config.metrics_require_key:
             service.authenticate(request)
-        stats = await run_in_threadpool(engine.stats)
-        text = prom.render(stats, service.metrics, engine.queue_stats())
-        return PlainTextResponse(text, media_type=prom.CONTENT_TYPE)
+        page = await run_in_threadpool(service.metrics.render)  # reads the cache's stats
+        # the format generate_latest writes (CONTENT_TYPE_LATEST names 1.0.0 in newer clients)
+        return Response(page, media_type=CONTENT_TYPE_PLAIN_0_0_4)
 
     return app
 

@@ -74,7 +74,7 @@ class Service:
         self.engine, self.config = engine, config
         self.tokenizer = engine.model.tokenizer
         self.auth = Authenticator(config.api_keys, engine.cache_config.secret_bytes)
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(engine.stats, engine.queue_stats)
 
     def authenticate(self, request: HTTPRequest) -> str | None:
         try:

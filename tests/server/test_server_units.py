@@ -1,5 +1,5 @@
 """Server parts without HTTP: salts, the wait queue's order and bound, streaming text, request
-validation, the Prometheus page."""
+validation, the server's metrics."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from engine.request import GenerateResult, QueueFullError, Request, RequestCance
 from engine.server import protocol
 from engine.server.auth import Authenticator, AuthError, CacheSaltError, request_salt, tenant_salt
 from engine.server.config import ServerConfig, load_api_keys
-from engine.server.metrics import Histogram, ServerMetrics
+from engine.server.metrics import ServerMetrics
 from engine.server.streaming import TextStreamer
 from kvstore.config import ConfigError
 
@@ -137,19 +137,18 @@ def test_a_full_queue_refuses_and_cancel_frees_a_slot(engine):
 
 
 def test_server_metrics_observe_finished_requests(engine):
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(engine.stats, engine.queue_stats)
     params = SamplingParams(max_new_tokens=2)
     job = Request(list(range(1, 10)), params, tenant="acme", on_done=metrics.observe)
     result = engine.add_request(job, max_waiting=4).future.result(30)
     engine.close()
-    lines = metrics.counter_lines()
-    assert lines["kvstore_requests_total"] == ['kvstore_requests_total{outcome="ok"} 1']
-    assert lines["kvstore_tenant_prompt_tokens_total"] == [
-        f'kvstore_tenant_prompt_tokens_total{{tenant="acme"}} {result.prompt_tokens}']  # fmt: skip
-    assert metrics.ttft.lines("t")[-1] == "t_count 1"
+    value = metrics.registry.get_sample_value
+    assert value("kvstore_requests_total", {"outcome": "ok"}) == 1
+    assert value("kvstore_tenant_prompt_tokens_total", {"tenant": "acme"}) == result.prompt_tokens
+    assert value("kvstore_time_to_first_token_seconds_count") == 1
 
 
-# --- streaming, validation, metrics text ----------------------------------------------------
+# --- streaming, validation --------------------------------------------------------------------
 
 
 def stream_text(text: str, stop: tuple[str, ...], final: str) -> list[str]:
@@ -175,15 +174,6 @@ def test_unsupported_fields_are_400_naming_the_parameter():
         with pytest.raises(protocol.ApiError) as info:
             protocol.parse_body(protocol.CompletionRequest, body).single_prompt()
         assert (info.value.status, info.value.param) == (400, param)
-
-
-def test_histogram_buckets_are_cumulative():
-    hist = Histogram((0.01, 0.1, 1.0))
-    for value in (0.005, 0.05, 0.05, 5.0):
-        hist.observe(value)
-    assert hist.lines("h") == ['h_bucket{le="0.01"} 1', 'h_bucket{le="0.1"} 3',
-                               'h_bucket{le="1.0"} 3', 'h_bucket{le="+Inf"} 4',
-                               "h_sum 5.105", "h_count 4"]  # fmt: skip
 
 
 # --- the load generator's sessions ------------------------------------------------------------

@@ -1,0 +1,87 @@
+"""/metrics read with prometheus_client's own parser: exact values after known requests, on
+an in-process app with an LMDB tier (a second app on the same directory hits it)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from engine_helpers import BLOCK_SIZE, micro_cache_config, micro_model
+from prometheus_client.parser import text_string_to_metric_families
+from starlette.testclient import TestClient
+
+from engine.engine import Engine
+from engine.server.app import create_app
+from engine.server.config import ServerConfig
+from engine.server.metrics import LATENCY_BUCKETS_S
+
+PROMPTS = ["the prefix cache " * 4, "the prefix cache " * 4 + "and more", "other words " * 3]
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def serve(lmdb_dir: Path) -> TestClient:
+    engine = Engine(micro_model(seed=1), micro_cache_config(lmdb_dir=str(lmdb_dir)))
+    return TestClient(create_app(engine, ServerConfig(served_model_name="micro")))
+
+
+def complete(client: TestClient, prompt: str) -> dict:
+    response = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+    assert response.status_code == 200
+    return response.json()["usage"]
+
+
+def scrape(client: TestClient) -> Samples:
+    response = client.get("/metrics")
+    assert response.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+    families = text_string_to_metric_families(response.text)
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families for s in f.samples}
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples[(name, tuple(sorted(labels.items())))]
+
+
+def test_metrics_count_exactly_the_requests_sent(tmp_path):
+    with serve(tmp_path) as client:
+        usages = [complete(client, prompt) for prompt in [*PROMPTS, PROMPTS[0]]]
+        unknown = client.post("/v1/completions", json={"prompt": "x", "model": "nope"})
+        assert unknown.status_code == 404
+        samples = scrape(client)
+    n, cached = len(usages), sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
+    assert cached > 0
+    assert value(samples, "kvstore_requests_total", outcome="ok") == n
+    assert value(samples, "kvstore_requests_rejected_total", reason="not_found") == 1
+    assert value(samples, "kvstore_lookups_total") == n
+    assert value(samples, "kvstore_prefix_cache_hits_tokens_total", tier="device") == cached
+    assert value(samples, "kvstore_prefix_cache_hits_tokens_total", tier="lmdb") == 0
+    assert value(samples, "kvstore_tenant_cached_tokens_total", tenant="") == cached
+    prompt_tokens = sum(u["prompt_tokens"] for u in usages)
+    assert value(samples, "kvstore_prefix_cache_queries_tokens_total") == prompt_tokens
+    completion = sum(u["completion_tokens"] for u in usages)
+    assert value(samples, "kvstore_tenant_completion_tokens_total", tenant="") == completion
+    assert not [name for name, _ in samples if name.endswith("_created")]
+
+
+def test_latency_histograms_count_every_request_in_the_same_buckets(tmp_path):
+    with serve(tmp_path) as client:
+        for prompt in PROMPTS:
+            complete(client, prompt)
+        samples = scrape(client)
+    for name in ("kvstore_time_to_first_token_seconds", "kvstore_queue_wait_seconds"):
+        bounds = [float(dict(labels)["le"]) for n, labels in samples if n == name + "_bucket"]
+        assert bounds == [*LATENCY_BUCKETS_S, math.inf]
+        assert value(samples, name + "_count") == len(PROMPTS)
+        assert value(samples, name + "_bucket", le="+Inf") == len(PROMPTS)
+
+
+def test_hits_from_a_tier_are_counted_by_that_tier(tmp_path):
+    with serve(tmp_path) as first:
+        complete(first, PROMPTS[0])  # written through to LMDB; closing flushes it
+    with serve(tmp_path) as second:
+        cached = complete(second, PROMPTS[0])["prompt_tokens_details"]["cached_tokens"]
+        samples = scrape(second)
+    assert cached > 0
+    assert value(samples, "kvstore_prefix_cache_hits_tokens_total", tier="lmdb") == cached
+    assert value(samples, "kvstore_prefix_cache_hits_tokens_total", tier="device") == 0
+    assert value(samples, "kvstore_promoted_blocks_total") == cached // BLOCK_SIZE
+    assert value(samples, "kvstore_tenant_cached_tokens_total", tenant="") == cached
