@@ -22,7 +22,7 @@ from hashing import BlockHash, Namespace, as_token_array
 from kvstore.config import CacheConfig
 from kvstore.index import MatchResult, RadixIndex, TreeNode
 from kvstore.layout import LayerKV
-from kvstore.metrics import CacheMetrics
+from kvstore.metrics import DEVICE_TIER, CacheMetrics
 from kvstore.policies import make_policy
 from kvstore.pool import BlockPool, PoolExhausted
 from kvstore.scopes import Scope, Scopes
@@ -111,7 +111,7 @@ class PrefixCache:
             match = self.index.match_prefix(keys, tokens)
             self.index.lock(match.last_node)
         num_device = match.num_blocks * self.block_size
-        tier_tokens = {"device": num_device} if num_device else {}
+        tier_tokens = {DEVICE_TIER: num_device} if num_device else {}
         hit = CacheHit(len(tokens), num_device, match.block_ids, tier_tokens, match.last_node, keys)
         if self.tiers:
             self.tiers.on_hit(scope, keys, tokens, hit.block_ids)
