@@ -45,7 +45,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from bench.io_cases import (
+from bench.io.cases import (
     BATCH_BLOCKS,
     TARGET_RATIO,
     Batch,
