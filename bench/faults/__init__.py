@@ -20,13 +20,14 @@ from pathlib import Path
 
 import torch
 
-from bench.faults.common import SCALES, Context, FaultOutcome, RedisProcess, micro_model
+from bench.faults.common import SCALES, Context, FaultOutcome, micro_model
 from bench.faults.http import http_fuzz
 from bench.faults.outage import redis_outage
 from bench.faults.processes import concurrent_writers, killed_writers, leaks
 from bench.faults.storage import collisions, corruption, lmdb_full, redis_eviction
 from bench.faults.tenants import tenant_isolation
 from bench.faults.timing import timing_side_channel
+from bench.launch import RedisServer
 
 SCENARIOS: dict[str, Callable[[Context], FaultOutcome | None]] = {
     "corrupt-lmdb": lambda ctx: corruption(ctx, "lmdb"),
@@ -50,8 +51,7 @@ def run(scale: str, names: list[str] | None = None) -> list[FaultOutcome]:
     torch.manual_seed(0)
     torch.set_num_threads(1)  # a micro model: thread hand-offs cost more than they give
     with tempfile.TemporaryDirectory(prefix="bench-faults-") as tmp:
-        server = RedisProcess(Path(tmp))
-        server.start()
+        server = RedisServer(Path(tmp)).start()
         ctx = Context(micro_model(), server, Path(tmp), SCALES[scale])
         try:
             found = [SCENARIOS[name](ctx) for name in names or SCENARIOS]
