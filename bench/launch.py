@@ -1,25 +1,54 @@
-"""Servers as subprocesses on loopback, for benchmarks and tests: one launcher that starts a
-command in its own process group, waits until its /health answers 200 and stops the whole
-group (SIGTERM, then SIGKILL), whatever the command is (`kvstore serve`, `transformers serve`).
+"""Servers as subprocesses on loopback, for benchmarks and tests.
+
+- `free_port`: a free loopback port (and its cluster bus port, +10000, when asked).
+- `ServerProcess`: an HTTP server command (`kvstore serve`, `transformers serve`) in its own
+  process group, ready when its /health answers 200, stopped group-wide (SIGTERM, then SIGKILL).
+- `RedisServer`: a private redis-server (no persistence unless its arguments say otherwise),
+  ready when it answers PING; tests and fault scenarios may pause, SIGKILL and restart it on
+  the same port.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 import httpx
+import redis
 
-from bench.local_redis import free_port
-
-__all__ = ["ServerProcess", "free_port"]
+__all__ = ["RedisServer", "ServerProcess", "find_redis_server", "free_port"]
 
 READY_TIMEOUT_S = 90.0
 STOP_TIMEOUT_S = 20.0
+REDIS_READY_TIMEOUT_S = 15.0
+REDIS_STOP_TIMEOUT_S = 10.0
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def free_port(cluster_bus: bool = False) -> int:
+    """A free loopback port (and port + 10000 free too when `cluster_bus`)."""
+    for _ in range(200):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if not cluster_bus or (port + 10000 < 65536 and _port_free(port + 10000)):
+            return port
+    raise RuntimeError("no free port pair found for a cluster node")
 
 
 class ServerProcess:
@@ -97,3 +126,135 @@ class ServerProcess:
 def _signal_group(pgid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
+
+
+def find_redis_server(hint: str = "") -> str:
+    """The redis-server executable; SystemExit (its message ending in `hint`) if missing."""
+    path = shutil.which("redis-server")
+    if path is None:
+        raise SystemExit("redis-server is not installed" + hint)
+    return path
+
+
+class RedisServer:
+    """One private redis-server process on 127.0.0.1, its files and `redis.log` in `workdir`;
+    `url` connects to it. `extra_args` come last, so they override the defaults (no RDB
+    snapshots, no AOF), e.g. `"--maxmemory", "1mb"` or `"--requirepass", "pw"` (then pass
+    `password` so that `url` carries it). The port is chosen once: `restart` keeps it."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        *extra_args: str,
+        tls: dict[str, str] | None = None,
+        cluster: bool = False,
+        password: str | None = None,
+        username: str | None = None,
+        binary: str | None = None,
+    ):
+        self.workdir = workdir
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.binary = binary or find_redis_server()
+        self.port = free_port(cluster_bus=cluster)
+        self.extra_args, self.tls = extra_args, tls
+        self.username, self.password = username, password
+        self.log_path = workdir / "redis.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.paused = False
+
+    @property
+    def url(self) -> str:
+        auth = ""
+        if self.password is not None:
+            auth = f"{quote(self.username or '', safe='')}:{quote(self.password, safe='')}@"
+        if self.tls is None:
+            return f"redis://{auth}127.0.0.1:{self.port}/0"
+        return f"rediss://{auth}127.0.0.1:{self.port}/0?ssl_ca_certs={quote(self.tls['ca'])}"
+
+    def _args(self) -> list[str]:
+        args = [self.binary, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                "--dir", str(self.workdir), "--daemonize", "no"]  # fmt: skip
+        if self.tls is None:
+            args += ["--port", str(self.port)]
+        else:
+            args += ["--port", "0", "--tls-port", str(self.port),
+                     "--tls-cert-file", self.tls["cert"], "--tls-key-file", self.tls["key"],
+                     "--tls-ca-cert-file", self.tls["ca"], "--tls-auth-clients", "no"]  # fmt: skip
+        return args + list(self.extra_args)
+
+    def client(self, **kwargs: object) -> redis.Redis:
+        """A plain redis-py client for assertions and admin commands."""
+        return redis.Redis.from_url(self.url, socket_timeout=5, **kwargs)
+
+    def alive(self) -> bool:
+        return self._running() is not None
+
+    def _running(self) -> subprocess.Popen[bytes] | None:
+        proc = self.proc
+        return proc if proc is not None and proc.poll() is None else None
+
+    def start(self) -> RedisServer:
+        """Start and wait until it answers PING; RuntimeError with the log's tail if it exits
+        or does not answer within REDIS_READY_TIMEOUT_S (it is stopped then)."""
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(self._args(), stdout=log, stderr=subprocess.STDOUT)
+        self.paused = False
+        self._wait_ready()
+        return self
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + REDIS_READY_TIMEOUT_S
+        while time.monotonic() < deadline and self.alive():
+            with (
+                contextlib.suppress(redis.ConnectionError, redis.TimeoutError, OSError),
+                self.client(socket_connect_timeout=0.5) as c,
+            ):
+                if c.ping():
+                    return
+            time.sleep(0.02)
+        log = self.log_path.read_text(errors="replace")[-2000:]
+        self.stop()
+        raise RuntimeError(f"redis-server on port {self.port} did not start:\n{log}")
+
+    def pause(self) -> None:
+        """SIGSTOP: the socket still accepts connections, but nothing answers."""
+        if (proc := self._running()) is not None:
+            os.kill(proc.pid, signal.SIGSTOP)
+            self.paused = True
+
+    def resume(self) -> None:
+        """SIGCONT after `pause`."""
+        if (proc := self._running()) is not None:
+            os.kill(proc.pid, signal.SIGCONT)
+        self.paused = False
+
+    def kill(self) -> None:
+        """SIGKILL (it is gone until `restart`; without persistence its data is lost)."""
+        if (proc := self._running()) is not None:
+            self.resume()
+            proc.kill()
+            proc.wait()
+        self.paused = False
+
+    def restart(self) -> None:
+        """Kill (if running) and start again on the same port."""
+        self.kill()
+        self.start()
+
+    def stop(self, timeout_s: float = REDIS_STOP_TIMEOUT_S) -> None:
+        """SIGTERM, then SIGKILL after `timeout_s`."""
+        if (proc := self._running()) is None:
+            return
+        self.resume()
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

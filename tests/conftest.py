@@ -1,4 +1,5 @@
-"""Shared fixtures: private, real redis-server processes (single, cluster, TLS).
+"""Shared fixtures: private, real redis-server processes (single, cluster, TLS), each a
+`bench.launch.RedisServer` (the launcher the benchmarks use too).
 
 Without a `redis-server` binary these fixtures skip the test, unless KVSTORE_REQUIRE_REDIS=1,
 in which case they fail it (CI sets it so that Redis tests cannot silently vanish).
@@ -8,18 +9,15 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from urllib.parse import quote
 
 import pytest
 import redis
 
-READY_TIMEOUT_S = 15.0
+from bench.launch import REDIS_READY_TIMEOUT_S, RedisServer
 
 
 def skip_or_fail(message: str) -> None:
@@ -37,139 +35,14 @@ def require_binary(name: str) -> str:
     return path
 
 
-def _port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
-
-
-def free_port(cluster_bus: bool = False) -> int:
-    """A free loopback port (and port + 10000 free too when `cluster_bus`)."""
-    for _ in range(200):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if not cluster_bus or (port + 10000 < 65536 and _port_free(port + 10000)):
-            return port
-    raise RuntimeError("no free port pair found for a cluster node")
-
-
-class RedisServer:
-    """One private redis-server process on 127.0.0.1. `url` connects to it."""
-
-    def __init__(
-        self,
-        workdir: Path,
-        *extra_args: str,
-        tls: dict[str, str] | None = None,
-        cluster: bool = False,
-        password: str | None = None,
-        username: str | None = None,
-    ):
-        self.workdir = workdir
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self.port = free_port(cluster_bus=cluster)
-        self.extra_args = extra_args
-        self.tls = tls
-        self.username, self.password = username, password
-        self.log_path = workdir / "redis.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.paused = False
-
-    @property
-    def url(self) -> str:
-        auth = ""
-        if self.password is not None:
-            auth = f"{quote(self.username or '', safe='')}:{quote(self.password, safe='')}@"
-        if self.tls is None:
-            return f"redis://{auth}127.0.0.1:{self.port}/0"
-        return f"rediss://{auth}127.0.0.1:{self.port}/0?ssl_ca_certs={quote(self.tls['ca'])}"
-
-    def _args(self) -> list[str]:
-        args = [require_binary("redis-server"), "--bind", "127.0.0.1", "--save", "",
-                "--appendonly", "no", "--dir", str(self.workdir), "--daemonize", "no"]  # fmt: skip
-        if self.tls is None:
-            args += ["--port", str(self.port)]
-        else:
-            args += ["--port", "0", "--tls-port", str(self.port),
-                     "--tls-cert-file", self.tls["cert"], "--tls-key-file", self.tls["key"],
-                     "--tls-ca-cert-file", self.tls["ca"], "--tls-auth-clients", "no"]  # fmt: skip
-        return args + list(self.extra_args)
-
-    def client(self, **kwargs: object) -> redis.Redis:
-        """A plain redis-py client for test assertions and admin commands."""
-        return redis.Redis.from_url(self.url, socket_timeout=5, **kwargs)
-
-    def start(self) -> RedisServer:
-        with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(self._args(), stdout=log, stderr=subprocess.STDOUT)
-        self.paused = False
-        self._wait_ready()
-        return self
-
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc is None or self.proc.poll() is not None:
-                break
-            try:
-                with self.client(socket_connect_timeout=0.5) as c:
-                    if c.ping():
-                        return
-            except (redis.ConnectionError, redis.TimeoutError, OSError):
-                time.sleep(0.02)
-        log = self.log_path.read_text(errors="replace")[-2000:]
-        self.stop()
-        raise RuntimeError(f"redis-server on port {self.port} did not start:\n{log}")
-
-    def kill(self) -> None:
-        """SIGKILL the server (it is gone until `restart`)."""
-        if self.proc is not None and self.proc.poll() is None:
-            if self.paused:
-                os.kill(self.proc.pid, signal.SIGCONT)
-            self.proc.kill()
-            self.proc.wait()
-        self.paused = False
-
-    def restart(self) -> None:
-        """Kill (if running) and start again on the same port, empty."""
-        self.kill()
-        self.start()
-
-    def pause(self) -> None:
-        """SIGSTOP: the socket still accepts connections, but nothing answers."""
-        assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGSTOP)
-        self.paused = True
-
-    def resume(self) -> None:
-        assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGCONT)
-        self.paused = False
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        if self.paused:
-            self.resume()
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
 @pytest.fixture
 def redis_server_factory(tmp_path: Path) -> Iterator[Callable[..., RedisServer]]:
     """Start extra private servers: `factory("--maxmemory", "1mb", password="pw")`."""
     servers: list[RedisServer] = []
 
     def start(*extra_args: str, **kwargs: object) -> RedisServer:
-        server = RedisServer(tmp_path / f"redis-{len(servers)}", *extra_args, **kwargs)
+        workdir, binary = tmp_path / f"redis-{len(servers)}", require_binary("redis-server")
+        server = RedisServer(workdir, *extra_args, binary=binary, **kwargs)
         servers.append(server)
         return server.start()
 
@@ -203,7 +76,7 @@ class RedisClusterNodes:
 
 
 def _wait_cluster_ok(nodes: list[RedisServer]) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT_S
+    deadline = time.monotonic() + REDIS_READY_TIMEOUT_S
     while time.monotonic() < deadline:
         states = []
         for node in nodes:
@@ -218,13 +91,13 @@ def _wait_cluster_ok(nodes: list[RedisServer]) -> None:
 @pytest.fixture(scope="session")
 def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterNodes]:
     """A 3-master Redis Cluster, shared by the session: use distinct key namespaces."""
-    cli = require_binary("redis-cli")
+    cli, binary = require_binary("redis-cli"), require_binary("redis-server")
     base = tmp_path_factory.mktemp("redis-cluster")
     nodes = []
     for i in range(3):
         conf = f"nodes-{i}.conf"
         args = ("--cluster-enabled", "yes", "--cluster-config-file", conf)
-        nodes.append(RedisServer(base / f"node-{i}", *args, cluster=True))
+        nodes.append(RedisServer(base / f"node-{i}", *args, cluster=True, binary=binary))
     try:
         for node in nodes:
             node.start()
@@ -261,9 +134,9 @@ def _make_certs(directory: Path) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def redis_tls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     """A TLS-only redis-server (port 0, tls-port); `.url` is rediss://...?ssl_ca_certs=<CA>."""
-    require_binary("redis-server")
+    binary = require_binary("redis-server")
     base = tmp_path_factory.mktemp("redis-tls")
-    server = RedisServer(base / "server", tls=_make_certs(base))
+    server = RedisServer(base / "server", tls=_make_certs(base), binary=binary)
     try:
         server.start()
     except RuntimeError as e:

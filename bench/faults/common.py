@@ -1,25 +1,22 @@
 """The shared parts of the fault scenarios: the micro model, the no-cache reference
-check, request helpers, client threads and a private redis-server the scenarios may kill."""
+check, request helpers and client threads; the private redis-server the scenarios may pause,
+kill and restart is a `bench.launch.RedisServer`."""
 
 from __future__ import annotations
 
-import os
 import random
-import shutil
-import signal
-import subprocess
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 import numpy as np
 import redis
 from transformers import LlamaConfig
 
-from bench.local_redis import free_port, wait_ready
+from bench.launch import RedisServer
 from engine.contract import greedy_matches_reference
 from engine.engine import Engine, GenerateResult, SamplingParams
 from engine.model import BYTE_VOCAB_SIZE, LoadedModel, byte_tokenizer, random_model, wrap_model
@@ -64,20 +61,9 @@ class FaultOutcome:
     figures: dict[str, float] = field(default_factory=dict)  # scenario-specific counts
 
 
-class RedisControl(Protocol):
-    """A private redis-server the scenarios may kill, pause and restart."""
-
-    url: str
-
-    def kill(self) -> None: ...
-    def restart(self) -> None: ...
-    def pause(self) -> None: ...
-    def resume(self) -> None: ...
-
-
 class Context(NamedTuple):
     model: LoadedModel
-    redis: RedisControl
+    redis: RedisServer  # private: the scenarios may pause, kill and restart it
     workdir: Path
     scale: Scale
 
@@ -186,43 +172,3 @@ def wait_for(condition: Callable[[], bool], timeout_s: float) -> bool:
             return True
         time.sleep(0.02)
     return condition()
-
-
-class RedisProcess:
-    """A private redis-server on a free loopback port, no persistence."""
-
-    def __init__(self, workdir: Path):
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise SystemExit("redis-server is not installed")
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self._args = [binary, "--bind", "127.0.0.1", "--port", str(self.port),
-                      "--dir", str(workdir), "--save", "", "--appendonly", "no"]  # fmt: skip
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            self._args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
-        wait_ready(self.url, self.proc)
-
-    def _signal(self, sig: int) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, sig)
-
-    def pause(self) -> None:
-        self._signal(signal.SIGSTOP)
-
-    def resume(self) -> None:
-        self._signal(signal.SIGCONT)
-
-    def kill(self) -> None:
-        self.resume()
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-    def restart(self) -> None:
-        self.kill()
-        self.start()

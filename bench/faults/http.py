@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from bench.faults.common import Context, FaultOutcome, wait_for
-from bench.local_redis import free_port
+from bench.launch import free_port
 from engine.server.protocol import ChatMessage, ChatRequest, CompletionRequest, StreamOptions
 
 MODEL, KEYS, KEY = "micro", {"sk-fuzz-a": "a", "sk-fuzz-b": "b"}, "sk-fuzz-a"

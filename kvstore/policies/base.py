@@ -1,5 +1,5 @@
 """The eviction-policy interface: the `Policy` ABC every policy implements, and the error its
-integrity checks raise. Policies live in `kvstore.policies` (and `kvstore.policy_*` modules), which
+integrity checks raise. The policies live beside it (`heap`, `fifo`, `lhd`); the package
 registers them by name."""
 
 from __future__ import annotations

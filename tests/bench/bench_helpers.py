@@ -7,7 +7,7 @@ import itertools
 
 from hypothesis import strategies as st
 
-from bench.offline import NEVER
+from bench.hitrate.offline import NEVER
 from bench.traces import BlockTrace, from_chains
 
 

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bench.hitrate import main, parse_capacities, replay
-from bench.offline import infinite_hits, offline_leaf_hits, upper_bound_hits
+from bench.hitrate.offline import infinite_hits, offline_leaf_hits, upper_bound_hits
 from bench.traces import BlockTrace, from_chains
 from kvstore.policies import POLICIES
 

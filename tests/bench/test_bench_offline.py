@@ -9,7 +9,13 @@ from bench_helpers import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bench.offline import NEVER, infinite_hits, next_use, offline_leaf_hits, upper_bound_hits
+from bench.hitrate.offline import (
+    NEVER,
+    infinite_hits,
+    next_use,
+    offline_leaf_hits,
+    upper_bound_hits,
+)
 from bench.traces import from_chains
 
 

@@ -6,8 +6,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from bench.faults.common import Context, FaultOutcome, RedisProcess, Scale, micro_model
+from bench.faults.common import Context, FaultOutcome, Scale, micro_model
 from bench.faults.timing import LENGTH, auc, timing_side_channel
+from bench.launch import RedisServer
 
 pytestmark = [pytest.mark.reliability, pytest.mark.integration]
 
@@ -31,8 +32,7 @@ MIN_UNSALTED_AUC = 0.9  # device-pool hits; the spill tiers' AUCs are reported b
 def timing(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultOutcome]:
     torch.set_num_threads(1)  # as the bench does: a micro model runs faster on one thread
     workdir = tmp_path_factory.mktemp("timing")
-    server = RedisProcess(workdir)
-    server.start()
+    server = RedisServer(workdir).start()
     try:
         yield timing_side_channel(Context(micro_model(), server, workdir, CI))
     finally:

@@ -10,7 +10,7 @@ from typing import NamedTuple
 import torch
 from transformers import DynamicCache
 
-from bench.ttft_point import FirstTokenClock
+from bench.ttft.point import FirstTokenClock
 from engine.sequential import forward_on
 
 

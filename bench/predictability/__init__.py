@@ -40,7 +40,7 @@ import numpy as np
 from tqdm import tqdm
 
 from bench.hitrate import add_workload_arguments, parse_workload, replay
-from bench.offline import offline_leaf_hits
+from bench.hitrate.offline import offline_leaf_hits
 from bench.traces import BlockTrace
 from kvstore.index import RadixIndex
 from kvstore.policies import LRUPolicy

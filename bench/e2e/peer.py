@@ -1,5 +1,5 @@
 """The peer of `bench e2e`: transformers' continuous batching with block sharing, in its two
-modes (bench/cb_peer.py runs one), each run on a fresh manager; see bench/e2e.py."""
+modes (bench/cb_peer.py runs one), each run on a fresh manager; see bench/e2e/__init__.py."""
 
 from __future__ import annotations
 

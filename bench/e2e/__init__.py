@@ -7,7 +7,7 @@ Each workload (bench/workloads.py, scaled down) runs three ways in the same proc
 - peer: transformers continuous batching (CB) with block sharing
   (`ContinuousBatchingConfig(allow_block_sharing=True)`), in two modes, each on a fresh
   manager that first serves, outside timing, a warm-up of the same shape as the workload but
-  unrelated tokens (bench/e2e_peer.py runs the modes, bench/cb_peer.py one run):
+  unrelated tokens (bench/e2e/peer.py runs the modes, bench/cb_peer.py one run):
   - batch: every prompt in one `generate_batch` call on a persistent manager (CB's natural
     mode, best batching; the call's manager start and stop are timed);
   - serving: one long-lived running manager fed as a server would be, one `add_request` at a
@@ -82,7 +82,7 @@ from typing import NamedTuple
 
 import torch
 
-from bench.e2e_paths import (
+from bench.e2e.paths import (
     RunResult,
     run_engine_nocache,
     run_free_prefix,
@@ -90,7 +90,7 @@ from bench.e2e_paths import (
     run_nocache,
     run_prefixes,
 )
-from bench.e2e_peer import PEER_NAME, peer_cells, peer_errors, run_peer
+from bench.e2e.peer import PEER_NAME, peer_cells, peer_errors, run_peer
 from engine.contract import count_meeting_contract
 
 # row name -> (bench/workloads.py generator, its parameters)

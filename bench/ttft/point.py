@@ -1,5 +1,5 @@
 """One TTFT point of `bench ttft`: a prompt, a cached prefix in one tier, and the three
-variants (no cache, ideal, kvstore) timed in interleaved rounds (see bench/ttft.py)."""
+variants (no cache, ideal, kvstore) timed in interleaved rounds (see bench/ttft/__init__.py)."""
 
 from __future__ import annotations
 

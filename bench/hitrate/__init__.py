@@ -12,9 +12,10 @@ compares ids exactly as it compares token ids. Per request: match the longest ca
 blocks need beyond the free ones (the policy chooses), insert them (as many as fit), unlock.
 Token hits are block hits times the trace's tokens per block.
 
-Each capacity also gets the offline figures of `bench.offline`: `optimal_block_hit_rate` (a
-true upper bound for any prefix cache of that capacity) and `offline_block_hit_rate` (Belady
-on the radix tree's leaves, an achievable reference), and each policy its ratio to both.
+Each capacity also gets the offline figures of `bench.hitrate.offline`:
+`optimal_block_hit_rate` (a true upper bound for any prefix cache of that capacity) and
+`offline_block_hit_rate` (Belady on the radix tree's leaves, an achievable reference), and each
+policy its ratio to both.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from tqdm import tqdm
 
-from bench.offline import infinite_hits, offline_leaf_hits, upper_bound_hits
+from bench.hitrate.offline import infinite_hits, offline_leaf_hits, upper_bound_hits
 from bench.traces import BlockTrace, TraceError, from_token_requests, load_trace
 from bench.workloads import WORKLOADS, WorkloadError, make_workload
 from kvstore.index import RadixIndex

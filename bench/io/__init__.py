@@ -39,13 +39,15 @@ import contextlib
 import ctypes
 import glob
 import json
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from bench.io_cases import (
+from bench.io.cases import (
     BATCH_BLOCKS,
     TARGET_RATIO,
     Batch,
@@ -54,7 +56,7 @@ from bench.io_cases import (
     memory_cases,
     redis_cases,
 )
-from bench.local_redis import private_redis
+from bench.launch import RedisServer, find_redis_server
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 
@@ -106,10 +108,18 @@ def measure(cases: list[Case], rounds: int, warmup: int = 1) -> None:
                     case.base_times.clear()
 
 
+def private_redis(stack: contextlib.ExitStack) -> str:
+    """The URL of a redis-server on a free loopback port, without persistence, in a temporary
+    directory; `stack` stops it and removes the directory."""
+    binary = find_redis_server(": install it or pass --redis-url")
+    workdir = stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-io-redis-"))
+    return stack.enter_context(RedisServer(Path(workdir), binary=binary)).url
+
+
 def run(redis_url: str | None, rounds: int, chunk_blocks: int = 1, cold: bool = True) -> dict:
     batch = Batch(chunk_blocks)
     with contextlib.ExitStack() as stack:
-        url = redis_url or stack.enter_context(private_redis())
+        url = redis_url or private_redis(stack)
         cases = memory_cases(batch, stack) + lmdb_cases(batch, stack)
         cases += redis_cases(batch, url, stack)
         if cold:

@@ -51,7 +51,7 @@ from typing import NamedTuple
 import torch
 
 from bench.cb_peer import PrefixMatchCounter, cb_config, counting_prefix_matches, greedy_config
-from bench.ttft_point import TIERS, FirstTokenClock, full_kv, measure_point, print_table
+from bench.ttft.point import TIERS, FirstTokenClock, full_kv, measure_point, print_table
 
 CB_NAME = "transformers CB, block sharing"
 SEED_NEW_TOKENS = 2  # a request must outlive its prefill step for its blocks to become shareable

@@ -11,7 +11,7 @@ of the per-round kvstore/ideal ratios (the two run back to back, so load from ot
 processes on the machine cancels). The pinned `tiny` model in fp32.
 
 `--sweep` measures a grid of prompt lengths x cached fractions, with HF `generate` and
-transformers continuous batching as peers, and plots it: see `bench.ttft_sweep`.
+transformers continuous batching as peers, and plots it: see `bench.ttft.sweep`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import random
 
 import torch
 
-from bench.ttft_point import TIERS, full_kv, measure_point, print_table
+from bench.ttft.point import TIERS, full_kv, measure_point, print_table
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -43,7 +43,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="sweep: directory for ttft_sweep.png")
     args = p.parse_args(argv)
     if args.sweep:
-        from bench.ttft_sweep import sweep_args
+        from bench.ttft.sweep import sweep_args
 
         return sweep_args(p, args)
     args.runs = 9 if args.runs is None else args.runs
@@ -69,7 +69,7 @@ def main(argv: list[str], model=None) -> int:
     hf_logging.disable_progress_bar()
     lm = model or load_model("tiny", "float32", "cpu")
     if args.sweep:
-        from bench.ttft_sweep import run_sweep
+        from bench.ttft.sweep import run_sweep
 
         return run_sweep(lm, args)
     rng = random.Random(0)
