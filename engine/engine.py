@@ -181,8 +181,8 @@ class Engine:
         with self._cond:
             dropped = self.scheduler.waiting.remove(request)
             self._cond.notify()
-        if dropped and request.future.cancel() and request.on_done is not None:
-            request.on_done(request, None)
+        if dropped and request.future.cancel():
+            self._done(request, None)
 
     def queue_stats(self) -> QueueStats:
         return self.scheduler.stats()
@@ -331,18 +331,25 @@ class Engine:
             request.cached_by_tier,
             request.scheduled - request.arrival,
         )
+        self._done(request, result)
         request.future.set_result(result)
+
+    def _done(self, request: Request, result: GenerateResult | None) -> None:
+        """The request's `on_done` (its metrics), before its future resolves: whoever sees the
+        result also sees it counted. A failing callback is logged, never kept from the caller."""
         if request.on_done is not None:
-            request.on_done(request, result)
+            try:
+                request.on_done(request, result)
+            except Exception:
+                log.exception("on_done of a request failed")
 
     def _fail(self, request: Request, error: BaseException) -> None:
         """End a request with `error` (waiting or running)."""
         self.scheduler.finish(request)
         future = request.future
+        self._done(request, None)
         if not future.done() and (future.running() or future.set_running_or_notify_cancel()):
             future.set_exception(error)
-        if request.on_done is not None:
-            request.on_done(request, None)
 
     def _step_sequential(self) -> None:
         """The fallback: the next fair request runs alone, start to finish."""
@@ -363,9 +370,8 @@ class Engine:
         except BaseException as e:
             self._fail(request, e)
             return
+        self._done(request, result)
         request.future.set_result(result._replace(queue_s=request.scheduled - request.arrival))
-        if request.on_done is not None:
-            request.on_done(request, result)
 
     # --- lifecycle ----------------------------------------------------------------------------
 

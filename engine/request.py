@@ -154,7 +154,8 @@ class Request:
     sampler: Sampler | None = None
     state: Any = None  # the engine's per-request state while admitted
     block_keys: Any = None  # the scheduler's note of its block keys while waiting
-    on_done: Callable[[Request, GenerateResult | None], None] | None = None  # after the future
+    # called before the future resolves (the server's metrics of the request)
+    on_done: Callable[[Request, GenerateResult | None], None] | None = None
 
     @property
     def num_tokens(self) -> int:
