@@ -31,6 +31,7 @@ from tqdm import tqdm
 from bench.offline import infinite_hits, offline_leaf_hits, upper_bound_hits
 from bench.traces import BlockTrace, TraceError, from_token_requests, load_trace
 from bench.workloads import WORKLOADS, WorkloadError, make_workload
+from engine.extras import require
 from kvstore.index import RadixIndex
 from kvstore.policy import POLICIES, make_policy
 from kvstore.policy_base import Policy
@@ -378,6 +379,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.out is not None:  # before any work: no partial --out
+        require("matplotlib", needed_by="--out")
     trace, capacities = parse_workload(parser, args)
     try:
         policies = parse_policies(args.policy)

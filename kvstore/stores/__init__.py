@@ -9,6 +9,7 @@ from kvstore.config import CacheConfig
 from kvstore.stores.base import SpillStore, StoreStats
 from kvstore.stores.breaker import CircuitBreaker
 from kvstore.stores.lmdb import LmdbStore
+from kvstore.stores.lmdb_env import prepare_dir
 from kvstore.stores.memory import MemoryStore
 from kvstore.stores.redis import RedisStore
 
@@ -19,6 +20,7 @@ __all__ = [
     "RedisStore",
     "SpillStore",
     "StoreStats",
+    "check_local_tiers",
     "make_stores",
 ]
 
@@ -50,3 +52,10 @@ def make_stores(config: CacheConfig, namespace: Namespace | str) -> list[SpillSt
             )
         )
     return stores
+
+
+def check_local_tiers(config: CacheConfig) -> None:
+    """`ConfigError` now, before a caller loads a model, for a local tier setting the stores
+    would refuse: the LMDB directory must be, or become, a writable directory."""
+    if config.lmdb_dir is not None:
+        prepare_dir(os.path.realpath(os.path.expanduser(config.lmdb_dir)))

@@ -143,7 +143,7 @@ def test_a_directory_without_tokenizer_files_names_them_before_reading_weights(
 
 
 def test_an_empty_directory_is_not_a_model_directory(tmp_path: Path) -> None:
-    with pytest.raises(ModelLoadError, match="it has no config.json"):
+    with pytest.raises(ModelLoadError, match=r"it has no config\.json"):
         load_model(str(tmp_path))
 
 
