@@ -21,6 +21,7 @@ fit is dropped and counted.
 from __future__ import annotations
 
 import atexit
+import logging
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -43,6 +44,7 @@ from kvstore.template import EntryTemplate
 from kvstore.writer import PendingWrite, Scope, TierWriter
 
 MAX_SCOPES = 4096  # namespaces (tenant salts) whose entry templates are kept
+log = logging.getLogger("kvstore.tiers")
 
 
 class Segment(NamedTuple):
@@ -89,6 +91,7 @@ class Tiers:
         self._hits: OrderedDict[bytes, int] = OrderedDict()  # selective write-through counts
         self.writer = TierWriter(self.stores, config.codec, config.write_queue_blocks, metrics)
         _flush_at_exit(self)
+        warn_unreachable(self.stores)
 
     def __bool__(self) -> bool:
         return bool(self.stores)
@@ -297,6 +300,20 @@ class Tiers:
         self.writer.close(self.config.flush_timeout_s)
         for store in self.stores:
             store.close()
+
+
+def warn_unreachable(stores: Sequence[SpillStore]) -> None:
+    """A warning for each store that cannot be reached now: the cache still serves, but
+    everything it would have read from that tier is recomputed."""
+    for store in stores:
+        reason = store.probe()
+        if reason is not None:
+            log.warning(
+                "%s tier unreachable at start (%s): lookups miss it and writes to it are "
+                "dropped until it answers",
+                store.name,
+                reason,
+            )
 
 
 def _flush_at_exit(tiers: Tiers) -> None:

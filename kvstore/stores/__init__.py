@@ -41,7 +41,9 @@ def make_stores(config: CacheConfig, namespace: Namespace | str) -> list[SpillSt
         path = os.path.expanduser(config.lmdb_dir)
         stores.append(LmdbStore(path, map_size, namespace_id=bytes.fromhex(namespace_id)))
     if config.redis_url is not None:
-        breaker = CircuitBreaker(config.breaker_failures, config.breaker_cooldown_s)
+        breaker = CircuitBreaker(
+            config.breaker_failures, config.breaker_cooldown_s, name=RedisStore.name
+        )
         stores.append(
             RedisStore(
                 config.redis_url,
