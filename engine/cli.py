@@ -41,12 +41,17 @@ def _generate_arguments(parser: argparse.ArgumentParser) -> None:
     prompt.add_argument("--prompt", help="prompt text (tokenized by the model's tokenizer)")
     prompt.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 1,2,3")
     add_model_arguments(parser)
-    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=16,
+        help="most tokens to generate (fewer if EOS or a stop string comes first)",
+    )
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    parser.add_argument("--seed", type=int, default=None, help="sampling seed (reproducible)")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--ignore-eos", action="store_true", help="generate past EOS")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     add_cache_arguments(parser)
 
@@ -61,7 +66,12 @@ def _parse_ids(text: str) -> list[int]:
         raise InvalidRequestError(msg) from None
 
 
-@command("generate", "generate from one prompt", _generate_arguments, requires=ENGINE_MODULES)
+@command(
+    "generate",
+    "generate from one prompt (the default model, tiny, has random weights: its text is noise)",
+    _generate_arguments,
+    requires=ENGINE_MODULES,
+)
 def run_generate(args: argparse.Namespace) -> int:
     from engine.engine import SamplingParams
 
@@ -93,7 +103,21 @@ def run_generate(args: argparse.Namespace) -> int:
             f"[{result.prompt_tokens} prompt tokens, {result.cached_tokens} cached, "
             f"{len(result.output_token_ids)} generated, ttft {result.ttft_s * 1e3:.1f} ms]"
         )
+        short = _short_prompt_note(result.prompt_tokens, engine.cache_config.block_size)
+        if short is not None:
+            print(short)
     return 0
+
+
+def _short_prompt_note(prompt_tokens: int, block_size: int) -> str | None:
+    """Why a repeat of a prompt shorter than one block can never hit the cache."""
+    if prompt_tokens >= block_size:
+        return None
+    return (
+        f"note: the prompt has {prompt_tokens} tokens, fewer than one cache block "
+        f"({block_size}): a repeat of it cannot hit the cache, since hits are whole blocks "
+        "(--block-size sets their size)"
+    )
 
 
 # --- demo -----------------------------------------------------------------------------------
@@ -101,23 +125,30 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def _demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument(
+        "--max-tokens", type=int, default=16, help="tokens each demo request generates"
+    )
     add_cache_arguments(parser)
 
 
 @command(
     "demo",
-    "tiny model: a 4-turn chat and 8 prompts sharing a system prompt",
+    "tiny model (random weights: its text is noise): a 4-turn chat and 8 prompts sharing a "
+    "system prompt, each checked against a no-cache run",
     _demo_arguments,
     requires=ENGINE_MODULES,
 )
 def run_demo(args: argparse.Namespace) -> int:
-    from engine.demo import print_demo_table, run_demo_requests
+    from tqdm import tqdm
+
+    from engine.demo import demo_header, num_requests, print_demo_table, run_demo_requests
 
     start = time.perf_counter()
     config = cache_config_from_args(args, device_blocks=2048)
-    check_cache_config(config)
-    rows = run_demo_requests(args.max_tokens, config)
+    device = check_cache_config(config)
+    print(f"kvstore demo: {demo_header(config, device)}", file=sys.stderr)
+    with tqdm(total=num_requests(config), desc="requests", unit="req", file=sys.stderr) as bar:
+        rows = run_demo_requests(args.max_tokens, config, device, on_row=lambda _: bar.update())
     report = {
         "requests": rows,
         "all_identical": all(r["identical"] for r in rows),
@@ -126,7 +157,7 @@ def run_demo(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report))
     else:
-        print_demo_table(report, config)
+        print_demo_table(report, config, device)
     return 0 if report["all_identical"] else 1
 
 

@@ -50,7 +50,11 @@ cache_config_from_args = config_from_args
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="tiny", help="'tiny' or a local model directory")
+    parser.add_argument(
+        "--model",
+        default="tiny",
+        help="'tiny' (built in, random weights: its text is noise) or a local model directory",
+    )
     parser.add_argument("--dtype", default="float32", help="float32, float16 or bfloat16")
     parser.add_argument(
         "--model-revision",
