@@ -1,6 +1,5 @@
 """Run `python -m <module> ...` (the kvstore CLI, the benchmarks) as a subprocess, optionally
-as if some installed modules were not: an import hook in the child refuses them, the way a
-missing extra does."""
+as if some installed modules were not, the way a missing extra leaves them."""
 
 from __future__ import annotations
 
@@ -8,22 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-# The child: refuse imports of the modules named in argv[1] (comma-separated), then run
-# argv[2] as `python -m`, with the remaining arguments.
+# The child: the modules named in argv[1] (comma-separated) read as not installed (None in
+# sys.modules: `import` raises ModuleNotFoundError, importlib.util.find_spec answers None),
+# then argv[2] runs as `python -m`, with the remaining arguments.
 _RUN_BLOCKED = """
-import importlib.abc, runpy, sys
+import runpy, sys
 
-blocked = set(filter(None, sys.argv[1].split(",")))
-
-
-class Blocked(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.partition(".")[0] in blocked:
-            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-        return None
-
-
-sys.meta_path.insert(0, Blocked())
+for name in filter(None, sys.argv[1].split(",")):
+    sys.modules[name] = None
 sys.argv = sys.argv[2:]
 runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
 """

@@ -31,6 +31,14 @@ def test_an_lmdb_dir_that_cannot_be_created(tmp_path: Path) -> None:
     assert line == f"lmdb_dir: cannot create {bad} (Not a directory); give a writable directory"
 
 
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_an_lmdb_dir_under_proc() -> None:
+    line = only_error_line(kvstore(*PROMPT, "--lmdb-dir", "/proc/x"), "kvstore generate")
+    assert line == (
+        "lmdb_dir: cannot create /proc/x (No such file or directory); give a writable directory"
+    )
+
+
 def test_stats_with_an_lmdb_dir_naming_a_file(tmp_path: Path) -> None:
     file = tmp_path / "kv"
     file.write_text("")
@@ -77,6 +85,15 @@ def test_serve_without_the_serve_extra_names_it() -> None:
     assert only_error_line(proc, "kvstore serve") == (
         "module 'fastapi' is not installed; install the 'serve' extra: pip install -e '.[serve]'"
     )
+
+
+def test_the_quickstart_install_is_enough_for_generate() -> None:
+    # pip install -e '.[engine]': none of the other extras' own modules (httpx comes with
+    # transformers, through huggingface_hub)
+    others = ("fastapi", "uvicorn", "matplotlib", "hypothesis", "accelerate")
+    proc = kvstore(*PROMPT, "--ignore-eos", "--json", blocked=others)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(json.loads(proc.stdout)["output_token_ids"]) == 2
 
 
 def test_generate_without_the_engine_extra_names_it() -> None:
