@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from engine.extras import as_missing_extra
+
 BENCHMARKS = {
     "codecs": "tier payload codecs: stored size, encode/decode speed, logit change (tiny model)",
     "hitrate": "block and token hit rate per eviction policy vs Belady bounds, per capacity",
@@ -26,8 +28,15 @@ def main(argv: list[str] | None = None) -> int:
         for name, text in BENCHMARKS.items():
             print(f"  {name:8s} {text}")
         return 0 if argv and argv[0] in ("-h", "--help") else 2
-    module = importlib.import_module(f"bench.{argv[0]}")
-    return int(module.main(argv[1:]) or 0)
+    try:
+        module = importlib.import_module(f"bench.{argv[0]}")
+        return int(module.main(argv[1:]) or 0)
+    except ImportError as e:  # an extra that is not installed: one line saying which
+        missing = as_missing_extra(e)
+        if missing is None:
+            raise
+        print(f"python -m bench {argv[0]}: error: {missing}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

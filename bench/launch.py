@@ -151,8 +151,11 @@ class RedisServer:
         password: str | None = None,
         username: str | None = None,
         binary: str | None = None,
+        config_file: Path | None = None,
     ):
+        """`config_file` is read first (redis-server's own order); `extra_args` override it."""
         self.workdir = workdir
+        self.config_file = config_file
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.binary = binary or find_redis_server()
         self.port = free_port(cluster_bus=cluster)
@@ -172,7 +175,8 @@ class RedisServer:
         return f"rediss://{auth}127.0.0.1:{self.port}/0?ssl_ca_certs={quote(self.tls['ca'])}"
 
     def _args(self) -> list[str]:
-        args = [self.binary, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+        conf = [] if self.config_file is None else [str(self.config_file)]
+        args = [self.binary, *conf, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                 "--dir", str(self.workdir), "--daemonize", "no"]  # fmt: skip
         if self.tls is None:
             args += ["--port", str(self.port)]

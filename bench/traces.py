@@ -11,7 +11,7 @@ Token format (one request a line; the block size is chosen when reading):
 
 Both become a `BlockTrace`: every request as the chain of its cacheable blocks, renamed to
 dense ids 0..U-1. A request's cacheable blocks are the full blocks of its first L-1 tokens
-(the last prompt token is always computed, so no hit can cover it; see the design contract);
+(the last prompt token is always computed, so no hit can cover it: docs/ARCHITECTURE.md);
 a request looks up and inserts exactly those.
 """
 

@@ -19,6 +19,8 @@ from engine.commands import (
 from kvstore.config import CacheConfig, ConfigError
 from kvstore.stores import SpillStore, make_stores
 
+TIER_FIELDS = ("entries", "bytes", "capacity_bytes")  # what `stats` reports of each tier
+
 
 def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--namespace", default=None, help="namespace id (skips loading a model)")
@@ -49,14 +51,36 @@ def _open(args: argparse.Namespace) -> tuple[str, list[SpillStore]]:
 
 
 def _tier_stats(store: SpillStore) -> dict:
+    """What the tier holds and whether it answers now. Hit, write and error counters are kept
+    per process: a running server's are on its /metrics, this process's would all be 0."""
+    error = store.probe()
     stats = asdict(store.stats())
+    report = {name: stats[name] for name in TIER_FIELDS}
     count = getattr(store, "count_entries", None)
-    if stats["entries"] is None and count is not None:
-        stats["entries"] = count()
-    return stats
+    if error is None and report["entries"] is None and count is not None:
+        report["entries"] = count()
+    return {**report, "reachable": error is None, "error": error}
 
 
-@command("stats", "entries, bytes, hits, failures and breaker state of each spill tier", _arguments)
+def _print_table(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"kvstore shared tiers, namespace {report['namespace']}")
+    for col in ("tier", "reachable", *TIER_FIELDS, "error"):
+        table.add_column(col, justify="left" if col in ("tier", "error") else "right")
+    for name, tier in report["tiers"].items():
+        sizes = ("-" if tier[c] is None else str(tier[c]) for c in TIER_FIELDS)
+        reachable = "yes" if tier["reachable"] else "NO"
+        table.add_row(name, reachable, *sizes, tier["error"] or "")
+    Console(width=160).print(table)
+
+
+@command(
+    "stats",
+    "entries and bytes of each spill tier, and whether it answers (exit 1 if one does not)",
+    _arguments,
+)
 def run_stats(args: argparse.Namespace) -> int:
     ns_id, stores = _open(args)
     report = {"namespace": ns_id, "tiers": {s.name: _tier_stats(s) for s in stores}}
@@ -64,30 +88,26 @@ def run_stats(args: argparse.Namespace) -> int:
         store.close()
     if args.json:
         print(json.dumps(report))
-        return 0
-    from rich.console import Console
-    from rich.table import Table
-
-    cols = ("entries", "bytes", "capacity_bytes", "verify_failures", "errors", "breaker_state")
-    table = Table(title=f"kvstore shared tiers, namespace {ns_id}")
-    table.add_column("tier")
-    for col in cols:
-        table.add_column(col, justify="right")
-    for name, stats in report["tiers"].items():
-        table.add_row(name, *("-" if stats[c] is None else str(stats[c]) for c in cols))
-    Console(width=160).print(table)
-    return 0
+    else:
+        _print_table(report)
+    return 0 if all(tier["reachable"] for tier in report["tiers"].values()) else 1
 
 
-@command("clear", "delete every entry of one namespace from the spill tiers", _arguments)
+@command(
+    "clear",
+    "delete every entry of one namespace from the spill tiers (exit 1 if one does not answer)",
+    _arguments,
+)
 def run_clear(args: argparse.Namespace) -> int:
     ns_id, stores = _open(args)
-    removed = {store.name: store.clear() for store in stores}
+    unreachable = {s.name: error for s in stores if (error := s.probe()) is not None}
+    removed = {s.name: None if s.name in unreachable else s.clear() for s in stores}
     for store in stores:
         store.close()
     if args.json:
-        print(json.dumps({"namespace": ns_id, "removed": removed}))
+        print(json.dumps({"namespace": ns_id, "removed": removed, "unreachable": unreachable}))
     else:
-        done = ", ".join(f"{n} from {tier}" for tier, n in removed.items())
-        print(f"namespace {ns_id}: removed {done}")
-    return 0
+        done = [f"{n} from {tier}" for tier, n in removed.items() if n is not None]
+        failed = [f"{tier} unreachable ({error})" for tier, error in unreachable.items()]
+        print(f"namespace {ns_id}: removed " + "; ".join([", ".join(done) or "nothing", *failed]))
+    return 1 if unreachable else 0

@@ -8,19 +8,30 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 
 from engine.commands import (  # noqa: F401  (re-exported for callers of the CLI)
     COMMANDS,
+    ENGINE_MODULES,
     Command,
     add_cache_arguments,
     add_model_arguments,
     cache_config_from_args,
+    check_cache_config,
     command,
     load_engine,
 )
+from engine.extras import as_missing_extra, require
 from kvstore.config import ConfigError
+
+# Modules whose typed errors mean "fix the input" (exit 2 with their message).
+USER_ERRORS = {
+    "engine.request": ("InvalidRequestError",),
+    "engine.model_files": ("ModelLoadError",),
+    "engine.model": ("UnsupportedModelError",),
+}
 
 # --- generate -------------------------------------------------------------------------------
 
@@ -30,12 +41,17 @@ def _generate_arguments(parser: argparse.ArgumentParser) -> None:
     prompt.add_argument("--prompt", help="prompt text (tokenized by the model's tokenizer)")
     prompt.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 1,2,3")
     add_model_arguments(parser)
-    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=16,
+        help="most tokens to generate (fewer if EOS or a stop string comes first)",
+    )
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    parser.add_argument("--seed", type=int, default=None, help="sampling seed (reproducible)")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--ignore-eos", action="store_true", help="generate past EOS")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     add_cache_arguments(parser)
 
@@ -50,7 +66,12 @@ def _parse_ids(text: str) -> list[int]:
         raise InvalidRequestError(msg) from None
 
 
-@command("generate", "generate from one prompt", _generate_arguments)
+@command(
+    "generate",
+    "generate from one prompt (the default model, tiny, has random weights: its text is noise)",
+    _generate_arguments,
+    requires=ENGINE_MODULES,
+)
 def run_generate(args: argparse.Namespace) -> int:
     from engine.engine import SamplingParams
 
@@ -82,7 +103,21 @@ def run_generate(args: argparse.Namespace) -> int:
             f"[{result.prompt_tokens} prompt tokens, {result.cached_tokens} cached, "
             f"{len(result.output_token_ids)} generated, ttft {result.ttft_s * 1e3:.1f} ms]"
         )
+        short = _short_prompt_note(result.prompt_tokens, engine.cache_config.block_size)
+        if short is not None:
+            print(short)
     return 0
+
+
+def _short_prompt_note(prompt_tokens: int, block_size: int) -> str | None:
+    """Why a repeat of a prompt shorter than one block can never hit the cache."""
+    if prompt_tokens >= block_size:
+        return None
+    return (
+        f"note: the prompt has {prompt_tokens} tokens, fewer than one cache block "
+        f"({block_size}): a repeat of it cannot hit the cache, since hits are whole blocks "
+        "(--block-size sets their size)"
+    )
 
 
 # --- demo -----------------------------------------------------------------------------------
@@ -90,17 +125,30 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def _demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument(
+        "--max-tokens", type=int, default=16, help="tokens each demo request generates"
+    )
     add_cache_arguments(parser)
 
 
-@command("demo", "tiny model: a 4-turn chat and 8 prompts sharing a system prompt", _demo_arguments)
+@command(
+    "demo",
+    "tiny model (random weights: its text is noise): a 4-turn chat and 8 prompts sharing a "
+    "system prompt, each checked against a no-cache run",
+    _demo_arguments,
+    requires=ENGINE_MODULES,
+)
 def run_demo(args: argparse.Namespace) -> int:
-    from engine.demo import print_demo_table, run_demo_requests
+    from tqdm import tqdm
+
+    from engine.demo import demo_header, num_requests, print_demo_table, run_demo_requests
 
     start = time.perf_counter()
     config = cache_config_from_args(args, device_blocks=2048)
-    rows = run_demo_requests(args.max_tokens, config)
+    device = check_cache_config(config)
+    print(f"kvstore demo: {demo_header(config, device)}", file=sys.stderr)
+    with tqdm(total=num_requests(config), desc="requests", unit="req", file=sys.stderr) as bar:
+        rows = run_demo_requests(args.max_tokens, config, device, on_row=lambda _: bar.update())
     report = {
         "requests": rows,
         "all_identical": all(r["identical"] for r in rows),
@@ -109,7 +157,7 @@ def run_demo(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report))
     else:
-        print_demo_table(report, config)
+        print_demo_table(report, config, device)
     return 0 if report["all_identical"] else 1
 
 
@@ -124,7 +172,12 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_cache_arguments(parser)
 
 
-@command("serve", "OpenAI-compatible HTTP server with /metrics and /health", _serve_arguments)
+@command(
+    "serve",
+    "OpenAI-compatible HTTP server with /metrics and /health",
+    _serve_arguments,
+    requires=(*ENGINE_MODULES, "fastapi", "uvicorn"),
+)
 def run_serve(args: argparse.Namespace) -> int:
     from engine.server.app import run_server
 
@@ -135,10 +188,12 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def _user_errors() -> tuple[type[Exception], ...]:
-    from engine.engine import InvalidRequestError
-    from engine.model import ModelLoadError, UnsupportedModelError
-
-    return (ConfigError, InvalidRequestError, ModelLoadError, UnsupportedModelError)
+    """Typed errors that mean "fix the input"; a module never imported raised none of its."""
+    errors: list[type[Exception]] = [ConfigError]
+    for module, names in USER_ERRORS.items():
+        if module in sys.modules:
+            errors += [getattr(sys.modules[module], name) for name in names]
+    return tuple(errors)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -149,13 +204,54 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _StderrFormatter(logging.Formatter):
+    """`kvstore <command>: warning: <message>`, like the command's own error lines."""
+
+    def __init__(self, command: str):
+        super().__init__()
+        self.command = command
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = f"kvstore {self.command}: {record.levelname.lower()}: {record.getMessage()}"
+        if record.exc_info:
+            text += "\n" + self.formatException(record.exc_info)
+        return text
+
+
+def log_to_stderr(command: str, level: int | str = logging.WARNING) -> None:
+    """Show the `kvstore.*` loggers (tier warnings, server start-up) on stderr."""
+    logger = logging.getLogger("kvstore")
+    for handler in [h for h in logger.handlers if getattr(h, "kvstore_cli", False)]:
+        logger.removeHandler(handler)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.kvstore_cli = True  # type: ignore[attr-defined]
+    handler.setFormatter(_StderrFormatter(command))
+    logger.addHandler(handler)
+    logger.setLevel(level)
+
+
+def _fail(command: str, error: BaseException) -> int:
+    """One line on stderr (what to fix), exit status 2."""
+    print(f"kvstore {command}: error: {' '.join(str(error).split())}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    cmd = COMMANDS[args.command]
+    log_to_stderr(args.command, getattr(args, "log_level", "warning").upper())
     try:
-        return COMMANDS[args.command].run(args)
-    except _user_errors() as e:  # typed user errors: say what to fix, no traceback
-        print(f"kvstore {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        require(*cmd.requires)
+        return cmd.run(args)
+    except ImportError as e:  # an extra that is not installed: say which
+        missing = as_missing_extra(e)
+        if missing is None:
+            raise
+        return _fail(args.command, missing)
+    except Exception as e:
+        if not isinstance(e, _user_errors()):
+            raise
+        return _fail(args.command, e)
 
 
 def _register_more() -> None:

@@ -9,25 +9,37 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
+from kvstore.config import CacheConfig
 from kvstore.settings import add_cache_args, config_from_args
+
+if TYPE_CHECKING:
+    import torch
 
 
 class Command(NamedTuple):
     help: str
     add_arguments: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int]
+    requires: tuple[str, ...] = ()  # optional modules (engine.extras), checked before `run`
 
 
 COMMANDS: dict[str, Command] = {}
+ENGINE_MODULES = ("transformers",)  # what loading a model needs: the `engine` extra
 
 
-def command(name: str, help: str, add_arguments: Callable[[argparse.ArgumentParser], None]):
-    """Register `run(args) -> exit code` as subcommand `name`."""
+def command(
+    name: str,
+    help: str,
+    add_arguments: Callable[[argparse.ArgumentParser], None],
+    requires: tuple[str, ...] = (),
+):
+    """Register `run(args) -> exit code` as subcommand `name`; `requires` lists the optional
+    modules it needs (a missing one is reported with its extra before `run` starts)."""
 
     def register(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-        COMMANDS[name] = Command(help, add_arguments, run)
+        COMMANDS[name] = Command(help, add_arguments, run, requires)
         return run
 
     return register
@@ -38,7 +50,11 @@ cache_config_from_args = config_from_args
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="tiny", help="'tiny' or a local model directory")
+    parser.add_argument(
+        "--model",
+        default="tiny",
+        help="'tiny' (built in, random weights: its text is noise) or a local model directory",
+    )
     parser.add_argument("--dtype", default="float32", help="float32, float16 or bfloat16")
     parser.add_argument(
         "--model-revision",
@@ -56,6 +72,17 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def check_cache_config(config: CacheConfig) -> torch.device:
+    """The pool's device, once the settings that would fail after the model loaded are
+    checked: the device exists, the LMDB directory is usable (`ConfigError` otherwise)."""
+    from kvstore.pool import resolve_device
+    from kvstore.stores import check_local_tiers
+
+    device = resolve_device(config.device)
+    check_local_tiers(config)
+    return device
+
+
 def load_engine(args: argparse.Namespace, **cache_defaults: object):
     """(LoadedModel, Engine) from model and cache flags; the model goes on the cache device."""
     from transformers.utils import logging as hf_logging
@@ -63,10 +90,10 @@ def load_engine(args: argparse.Namespace, **cache_defaults: object):
     from engine.engine import Engine
     from engine.model import load_model
     from engine.scheduler import SchedulerConfig
-    from kvstore.pool import resolve_device
 
     hf_logging.disable_progress_bar()
     config = cache_config_from_args(args, **cache_defaults)
-    model = load_model(args.model, args.dtype, resolve_device(config.device), args.model_revision)
+    device = check_cache_config(config)
+    model = load_model(args.model, args.dtype, device, args.model_revision)
     steps = SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs)
     return model, Engine(model, config, scheduler_config=steps)

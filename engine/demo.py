@@ -7,7 +7,15 @@ pool is empty, so its cached tokens come from that tier.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 from kvstore.config import CacheConfig
+
+if TYPE_CHECKING:
+    import torch
+
+TINY_NOTE = "random weights: its text is noise; what counts is cached output = uncached output"
 
 _SYSTEM_RULES = (
     "answer in plain words and keep every reply short",
@@ -46,13 +54,34 @@ BATCH_QUESTIONS = tuple(
 )
 
 
-def run_demo_requests(max_tokens: int, config: CacheConfig) -> list[dict]:
-    """Run the demo's 12 requests through the engine and compare each with a no-cache run."""
+def num_requests(config: CacheConfig) -> int:
+    """12, and 8 more (a second pass) with a shared tier."""
+    passes = 2 if config.lmdb_dir or config.redis_url else 1
+    return len(CHAT_TURNS) + passes * len(BATCH_QUESTIONS)
+
+
+def device_name(device: torch.device) -> str:
+    """`CPU`, or `GPU (cuda:0, <its name>)`."""
+    import torch
+
+    if device.type != "cuda":
+        return device.type.upper()
+    return f"GPU ({device}, {torch.cuda.get_device_name(device)})"
+
+
+def run_demo_requests(
+    max_tokens: int,
+    config: CacheConfig,
+    device: torch.device | str = "cpu",
+    on_row: Callable[[dict], None] | None = None,
+) -> list[dict]:
+    """Run the demo's requests through the engine and compare each with a no-cache run;
+    `on_row(row)` is called as each comparison is done (progress)."""
     from engine.engine import Engine, SamplingParams
     from engine.model import END_OF_TURN, load_model
     from engine.sequential import reference_generate
 
-    model = load_model("tiny")
+    model = load_model("tiny", device=device)
     tok = model.tokenizer
     params = SamplingParams(max_new_tokens=max_tokens, ignore_eos=True)
     reference_generate(model, list(range(64)), 2)  # warm-up, not reported
@@ -65,7 +94,7 @@ def run_demo_requests(max_tokens: int, config: CacheConfig) -> list[dict]:
 
     def compare(name: str, ids: list[int], result) -> dict:
         ref, ttft_nocache = reference_generate(model, ids, len(result.output_token_ids))
-        return {
+        row = {
             "name": name,
             "prompt_tokens": result.prompt_tokens,
             "cached_tokens": result.cached_tokens,
@@ -74,6 +103,9 @@ def run_demo_requests(max_tokens: int, config: CacheConfig) -> list[dict]:
             "ttft_nocache_s": ttft_nocache,
             "identical": ref == result.output_token_ids,
         }
+        if on_row is not None:
+            on_row(row)
+        return row
 
     rows = []
     with Engine(model, config) as engine:
@@ -104,11 +136,20 @@ def _tiers(config: CacheConfig) -> str:
     return " + ".join(names)
 
 
-def print_demo_table(report: dict, config: CacheConfig) -> None:
+def demo_header(config: CacheConfig, device: torch.device) -> str:
+    """What the demo runs, on what: said before it starts."""
+    return (
+        f"tiny model ({TINY_NOTE}) on {device_name(device)}, tiers {_tiers(config)}: "
+        f"{num_requests(config)} requests, each checked against a no-cache run"
+    )
+
+
+def print_demo_table(report: dict, config: CacheConfig, device: torch.device) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"kvstore demo: tiny model, {_tiers(config)}")
+    title = f"kvstore demo: tiny model (random weights), {device_name(device)}, {_tiers(config)}"
+    table = Table(title=title)
     cols = ("request", "prompt", "cached", "from", "TTFT ms", "no-cache ms", "speedup", "same")
     for col in cols:
         table.add_column(col, justify="right")

@@ -14,9 +14,7 @@ from typing import Any
 import torch
 import xxhash
 from transformers import (
-    AutoConfig,
     AutoModelForCausalLM,
-    AutoTokenizer,
     DynamicCache,
     LlamaConfig,
     PretrainedConfig,
@@ -25,6 +23,7 @@ from transformers import (
 )
 from transformers.cache_utils import DynamicLayer
 
+from engine.model_files import ModelLoadError, attn_implementation, load_tokenizer, read_config
 from hashing import Namespace
 
 TINY_NAME = "tiny"
@@ -66,10 +65,6 @@ class UnsupportedModelError(ValueError):
         super().__init__(msg + (f": {detail}" if detail else "") + hint)
         self.model_type = model_type
         self.layer_type = layer_type
-
-
-class ModelLoadError(ValueError):
-    """The model name or path cannot be loaded (not `tiny` and not a local model directory)."""
 
 
 def tiny_config() -> LlamaConfig:
@@ -131,8 +126,9 @@ def random_model(config: PretrainedConfig, seed: int = TINY_SEED) -> PreTrainedM
     """A causal LM with weights drawn from `seed` (init std = config.initializer_range)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    return model
+        return AutoModelForCausalLM.from_config(
+            config, attn_implementation=attn_implementation(config)
+        )
 
 
 def _text_config(config: PretrainedConfig) -> PretrainedConfig:
@@ -298,12 +294,14 @@ def wrap_model(
 
 
 def _load_local(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, Any]:
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
-    check_supported(config)  # before reading any weights
+    """Config, support check and tokenizer first: a bad directory fails before its weights
+    are read. Attention is SDPA where the model supports it, else eager."""
+    config = read_config(path)
+    check_supported(config)
+    tokenizer = load_tokenizer(path)
     model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, local_files_only=True, attn_implementation="sdpa"
+        path, dtype=dtype, local_files_only=True, attn_implementation=attn_implementation(config)
     )
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     return model, tokenizer
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from hashing import Namespace
-from kvstore.config import CacheConfig
+from kvstore.config import CacheConfig, ConfigError
 from kvstore.layout import KVLayout, LayerKV, layers_to_blocks, split_layers, tensor_bytes
 
 
@@ -18,11 +18,19 @@ class PoolExhausted(RuntimeError):
 
 
 def resolve_device(name: str) -> torch.device:
+    """The torch device of a `CacheConfig.device`; `ConfigError` for a CUDA device this
+    machine does not have."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} requested but CUDA is not available")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "CUDA is not available (no GPU visible, or a CPU build of torch)"
+            raise ConfigError("device", f"{name!r} requested but {why}; use cpu or auto")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            count = torch.cuda.device_count()
+            raise ConfigError("device", f"{name!r} requested but there are {count} CUDA devices")
+    return device
 
 
 def bytes_per_block(namespace: Namespace) -> int:

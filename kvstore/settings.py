@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.config import CacheConfig, ConfigError
+from kvstore.config_help import FIELD_HELP, flag_name
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -25,8 +26,6 @@ else:  # pragma: no cover
 
 ENV_PREFIX = "KVSTORE_"
 _HINTS = typing.get_type_hints(CacheConfig)
-# Not flags: key_bytes is a test hook; a secret on the command line would show in `ps`.
-_HIDDEN = {"key_bytes", "secret"}
 
 
 def _base_type(name: str) -> type:
@@ -37,8 +36,14 @@ def _base_type(name: str) -> type:
     return hint
 
 
+def _optional(name: str) -> bool:
+    return type(None) in typing.get_args(_HINTS[name])
+
+
 def _coerce(name: str, raw: Any) -> Any:
-    if raw is None or (isinstance(raw, str) and raw.lower() in ("", "none")):
+    """`raw` as the field's type; "" and "none" unset an optional field (a str field such as
+    codec keeps them: `--codec none` is the codec named none)."""
+    if raw is None or (_optional(name) and isinstance(raw, str) and raw.lower() in ("", "none")):
         return None
     kind = _base_type(name)
     try:
@@ -92,19 +97,29 @@ def load_config(
 
 def add_cache_args(parser: argparse.ArgumentParser) -> None:
     """One `--field-name` flag per CacheConfig field (default None = not given)."""
-    group = parser.add_argument_group("cache", "CacheConfig fields (also KVSTORE_<FIELD>, TOML)")
-    group.add_argument("--config", dest="cache_config_file", metavar="TOML", default=None)
+    group = parser.add_argument_group(
+        "cache", "CacheConfig fields, also KVSTORE_<FIELD> and TOML keys (docs/CONFIG.md)"
+    )
+    group.add_argument(
+        "--config",
+        dest="cache_config_file",
+        metavar="TOML",
+        default=None,
+        help="TOML file of cache settings (a [cache] table); flags and KVSTORE_* win over it",
+    )
     for f in fields(CacheConfig):
-        if f.name in _HIDDEN:
+        flag = flag_name(f.name)
+        if flag is None:
             continue
         kind = _base_type(f.name)
+        meaning = FIELD_HELP[f.name].replace("`", "").replace("%", "%%")
         group.add_argument(
-            "--" + f.name.replace("_", "-"),
+            flag,
             dest=f"cache_{f.name}",
             type=str if kind is bool else kind,
             default=None,
             metavar=kind.__name__.upper(),
-            help=f"default: {f.default!r}",
+            help=f"{meaning} (default: {'unset' if f.default is None else repr(f.default)})",
         )
 
 

@@ -32,6 +32,7 @@ from tqdm import tqdm
 from bench.hitrate.offline import infinite_hits, offline_leaf_hits, upper_bound_hits
 from bench.traces import BlockTrace, TraceError, from_token_requests, load_trace
 from bench.workloads import WORKLOADS, WorkloadError, make_workload
+from engine.extras import require
 from kvstore.index import RadixIndex
 from kvstore.policies import POLICIES, make_policy
 from kvstore.policies.base import Policy
@@ -379,6 +380,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.out is not None:  # before any work: no partial --out
+        require("matplotlib", needed_by="--out")
     trace, capacities = parse_workload(parser, args)
     try:
         policies = parse_policies(args.policy)

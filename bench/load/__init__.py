@@ -48,6 +48,7 @@ from bench.load.driver import run_all, sigterm_as_exit
 from bench.load.output import print_tables, write_outputs
 from bench.load.report import failures, finish
 from bench.load.servers import BLOCK_TOKENS, pool_blocks, prepare_model
+from engine.extras import require
 
 
 def parse_levels(text: str) -> list[int]:
@@ -139,6 +140,8 @@ def keep_logs(work: Path, out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.out is not None:  # before the run: no partial --out
+        require("matplotlib", needed_by="--out")
     report = run(args)
     if args.json:
         print(json.dumps(report))

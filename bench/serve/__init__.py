@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import queue
 import threading
 import time
@@ -296,7 +297,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--concurrency", type=int, default=4, help="closed-loop workers")
     parser.add_argument("--requests", type=int, default=None, help="first N requests only")
     parser.add_argument("--max-tokens", type=int, default=8, help="tokens generated per request")
-    parser.add_argument("--api-key", default=None, help="Bearer key (default: none)")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("KVSTORE_API_KEY"),
+        help="Bearer key (default: $KVSTORE_API_KEY, else none; the variable keeps it out of ps)",
+    )
     parser.add_argument("--route", choices=("alternate", "session"), default="alternate")
     parser.add_argument("--timeout-s", type=float, default=300.0, help="per request")
     parser.add_argument("--wait-s", type=float, default=120.0, help="wait for /health first")

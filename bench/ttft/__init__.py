@@ -24,6 +24,7 @@ import random
 import torch
 
 from bench.ttft.point import TIERS, full_kv, measure_point, print_table
+from engine.extras import require
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -65,6 +66,8 @@ def main(argv: list[str], model=None) -> int:
     from engine.model import load_model
 
     args = parse_args(argv)
+    if args.out:  # before any work: no partial --out
+        require("matplotlib", needed_by="--out")
     torch.set_num_threads(args.threads)
     hf_logging.disable_progress_bar()
     lm = model or load_model("tiny", "float32", "cpu")

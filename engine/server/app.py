@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import logging
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -23,8 +24,10 @@ from engine.engine import Engine
 from engine.server.config import ServerConfig, server_config_from_args
 from engine.server.protocol import ApiError, now
 from engine.server.service import Service
+from kvstore.stores.redis import redact_url
 
 REJECT_REASONS = {401: "unauthorized", 404: "not_found", 413: "too_large", 429: "queue_full"}
+log = logging.getLogger("kvstore.server")
 
 
 def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
@@ -79,6 +82,31 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     return app
 
 
+def _tier_names(engine: Engine) -> list[str]:
+    """`device` and each spill tier with where it is (a Redis URL without its password)."""
+    config, names = engine.cache_config, ["device"]
+    if config.memory_cache_gb > 0:
+        names.append(f"memory ({config.memory_cache_gb:g} GiB)")
+    if config.lmdb_dir is not None:
+        names.append(f"lmdb ({config.lmdb_dir})")
+    if config.redis_url is not None:
+        names.append(f"redis ({redact_url(config.redis_url)})")
+    return names
+
+
+def describe_engine(engine: Engine) -> str:
+    """The start-up line: model, device, dtype, pool size, tiers and batching mode."""
+    model, pool = engine.model, engine.cache.pool
+    pool_bytes = pool.num_blocks * pool.bytes_per_block
+    batching = "continuous batching" if engine.mode == "paged" else "one request at a time"
+    return (
+        f"model {model.name} ({model.layout.num_layers} layers, {model.kv_dtype}) on "
+        f"{model.device}; pool {pool.num_blocks} blocks of {pool.block_size} tokens = "
+        f"{pool_bytes:,} bytes ({pool_bytes / 2**20:.1f} MiB); tiers: "
+        f"{', '.join(_tier_names(engine))}; {batching}"
+    )
+
+
 def _is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host).is_loopback
@@ -100,6 +128,7 @@ def run_server(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     _, engine = load_engine(args)
+    log.info("%s", describe_engine(engine))
     app = create_app(engine, config)
     try:
         uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level)

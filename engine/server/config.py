@@ -97,8 +97,12 @@ def load_api_keys(path: str | Path) -> dict[str, str]:
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0: all)")
-    group.add_argument("--port", type=int, default=8000)
-    group.add_argument("--served-model-name", default=None, help="default: the --model name")
+    group.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    group.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name clients must send (default: the --model name)",
+    )
     group.add_argument(
         "--api-key",
         default=None,
@@ -115,7 +119,11 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-prompt-tokens", type=int, default=None, help="longer prompts: 400")
     group.add_argument("--max-tokens-limit", type=int, default=2048, help="largest max_tokens")
     group.add_argument("--retry-after-s", type=int, default=1, help="Retry-After of a 429")
-    group.add_argument("--log-level", default="info")
+    group.add_argument(
+        "--log-level",
+        default="info",
+        help="critical, error, warning, info or debug: uvicorn's and kvstore's messages",
+    )
 
 
 def server_config_from_args(

@@ -9,6 +9,7 @@ from kvstore.config import CacheConfig
 from kvstore.stores.base import SpillStore, StoreStats
 from kvstore.stores.breaker import CircuitBreaker
 from kvstore.stores.lmdb import LmdbStore
+from kvstore.stores.lmdb_env import prepare_dir
 from kvstore.stores.memory import MemoryStore
 from kvstore.stores.redis import RedisStore
 
@@ -19,6 +20,7 @@ __all__ = [
     "RedisStore",
     "SpillStore",
     "StoreStats",
+    "check_local_tiers",
     "make_stores",
 ]
 
@@ -39,7 +41,9 @@ def make_stores(config: CacheConfig, namespace: Namespace | str) -> list[SpillSt
         path = os.path.expanduser(config.lmdb_dir)
         stores.append(LmdbStore(path, map_size, namespace_id=bytes.fromhex(namespace_id)))
     if config.redis_url is not None:
-        breaker = CircuitBreaker(config.breaker_failures, config.breaker_cooldown_s)
+        breaker = CircuitBreaker(
+            config.breaker_failures, config.breaker_cooldown_s, name=RedisStore.name
+        )
         stores.append(
             RedisStore(
                 config.redis_url,
@@ -50,3 +54,10 @@ def make_stores(config: CacheConfig, namespace: Namespace | str) -> list[SpillSt
             )
         )
     return stores
+
+
+def check_local_tiers(config: CacheConfig) -> None:
+    """`ConfigError` now, before a caller loads a model, for a local tier setting the stores
+    would refuse: the LMDB directory must be, or become, a writable directory."""
+    if config.lmdb_dir is not None:
+        prepare_dir(os.path.realpath(os.path.expanduser(config.lmdb_dir)))

@@ -125,6 +125,11 @@ class SpillStore(ABC):
         self._counters.add(verify_failures=len(keys))
         return self.delete(keys) if keys else 0
 
+    def probe(self) -> str | None:
+        """None when the store can be reached now, else why not (one line, no secrets).
+        Local stores are reachable once open; a networked one asks its server."""
+        return None
+
     @abstractmethod
     def stats(self) -> StoreStats:
         """Counters and size of this store."""

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import lmdb
 
+from kvstore.config import ConfigError
+
 DB_NAMES = (b"blocks", b"order", b"seq", b"meta")
 
 
@@ -45,18 +47,35 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def prepare_dir(path: str) -> None:
+    """Create the environment's directory; `ConfigError` (field lmdb_dir) saying why not."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except FileExistsError:
+        why = f"{path} exists and is not a directory; give a directory"
+        raise ConfigError("lmdb_dir", why) from None
+    except OSError as e:
+        why = f"cannot create {path} ({e.strerror}); give a writable directory"
+        raise ConfigError("lmdb_dir", why) from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError("lmdb_dir", f"{path} is not writable; give a writable directory")
+
+
 def _open_env(path: str, map_size_bytes: int) -> SharedEnv:
-    os.makedirs(path, exist_ok=True)
-    env = lmdb.open(
-        path,
-        map_size=map_size_bytes,
-        subdir=True,
-        max_dbs=len(DB_NAMES),
-        sync=False,
-        metasync=False,
-        readahead=False,
-        lock=True,
-    )
+    prepare_dir(path)
+    try:
+        env = lmdb.open(
+            path,
+            map_size=map_size_bytes,
+            subdir=True,
+            max_dbs=len(DB_NAMES),
+            sync=False,
+            metasync=False,
+            readahead=False,
+            lock=True,
+        )
+    except lmdb.Error as e:
+        raise ConfigError("lmdb_dir", f"cannot open an LMDB environment in {path}: {e}") from None
     env.reader_check()  # clear reader slots left by dead processes
     blocks, order, seq, meta = (env.open_db(name) for name in DB_NAMES)
     return SharedEnv(env, blocks, order, seq, meta, env.open_db(), os.getpid())

@@ -21,7 +21,7 @@ from redis.exceptions import RedisClusterException, RedisError
 from redis.retry import Retry
 
 from kvstore.stores.base import Counters, SpillStore, StoreStats
-from kvstore.stores.breaker import CircuitBreaker
+from kvstore.stores.breaker import CircuitBreaker, describe
 
 T = TypeVar("T")
 CLUSTER_SCHEMES = {"redis+cluster://": "redis://", "rediss+cluster://": "rediss://"}
@@ -71,7 +71,7 @@ class RedisStore(SpillStore):
         self.url, self.ttl_s, self.deadline_ms = url, ttl_s, deadline_ms
         self.cluster = url.startswith(tuple(CLUSTER_SCHEMES))
         self.prefix = f"kvs:{namespace_id}:".encode()
-        self.breaker = breaker if breaker is not None else CircuitBreaker()
+        self.breaker = breaker if breaker is not None else CircuitBreaker(name=self.name)
         timeout = deadline_ms / 1000.0
         self._kwargs = {
             "socket_timeout": timeout,
@@ -116,7 +116,7 @@ class RedisStore(SpillStore):
         try:
             result = op(self._connect())
         except Exception as e:  # any client failure is a miss, never the caller's error
-            self.breaker.record_failure()
+            self.breaker.record_failure(e)
             self._counters.add(errors=1)
             if not isinstance(e, redis.ResponseError) or self.cluster:
                 self._reset_connections()  # anything but a server reply may be a bad socket
@@ -200,6 +200,16 @@ class RedisStore(SpillStore):
 
     # --------------------------------------------------------------- admin
 
+    def probe(self) -> str | None:
+        """None when the server answers a PING now, else why not (one line). Outside the
+        breaker and the counters: a check, not a call of the cache."""
+        try:
+            self._connect().ping()
+        except _FAILURES as e:
+            self._reset_connections()
+            return f"{redact_url(self.url)}: {describe(e)}"
+        return None
+
     def stats(self) -> StoreStats:
         return self._stats(None, None, None, breaker_state=self.breaker.state)
 
@@ -236,6 +246,15 @@ class RedisStore(SpillStore):
         if client is not None:
             with contextlib.suppress(*_FAILURES):
                 client.close()
+
+
+def redact_url(url: str) -> str:
+    """`url` with its password (if any) replaced by `***`: fit for logs."""
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, host = rest.rpartition("@")
+    if not sep or not at or ":" not in userinfo:
+        return url
+    return f"{scheme}://{userinfo.partition(':')[0]}:***@{host}"
 
 
 def _glob_escape(raw: bytes) -> bytes:

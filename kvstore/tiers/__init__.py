@@ -15,6 +15,7 @@ writes; its queue is bounded in blocks and a write that does not fit is dropped 
 from __future__ import annotations
 
 import atexit
+import logging
 import weakref
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -31,6 +32,7 @@ from kvstore.tiers.policy import WritePolicies
 from kvstore.tiers.writer import PendingWrite, TierWriter
 
 __all__ = ["Allocate", "PendingWrite", "Segment", "TierWriter", "Tiers", "WritePolicies"]
+log = logging.getLogger("kvstore.tiers")
 
 
 class Tiers:
@@ -51,6 +53,7 @@ class Tiers:
         self.reader = TierReader(self.stores, pool.layout, config.chunk_blocks, metrics)
         self.writer = TierWriter(self.stores, config.codec, config.write_queue_blocks, metrics)
         _flush_at_exit(self)
+        warn_unreachable(self.stores)
 
     def __bool__(self) -> bool:
         return bool(self.stores)
@@ -165,6 +168,20 @@ class Tiers:
         self.writer.close(self.config.flush_timeout_s)
         for store in self.stores:
             store.close()
+
+
+def warn_unreachable(stores: Sequence[SpillStore]) -> None:
+    """A warning for each store that cannot be reached now: the cache still serves, but
+    everything it would have read from that tier is recomputed."""
+    for store in stores:
+        reason = store.probe()
+        if reason is not None:
+            log.warning(
+                "%s tier unreachable at start (%s): lookups miss it and writes to it are "
+                "dropped until it answers",
+                store.name,
+                reason,
+            )
 
 
 def _flush_at_exit(tiers: Tiers) -> None:

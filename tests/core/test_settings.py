@@ -1,8 +1,12 @@
 import argparse
+import re
+from dataclasses import fields
+from pathlib import Path
 
 import pytest
 
 from kvstore.config import CacheConfig, ConfigError
+from kvstore.config_help import flag_name, with_table
 from kvstore.settings import add_cache_args, config_from_args, load_config
 
 
@@ -55,3 +59,55 @@ def test_config_is_frozen():
     config = CacheConfig()
     with pytest.raises(AttributeError):
         config.block_size = 8  # type: ignore[misc]
+
+
+ROOT = Path(__file__).resolve().parents[2]
+# A valid value for each flag whose field defaults to None or to an empty string.
+SAMPLES = {
+    "device_cache_gb": 0.5,
+    "device_blocks": 8,
+    "tenant_salt": "tenant-a",
+    "tenant_quota_blocks": 4,
+    "lmdb_dir": "kv",
+    "redis_url": "redis://localhost:6379/0",
+    "redis_ttl_s": 60,
+}
+
+
+def documented_flags(text: str) -> set[str]:
+    """The flags a markdown text names in code spans: `--flag` or `--flag VALUE`."""
+    return set(re.findall(r"`(--[a-z][a-z0-9-]*)[` ]", text))
+
+
+def test_the_config_table_in_the_docs_is_the_one_the_fields_generate():
+    doc = (ROOT / "docs" / "CONFIG.md").read_text()
+    assert with_table(doc) == doc, "run: python -m kvstore.config_help --write docs/CONFIG.md"
+    assert "--secret" not in doc
+
+
+def test_every_flag_in_config_md_parses_into_its_field_and_every_flag_is_documented():
+    parser = argparse.ArgumentParser()
+    add_cache_args(parser)
+    flags = {o for a in parser._actions for o in a.option_strings if o not in ("-h", "--help")}
+    assert documented_flags((ROOT / "docs" / "CONFIG.md").read_text()) == flags
+    for f in fields(CacheConfig):
+        if flag_name(f.name) is None:
+            continue
+        value = SAMPLES.get(f.name, f.default)
+        args = parser.parse_args([flag_name(f.name), str(value)])
+        assert getattr(load_config(env={}, overrides=_overrides(args)), f.name) == value
+
+
+def _overrides(args: argparse.Namespace) -> dict:
+    return {k.removeprefix("cache_"): v for k, v in vars(args).items() if v is not None}
+
+
+def test_every_flag_deploy_md_documents_is_a_flag_of_kvstore_serve():
+    from engine.cli import build_parser
+
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    flags = {o for a in serve._actions for o in a.option_strings}
+    deploy = (ROOT / "docs" / "DEPLOY.md").read_text()
+    section = deploy.split("## `kvstore serve`")[1].split("\n## ")[0]
+    assert len(documented_flags(section)) == 17  # model flags and the server's own
+    assert documented_flags(section) - flags == set()

@@ -39,6 +39,9 @@ ARCHS: dict[str, dict] = {
         "max_position_embeddings": 256,
     },
     "gpt_bigcode": {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 256},
+    # no SDPA in transformers: loaded with eager attention
+    "gptj": {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 256, "rotary_dim": 8},
+    "bloom": {"hidden_size": 64, "n_layer": 2, "n_head": 4},
 }  # fmt: skip
 
 

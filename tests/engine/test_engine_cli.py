@@ -77,3 +77,24 @@ def test_user_errors_exit_2_with_a_message(argv: list[str], message: str, capsys
 
 def test_subcommands_are_registered_in_one_table() -> None:
     assert {"generate", "demo"} <= set(COMMANDS)
+
+
+def test_a_prompt_shorter_than_a_block_is_told_it_cannot_hit(capsys) -> None:
+    argv = ["generate", "--prompt-ids", "1,2,3", "--max-tokens", "2", "--ignore-eos"]
+    assert main([*argv, "--block-size", "4"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "note: the prompt has 3 tokens, fewer than one cache block (4): a repeat of it cannot "
+        "hit the cache, since hits are whole blocks (--block-size sets their size)"
+    )
+    assert main([*argv, "--block-size", "3"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("[3 prompt tokens, 0 cached, ")
+
+
+def test_every_flag_says_what_it_does() -> None:
+    parser = build_parser()
+    subparsers = parser._subparsers._group_actions[0].choices
+    for name in ("generate", "demo", "serve", "stats", "clear"):
+        for action in subparsers[name]._actions:
+            assert action.help and not action.help.startswith("default:"), (name, action.dest)
+    assert "random weights" in subparsers["generate"].description
+    assert "random weights" in subparsers["demo"].description

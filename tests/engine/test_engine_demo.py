@@ -6,14 +6,25 @@ import itertools
 import json
 
 import pytest
+import torch
 
 from engine.cli import main
+from engine.demo import print_demo_table
+from kvstore.config import CacheConfig
 
 
 @pytest.mark.slow
 def test_demo_outputs_equal_the_no_cache_reference_and_pass_2_hits_lmdb(capsys, tmp_path) -> None:
-    assert main(["demo", "--json", "--max-tokens", "4", "--lmdb-dir", str(tmp_path)]) == 0
-    report = json.loads(capsys.readouterr().out)
+    argv = ["demo", "--json", "--max-tokens", "4", "--lmdb-dir", str(tmp_path), "--device", "cpu"]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    report = json.loads(out)
+    assert err.splitlines()[0] == (
+        "kvstore demo: tiny model (random weights: its text is noise; what counts is cached "
+        "output = uncached output) on CPU, tiers device + lmdb: 20 requests, each checked "
+        "against a no-cache run"
+    )
+    assert "requests: 100%" in err and "20/20" in err  # the progress bar, on stderr
     rows = report["requests"]
     assert report["all_identical"] is True
     assert [r["name"] for r in rows] == [
@@ -35,3 +46,14 @@ def test_demo_outputs_equal_the_no_cache_reference_and_pass_2_hits_lmdb(capsys, 
     assert [r["cached_tokens"] for r in pass2] == [r["prompt_tokens"] // 16 * 16 for r in pass2]
     assert pass2[0]["cached_by_tier"] == {"lmdb": pass2[0]["cached_tokens"]}
     assert all(r["cached_by_tier"]["lmdb"] >= 80 for r in pass2)
+
+
+def test_the_demo_table_says_random_weights_and_the_device(capsys) -> None:
+    row = {"name": "chat turn 1", "prompt_tokens": 40, "cached_tokens": 32,
+           "cached_by_tier": {"device": 32}, "ttft_s": 0.01, "ttft_nocache_s": 0.02,
+           "identical": True}  # fmt: skip
+    report = {"requests": [row], "all_identical": True, "runtime_s": 1.0}
+    print_demo_table(report, CacheConfig(redis_url="redis://x:1/0"), torch.device("cpu"))
+    out = capsys.readouterr().out
+    assert "kvstore demo: tiny model (random weights), CPU, device + redis" in out
+    assert "all identical: True  runtime 1.0 s" in out

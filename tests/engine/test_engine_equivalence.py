@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from arch_configs import arch_config
 from engine_helpers import (
     BLOCK_SIZE,
     close_to_reference,
@@ -143,6 +144,26 @@ def test_other_full_attention_architectures(arch: str) -> None:
         ids = tokens(50, seed=8)
         check_prefill(eng, ids[:30], expected_cached=0)
         check_prefill(eng, ids, expected_cached=28)
+
+
+@pytest.mark.parametrize("arch", ["gptj", "bloom"])
+def test_eager_only_architectures_load_from_a_directory_and_meet_the_contract(
+    arch: str, tmp_path: Path
+) -> None:
+    # transformers has no SDPA for GPT-J and Bloom: they load with eager attention
+    built = random_model(arch_config(arch), seed=4)
+    built.save_pretrained(tmp_path)
+    byte_tokenizer().save_pretrained(tmp_path)
+    loaded = load_model(str(tmp_path))
+    assert loaded.model.config._attn_implementation == "eager"
+    assert loaded.fingerprint == wrap_model(built, byte_tokenizer(), arch).fingerprint
+    with Engine(loaded, micro_cache_config()) as eng:
+        ids = tokens(50, seed=10)
+        check_prefill(eng, ids[:30], expected_cached=0)
+        check_prefill(eng, ids, expected_cached=28)
+        first = eng.generate([ids], SamplingParams(max_new_tokens=8, ignore_eos=True))[0]
+    assert first.cached_tokens == 48
+    assert greedy_matches_reference(loaded, ids, first.output_token_ids)
 
 
 def test_bfloat16_stays_within_its_tolerance() -> None:

@@ -128,6 +128,31 @@ def test_unsupported_model_directory_fails_before_loading_weights(tmp_path: Path
         load_model(str(tmp_path))
 
 
+def test_a_directory_without_tokenizer_files_names_them_before_reading_weights(
+    tmp_path: Path,
+) -> None:
+    micro_config().save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"not weights")  # reading it would fail
+    with pytest.raises(ModelLoadError) as err:
+        load_model(str(tmp_path))
+    assert str(err.value) == (
+        f"{tmp_path} has no tokenizer files (none of: tokenizer.json, tokenizer.model, "
+        "spiece.model, vocab.json + merges.txt, vocab.txt); save the tokenizer there with "
+        "tokenizer.save_pretrained(dir)"
+    )
+
+
+def test_an_empty_directory_is_not_a_model_directory(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match=r"it has no config\.json"):
+        load_model(str(tmp_path))
+
+
+def test_an_unknown_model_type_is_named(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"model_type": "frobnicator"}')
+    with pytest.raises(ModelLoadError, match="model_type 'frobnicator' is unknown to transformers"):
+        load_model(str(tmp_path))
+
+
 def test_unknown_model_name_is_a_load_error() -> None:
     with pytest.raises(ModelLoadError, match="neither 'tiny' nor a local model directory"):
         load_model("no-such-model-dir")

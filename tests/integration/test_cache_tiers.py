@@ -257,6 +257,23 @@ def test_redis_down_degrades_to_misses_and_never_fails_a_request(redis_server):
         assert cache.tiers.stores[0].stats().breaker_state == "open"
 
 
+def test_a_redis_down_at_start_is_one_warning_and_the_cache_still_serves(redis_server, caplog):
+    url = redis_server.url
+    redis_server.kill()
+    config = CacheConfig(block_size=BS, device_blocks=16, redis_url=url, breaker_failures=5)
+    prompt = tokens(3 * BS + 1, seed=14)
+    with caplog.at_level("WARNING", logger="kvstore"), PrefixCache(config, NS) as cache:
+        assert [r.getMessage() for r in caplog.records] == [
+            f"redis tier unreachable at start ({url}: ConnectionError: Error 111 connecting to "
+            f"127.0.0.1:{redis_server.port}. Connection refused.): lookups miss it and writes "
+            "to it are dropped until it answers"
+        ]
+        assert cache.store(prompt, kv_for(prompt)) == 3
+        hit = cache.lookup(prompt)
+        assert hit.num_cached_tokens == 3 * BS  # from the device pool
+        cache.release(hit)
+
+
 def test_load_into_copies_blocks_into_a_callers_paged_buffer(tmp_path):
     prompt = tokens(3 * BS + 1, seed=14)
     kv = kv_for(prompt)

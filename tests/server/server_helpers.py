@@ -54,6 +54,15 @@ class Compose:
         env = self.services[service].get("environment") or {}
         return {k: substitute(str(v), self.env) for k, v in env.items()}
 
+    def config_content(self, name: str) -> str:
+        """A top-level config's `content`, interpolated."""
+        return substitute(self.data["configs"][name]["content"], self.env)
+
+    def redis_password(self) -> str:
+        """The `requirepass` of the config file the redis service reads."""
+        lines = self.config_content("redis-auth").splitlines()
+        return next(line.split(" ", 1)[1] for line in lines if line.startswith("requirepass "))
+
 
 def flag_value(args: list[str], flag: str) -> str:
     return args[args.index(flag) + 1]

@@ -1,6 +1,7 @@
-"""docker-compose.yml, checked without Docker: every command parses, and two replicas started
-with exactly its commands and flags (hosts, ports and the model path moved to loopback and a
-tmp dir) share the Redis tier it configures."""
+"""docker-compose.yml, checked without Docker: every command parses, no secret is on a
+command line, the image is built once, and two replicas started with exactly its commands,
+flags, environment and Redis config file (hosts, ports and the model path moved to loopback
+and a tmp dir) share the Redis tier it configures."""
 
 from __future__ import annotations
 
@@ -40,14 +41,21 @@ def parse_kvstore(command: list[str]):
     return build_parser().parse_args(command[1:])
 
 
-def test_every_compose_command_and_flag_parses(compose):
+def kvstore_config(command: list[str], env: dict[str, str], monkeypatch):
+    """The CacheConfig a compose `kvstore` command builds with its service's environment."""
+    with monkeypatch.context() as m:
+        for key, value in env.items():
+            m.setenv(key, value)
+        return cache_config_from_args(parse_kvstore(command))
+
+
+def test_every_compose_command_and_flag_parses(compose, monkeypatch):
     seen = set()
     for name, service in compose.services.items():
         command = compose.command(name)
         if command[0] == "kvstore":
-            args = parse_kvstore(command)
-            cache_config_from_args(args)  # values valid too, not only flag names
-            server_config_from_args(args, compose.environment(name))
+            kvstore_config(command, compose.environment(name), monkeypatch)  # values valid too
+            server_config_from_args(parse_kvstore(command), compose.environment(name))
         elif command[:3] == ["python", "-m", "bench"]:
             assert command[3] in BENCHMARKS
             importlib.import_module(f"bench.{command[3]}").build_parser().parse_args(command[4:])
@@ -55,39 +63,70 @@ def test_every_compose_command_and_flag_parses(compose):
             assert command[0] == "redis-server"  # its flags: the replica test starts it
             assert "healthcheck" in service
         seen.add(" ".join(command[:2] if command[0] != "python" else command[:4]))
-    assert seen == {"kvstore serve", "python -m bench serve", "redis-server --requirepass"}
+    conf = "/usr/local/etc/redis/auth.conf"
+    assert seen == {"kvstore serve", "python -m bench serve", f"redis-server {conf}"}
+    assert compose.services["redis"]["configs"] == [{"source": "redis-auth", "target": conf}]
     assert compose.services["bench"]["profiles"] == ["bench"]
 
 
-def test_engines_reach_redis_with_its_password_and_share_a_secret(compose):
-    redis = compose.command("redis")
-    password = flag_value(redis, "--requirepass")
-    assert flag_value(redis, "--maxmemory-policy") == "allkeys-lru"
+def test_engines_reach_redis_with_its_password_and_share_a_secret(compose, monkeypatch):
+    password = compose.redis_password()
+    assert password == "kvstore-dev-password"  # the documented default
+    assert flag_value(compose.command("redis"), "--maxmemory-policy") == "allkeys-lru"
     for name in ENGINES:
-        args = parse_kvstore(compose.command(name))
-        assert args.cache_redis_url == f"redis://:{password}@redis:6379/0"
+        config = kvstore_config(compose.command(name), compose.environment(name), monkeypatch)
+        assert config.redis_url == f"redis://:{password}@redis:6379/0"
     envs = [compose.environment(name) for name in ENGINES]
     assert envs[0]["KVSTORE_SECRET"] == envs[1]["KVSTORE_SECRET"] != ""
+
+
+def test_no_secret_is_on_a_command_line(monkeypatch):
+    secrets = {"REDIS_PASSWORD": "redis-pw-1", "KVSTORE_SECRET": "secret-2",
+               "KVSTORE_API_KEY": "sk-key-3"}  # fmt: skip
+    compose = Compose(env=secrets)
+    for name, service in compose.services.items():
+        seen = " ".join([*compose.command(name), *map(str, service["healthcheck"]["test"])]
+                        if "healthcheck" in service else compose.command(name))  # fmt: skip
+        assert not [s for s in secrets.values() if s in seen], name
+    assert compose.redis_password() == "redis-pw-1"
+    assert compose.environment("redis")["REDISCLI_AUTH"] == "redis-pw-1"
+    for name in ENGINES:
+        config = kvstore_config(compose.command(name), compose.environment(name), monkeypatch)
+        assert (config.redis_url, config.secret) == ("redis://:redis-pw-1@redis:6379/0", "secret-2")
+        assert compose.environment(name)["KVSTORE_API_KEY"] == "sk-key-3"
+    assert compose.environment("bench")["KVSTORE_API_KEY"] == "sk-key-3"
+
+
+def test_the_image_is_built_once_and_reused(compose):
+    services = compose.services
+    assert [name for name, s in services.items() if "build" in s] == ["engine-a"]
+    assert {services[name]["image"] for name in (*ENGINES, "bench")} == {"kvstore:latest"}
+    assert [services[name].get("pull_policy") for name in ("engine-b", "bench")] == ["never"] * 2
 
 
 def loopback_engine(compose, name, model_dir, redis_port, log_dir) -> ServerProcess:
     """The compose command of `name` on loopback: only host, port, model and Redis host move."""
     command = compose.command(name)
     port = free_port()
-    url = flag_value(command, "--redis-url").replace("@redis:6379", f"@127.0.0.1:{redis_port}")
     for flag, value in [("--host", "127.0.0.1"), ("--port", str(port)),
-                        ("--model", str(model_dir)), ("--redis-url", url)]:  # fmt: skip
+                        ("--model", str(model_dir))]:  # fmt: skip
         command = replace_flag(command, flag, value)
-    env = clean_env(**compose.environment(name))
+    env = compose.environment(name)
+    env["KVSTORE_REDIS_URL"] = env["KVSTORE_REDIS_URL"].replace(
+        "@redis:6379", f"@127.0.0.1:{redis_port}"
+    )
     args = [kvstore_script(), *command[1:]]
-    return ServerProcess(args, port, log_dir / f"{name}.log", env)
+    return ServerProcess(args, port, log_dir / f"{name}.log", clean_env(**env))
 
 
 @pytest.fixture
 def replicas(compose, model_dir, redis_server_factory, tmp_path):
-    """Redis with the compose flags, then both engines; yields (redis, a, b)."""
-    redis_args = compose.command("redis")[1:]
-    redis = redis_server_factory(*redis_args, password=flag_value(redis_args, "--requirepass"))
+    """Redis with the compose flags and config file, then both engines; yields (redis, a, b)."""
+    conf = tmp_path / "auth.conf"
+    conf.write_text(compose.config_content("redis-auth"))
+    redis_args = compose.command("redis")[2:]  # after redis-server and the config file
+    password = compose.redis_password()
+    redis = redis_server_factory(*redis_args, config_file=conf, password=password)
     a, b = (loopback_engine(compose, n, model_dir, redis.port, tmp_path) for n in ENGINES)
     try:
         with ThreadPoolExecutor(2) as pool:
@@ -137,9 +176,10 @@ def run_compose_bench(compose, a, b, key) -> None:
     command = replace_flag(command, "--concurrency", "2")
     urls = iter([a.url, b.url])
     command = [next(urls) if c.startswith("http://engine-") else c for c in command]
-    assert flag_value(command, "--api-key") == key
+    env = compose.environment("bench")
+    assert env["KVSTORE_API_KEY"] == key
     out = subprocess.run([sys.executable, *command[1:], "--json"], capture_output=True,
-                         text=True, timeout=120, env=clean_env())  # fmt: skip
+                         text=True, timeout=120, env=clean_env(**env))  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     report = json.loads(out.stdout)
     workload = importlib.import_module("bench.serve").build_workload("multiturn", [], 8)

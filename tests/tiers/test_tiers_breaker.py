@@ -61,3 +61,30 @@ def test_breaker_rejects_bad_arguments() -> None:
         CircuitBreaker(failures=0)
     with pytest.raises(ValueError, match="cooldown_s"):
         CircuitBreaker(cooldown_s=0)
+
+
+def test_each_state_change_is_one_warning_naming_the_tier(caplog) -> None:
+    clock = Clock()
+    breaker = CircuitBreaker(failures=2, cooldown_s=5.0, clock=clock, name="redis")
+    with caplog.at_level("WARNING", logger="kvstore.tiers"):
+        breaker.record_failure(ConnectionError("refused"))
+        breaker.record_failure(ConnectionError("refused"))  # opens
+        breaker.record_failure(ConnectionError("refused"))  # a straggler: still open
+        assert not breaker.allow()
+        clock.now += 5.0
+        assert breaker.allow()  # half-open: the probe
+        breaker.record_failure(TimeoutError("timed out"))  # open again
+        clock.now += 5.0
+        assert breaker.allow()
+        breaker.record_success()  # closed
+        breaker.record_success()  # no change, no warning
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("WARNING", "redis tier: circuit breaker open after 2 failures in a row (last: "
+         "ConnectionError: refused): lookups miss the tier and writes to it are dropped for "
+         "5 s, then one call probes it"),
+        ("WARNING", "redis tier: circuit breaker half-open: one call probes the tier"),
+        ("WARNING", "redis tier: circuit breaker open again: the probe failed (TimeoutError: "
+         "timed out); next probe in 5 s"),
+        ("WARNING", "redis tier: circuit breaker half-open: one call probes the tier"),
+        ("WARNING", "redis tier: circuit breaker closed: the tier answers again"),
+    ]  # fmt: skip

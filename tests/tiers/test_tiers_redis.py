@@ -9,7 +9,7 @@ import uuid
 import pytest
 import torch
 from redis.cluster import key_slot
-from tier_helpers import assert_same_entry, make_chain, namespace, run_in_threads
+from tier_helpers import assert_same_entry, make_chain, namespace, run_in_threads, wait_for
 
 from kvstore.config import CacheConfig
 from kvstore.stores import CircuitBreaker, LmdbStore, MemoryStore, RedisStore, make_stores
@@ -176,6 +176,42 @@ def test_killed_redis_reads_as_misses_and_the_breaker_opens_then_recovers(redis_
     s = store.stats()
     assert (s.errors, s.hits, s.writes) == (3, 3, 6)
     store.close()
+
+
+def test_an_outage_is_told_once_per_breaker_state_change(redis_server, caplog) -> None:
+    chain = make_chain(namespace(), num_blocks=2)
+    breaker = CircuitBreaker(failures=2, cooldown_s=0.2, name="redis")
+    store = RedisStore(redis_server.url, ns_id(), deadline_ms=200, breaker=breaker)
+    refused = f"ConnectionError: Error 111 connecting to 127.0.0.1:{redis_server.port}."
+    with caplog.at_level("WARNING", logger="kvstore.tiers"):
+        redis_server.kill()
+        for _ in range(4):  # two failures open it, two calls miss without a network call
+            assert store.get_many(chain.keys) == [None, None]
+        redis_server.restart()
+        wait_for(lambda: breaker.state == "half_open")
+        assert store.put_many(chain.items) == 2  # the probe succeeds
+    assert [r.getMessage() for r in caplog.records] == [
+        f"redis tier: circuit breaker open after 2 failures in a row (last: {refused} "
+        "Connection refused.): lookups miss the tier and writes to it are dropped for 0.2 s, "
+        "then one call probes it",
+        "redis tier: circuit breaker half-open: one call probes the tier",
+        "redis tier: circuit breaker closed: the tier answers again",
+    ]
+    store.close()
+
+
+def test_probe_says_why_a_server_cannot_be_reached_without_its_password(
+    redis_server_factory,
+) -> None:
+    server = redis_server_factory("--requirepass", "pw-secret", password="pw-secret")
+    with RedisStore(server.url, ns_id()) as store:
+        assert store.probe() is None
+        server.kill()
+        assert store.probe() == (
+            f"redis://:***@127.0.0.1:{server.port}/0: ConnectionError: Error 111 connecting to "
+            f"127.0.0.1:{server.port}. Connection refused."
+        )
+        assert (store.stats().errors, store.breaker.state) == (0, "closed")  # only a check
 
 
 def test_paused_redis_times_out_to_misses_and_recovers(redis_server) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -104,3 +105,12 @@ def run_in_threads(work: Callable[[int], None], n: int = 4, timeout_s: float = 6
     for thread in threads:
         thread.join(timeout_s)
     return failures
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Poll until predicate() is true (a condition, never a timing assertion)."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not reached")
+        time.sleep(0.01)

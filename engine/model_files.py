@@ -1,0 +1,90 @@
+"""What a local model directory must hold, checked before any weight is read.
+
+A directory is loadable when it has a `config.json` whose `model_type` this transformers
+knows, and tokenizer files. Each failure is a `ModelLoadError` that says what is missing and
+how to fix it, instead of the error transformers would raise later (after the weights loaded,
+or naming a package the directory does not need).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import transformers
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+# Files holding a vocabulary, by tokenizer kind (one group is enough).
+TOKENIZER_FILE_GROUPS = (
+    ("tokenizer.json",),  # fast tokenizers (what save_pretrained writes)
+    ("tokenizer.model",),  # sentencepiece (Llama, Mistral, Gemma)
+    ("spiece.model",),  # sentencepiece (T5 family)
+    ("vocab.json", "merges.txt"),  # byte-level BPE (GPT-2 family)
+    ("vocab.txt",),  # WordPiece
+)
+
+
+class ModelLoadError(ValueError):
+    """The model name or path cannot be loaded (not `tiny` and not a local model directory)."""
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def read_config(path: Path) -> PretrainedConfig:
+    """The directory's config; `ModelLoadError` if config.json is missing, unreadable or names
+    a model type transformers does not know."""
+    file = path / "config.json"
+    if not file.is_file():
+        raise ModelLoadError(
+            f"{path} is not a model directory: it has no config.json "
+            "(write one with model.save_pretrained(dir))"
+        )
+    try:
+        model_type = json.loads(file.read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ModelLoadError(f"cannot read {file}: {_one_line(e)}") from None
+    if model_type not in CONFIG_MAPPING:
+        raise ModelLoadError(
+            f"{file}: model_type {model_type!r} is unknown to transformers "
+            f"{transformers.__version__}; fix model_type or upgrade transformers"
+        )
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot load {file}: {_one_line(e)}") from None
+
+
+def attn_implementation(config: PretrainedConfig) -> str:
+    """`sdpa` where the model's class supports it, else `eager` (GPT-J, Bloom)."""
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    if model_class is None:
+        model_type = getattr(config, "model_type", "unknown")
+        raise ModelLoadError(f"model type {model_type!r} has no causal-LM class in transformers")
+    return "sdpa" if getattr(model_class, "_supports_sdpa", False) else "eager"
+
+
+def missing_tokenizer_files(path: Path) -> str | None:
+    """None when `path` has the files of some tokenizer kind, else which ones it lacks."""
+    if any(all((path / name).is_file() for name in group) for group in TOKENIZER_FILE_GROUPS):
+        return None
+    return ", ".join(" + ".join(group) for group in TOKENIZER_FILE_GROUPS)
+
+
+def load_tokenizer(path: Path) -> Any:
+    """The directory's tokenizer; `ModelLoadError` naming the missing files if it has none."""
+    missing = missing_tokenizer_files(path)
+    if missing is not None:
+        raise ModelLoadError(
+            f"{path} has no tokenizer files (none of: {missing}); save the tokenizer there "
+            "with tokenizer.save_pretrained(dir)"
+        )
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, ImportError) as e:
+        raise ModelLoadError(f"cannot load the tokenizer in {path}: {_one_line(e)}") from None

@@ -1,0 +1,116 @@
+"""A new user's mistakes, through the real command line: one `error:` line that says what to
+fix, exit status 2, no traceback, and nothing written."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from cli_helpers import kvstore, only_error_line, run_module
+from engine_helpers import micro_config
+
+from engine.model import byte_tokenizer
+
+pytestmark = pytest.mark.integration
+PROMPT = ["generate", "--prompt", "hi", "--max-tokens", "2"]
+
+
+def test_an_lmdb_dir_naming_a_file(tmp_path: Path) -> None:
+    file = tmp_path / "kv"
+    file.write_text("")
+    line = only_error_line(kvstore(*PROMPT, "--lmdb-dir", str(file)), "kvstore generate")
+    assert line == f"lmdb_dir: {file} exists and is not a directory; give a directory"
+
+
+def test_an_lmdb_dir_that_cannot_be_created(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    bad = tmp_path / "file" / "kv"  # a directory under a file
+    line = only_error_line(kvstore(*PROMPT, "--lmdb-dir", str(bad)), "kvstore generate")
+    assert line == f"lmdb_dir: cannot create {bad} (Not a directory); give a writable directory"
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_an_lmdb_dir_under_proc() -> None:
+    line = only_error_line(kvstore(*PROMPT, "--lmdb-dir", "/proc/x"), "kvstore generate")
+    assert line == (
+        "lmdb_dir: cannot create /proc/x (No such file or directory); give a writable directory"
+    )
+
+
+def test_stats_with_an_lmdb_dir_naming_a_file(tmp_path: Path) -> None:
+    file = tmp_path / "kv"
+    file.write_text("")
+    proc = kvstore("stats", "--namespace", "0123456789abcdef", "--lmdb-dir", str(file))
+    line = only_error_line(proc, "kvstore stats")
+    assert line == f"lmdb_dir: {file} exists and is not a directory; give a directory"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_a_cuda_device_without_cuda() -> None:
+    line = only_error_line(kvstore(*PROMPT, "--device", "cuda"), "kvstore generate")
+    assert line == (
+        "device: 'cuda' requested but CUDA is not available (no GPU visible, or a CPU build "
+        "of torch); use cpu or auto"
+    )
+
+
+def test_a_model_directory_without_tokenizer_files(tmp_path: Path) -> None:
+    micro_config().save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"not weights")  # never read
+    line = only_error_line(kvstore(*PROMPT, "--model", str(tmp_path)), "kvstore generate")
+    assert line.startswith(f"{tmp_path} has no tokenizer files (none of: tokenizer.json, ")
+    assert line.endswith("save the tokenizer there with tokenizer.save_pretrained(dir)")
+
+
+def test_an_empty_model_directory(tmp_path: Path) -> None:
+    line = only_error_line(kvstore(*PROMPT, "--model", str(tmp_path)), "kvstore generate")
+    assert line == (
+        f"{tmp_path} is not a model directory: it has no config.json "
+        "(write one with model.save_pretrained(dir))"
+    )
+
+
+def test_an_unknown_model_type(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "frobnicator"}))
+    byte_tokenizer().save_pretrained(tmp_path)
+    line = only_error_line(kvstore(*PROMPT, "--model", str(tmp_path)), "kvstore generate")
+    assert line.startswith(f"{tmp_path / 'config.json'}: model_type 'frobnicator' is unknown")
+    assert line.endswith("; fix model_type or upgrade transformers")
+
+
+def test_serve_without_the_serve_extra_names_it() -> None:
+    proc = kvstore("serve", "--model", "tiny", blocked=("fastapi",))
+    assert only_error_line(proc, "kvstore serve") == (
+        "module 'fastapi' is not installed; install the 'serve' extra: pip install -e '.[serve]'"
+    )
+
+
+def test_the_quickstart_install_is_enough_for_generate() -> None:
+    # pip install -e '.[engine]': none of the other extras' own modules (httpx comes with
+    # transformers, through huggingface_hub)
+    others = ("fastapi", "uvicorn", "matplotlib", "hypothesis", "accelerate")
+    proc = kvstore(*PROMPT, "--ignore-eos", "--json", blocked=others)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(json.loads(proc.stdout)["output_token_ids"]) == 2
+
+
+def test_generate_without_the_engine_extra_names_it() -> None:
+    proc = kvstore(*PROMPT, blocked=("transformers",))
+    assert only_error_line(proc, "kvstore generate") == (
+        "module 'transformers' is not installed; install the 'engine' extra: "
+        "pip install -e '.[engine]'"
+    )
+
+
+def test_bench_hitrate_out_without_matplotlib_writes_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    argv = ["hitrate", "--workload", "shared-prefix", "--capacity-blocks", "8", "--policy",
+            "lru", "--out", str(out)]  # fmt: skip
+    proc = run_module("bench", *argv, blocked=("matplotlib",))
+    assert only_error_line(proc, "python -m bench hitrate") == (
+        "module 'matplotlib' is not installed (needed by --out); install the 'bench' extra: "
+        "pip install -e '.[bench]'"
+    )
+    assert not out.exists()
