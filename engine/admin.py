@@ -10,13 +10,9 @@ import argparse
 import json
 from dataclasses import asdict
 
-from engine.commands import (
-    add_cache_arguments,
-    add_model_arguments,
-    cache_config_from_args,
-    command,
-)
+from engine.commands import add_model_arguments, command
 from kvstore.config import CacheConfig, ConfigError
+from kvstore.settings import add_cache_args, config_from_args
 from kvstore.stores import SpillStore, make_stores
 
 TIER_FIELDS = ("entries", "bytes", "capacity_bytes")  # what `stats` reports of each tier
@@ -26,7 +22,7 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--namespace", default=None, help="namespace id (skips loading a model)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     add_model_arguments(parser)
-    add_cache_arguments(parser)
+    add_cache_args(parser)
 
 
 def _namespace_id(args: argparse.Namespace, config: CacheConfig) -> str:
@@ -42,7 +38,7 @@ def _namespace_id(args: argparse.Namespace, config: CacheConfig) -> str:
 
 
 def _open(args: argparse.Namespace) -> tuple[str, list[SpillStore]]:
-    config = cache_config_from_args(args)
+    config = config_from_args(args)
     ns_id = _namespace_id(args, config)
     stores = [s for s in make_stores(config, ns_id) if s.name != "memory"]  # per process
     if not stores:

@@ -1,7 +1,7 @@
 """`kvstore` command line: generate, demo, serve here; stats and clear in engine/admin.py.
 
 Cache flags are derived from `CacheConfig` fields (`--block-size` -> block_size, ...), so
-every subcommand that builds a cache shares them via `add_cache_arguments`.
+every subcommand that builds a cache shares them via `kvstore.settings.add_cache_args`.
 """
 
 from __future__ import annotations
@@ -16,15 +16,14 @@ from engine.commands import (  # noqa: F401  (re-exported for callers of the CLI
     COMMANDS,
     ENGINE_MODULES,
     Command,
-    add_cache_arguments,
     add_model_arguments,
-    cache_config_from_args,
     check_cache_config,
     command,
     load_engine,
 )
 from engine.extras import as_missing_extra, require
 from kvstore.config import ConfigError
+from kvstore.settings import add_cache_args, config_from_args
 
 # Modules whose typed errors mean "fix the input" (exit 2 with their message).
 USER_ERRORS = {
@@ -53,7 +52,7 @@ def _generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true", help="generate past EOS")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    add_cache_arguments(parser)
+    add_cache_args(parser)
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -128,7 +127,7 @@ def _demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-tokens", type=int, default=16, help="tokens each demo request generates"
     )
-    add_cache_arguments(parser)
+    add_cache_args(parser)
 
 
 @command(
@@ -144,7 +143,7 @@ def run_demo(args: argparse.Namespace) -> int:
     from engine.demo import demo_header, num_requests, print_demo_table, run_demo_requests
 
     start = time.perf_counter()
-    config = cache_config_from_args(args, device_blocks=2048)
+    config = config_from_args(args, device_blocks=2048)
     device = check_cache_config(config)
     print(f"kvstore demo: {demo_header(config, device)}", file=sys.stderr)
     with tqdm(total=num_requests(config), desc="requests", unit="req", file=sys.stderr) as bar:
@@ -169,7 +168,7 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
 
     add_model_arguments(parser)
     add_server_arguments(parser)
-    add_cache_arguments(parser)
+    add_cache_args(parser)
 
 
 @command(

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 from kvstore.config import CacheConfig
-from kvstore.settings import add_cache_args, config_from_args
+from kvstore.settings import config_from_args
 
 if TYPE_CHECKING:
     import torch
@@ -43,10 +43,6 @@ def command(
         return run
 
     return register
-
-
-add_cache_arguments = add_cache_args
-cache_config_from_args = config_from_args
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -92,7 +88,7 @@ def load_engine(args: argparse.Namespace, **cache_defaults: object):
     from engine.scheduler import SchedulerConfig
 
     hf_logging.disable_progress_bar()
-    config = cache_config_from_args(args, **cache_defaults)
+    config = config_from_args(args, **cache_defaults)
     device = check_cache_config(config)
     model = load_model(args.model, args.dtype, device, args.model_revision)
     steps = SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs)

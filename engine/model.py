@@ -25,6 +25,7 @@ from transformers.cache_utils import DynamicLayer
 
 from engine.model_files import ModelLoadError, attn_implementation, load_tokenizer, read_config
 from hashing import Namespace
+from kvstore.layout import DTYPES as KV_DTYPES
 
 TINY_NAME = "tiny"
 TINY_SEED = 0
@@ -35,14 +36,7 @@ CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}"
     "<|end_of_turn|>\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
 )
-DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-}
+DTYPES = KV_DTYPES | {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # Config keys that change on save/load but not the computation (dtype is hashed separately).
 _VOLATILE_CONFIG_KEYS = (
     "_name_or_path",

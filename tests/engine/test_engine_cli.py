@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.cli import COMMANDS, build_parser, cache_config_from_args, main
+from engine.cli import COMMANDS, build_parser, config_from_args, main
 from engine.model import load_model
 
 
@@ -45,7 +45,7 @@ def test_cache_flags_map_to_cache_config_fields(tmp_path: Path) -> None:
          "--device-cache-gb", "0.5", "--lmdb-dir", str(tmp_path), "--redis-url",
          "redis://localhost:6379/0", "--eviction-policy", "lfu"]
     )  # fmt: skip
-    config = cache_config_from_args(args)
+    config = config_from_args(args)
     assert (config.block_size, config.device_blocks, config.device_cache_gb) == (8, 32, 0.5)
     assert (config.lmdb_dir, config.redis_url) == (str(tmp_path), "redis://localhost:6379/0")
     assert config.eviction_policy == "lfu"
@@ -55,7 +55,7 @@ def test_cache_flags_map_to_cache_config_fields(tmp_path: Path) -> None:
 def test_secret_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVSTORE_SECRET", "s3cret")
     args = build_parser().parse_args(["generate", "--prompt", "hi"])
-    assert cache_config_from_args(args).secret == "s3cret"
+    assert config_from_args(args).secret == "s3cret"
 
 
 @pytest.mark.parametrize(

@@ -25,7 +25,7 @@ from server_helpers import (
 )
 
 from bench.__main__ import BENCHMARKS
-from engine.cli import build_parser, cache_config_from_args
+from engine.cli import build_parser, config_from_args
 from engine.server.config import server_config_from_args
 
 ENGINES = ("engine-a", "engine-b")
@@ -46,7 +46,7 @@ def kvstore_config(command: list[str], env: dict[str, str], monkeypatch):
     with monkeypatch.context() as m:
         for key, value in env.items():
             m.setenv(key, value)
-        return cache_config_from_args(parse_kvstore(command))
+        return config_from_args(parse_kvstore(command))
 
 
 def test_every_compose_command_and_flag_parses(compose, monkeypatch):
