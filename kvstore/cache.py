@@ -133,7 +133,7 @@ class PrefixCache:
 
         start = len(hit.block_ids)
         try:
-            segments = self.tiers.fetch_into(scope, hit.keys, tokens, start, allocate)
+            segments = self.tiers.reader.fetch_into(scope, hit.keys, tokens, start, allocate)
         except BaseException:
             self.free(new_ids)
             raise

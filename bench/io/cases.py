@@ -126,7 +126,7 @@ class Paths:
 
     def read(self) -> None:
         """PrefixCache.lookup for a device miss: fetch + verify, promote into the pool."""
-        segments = self.tiers.fetch_into(
+        segments = self.tiers.reader.fetch_into(
             self.scope,
             self.batch.keys,
             self.batch.tokens,

@@ -1,4 +1,5 @@
-"""The spill tiers below the device pool: verified reads into the pool, and the write policy.
+"""The spill tiers below the device pool: verified reads into the pool (`reader`, a
+`TierReader`), and the write policy.
 
 The cache calls one hook per event, with plain keys and block ids (`block_ids[i]` is the
 pool block of `keys[i]`, owned or locked by the caller for the duration of the call):
@@ -57,17 +58,6 @@ class Tiers:
 
     def __bool__(self) -> bool:
         return bool(self.stores)
-
-    def fetch_into(
-        self,
-        scope: Scope,
-        keys: Sequence[bytes],
-        token_ids: np.ndarray,
-        start: int,
-        allocate: Allocate,
-    ) -> list[Segment]:
-        """`TierReader.fetch_into`: verified blocks keys[start:] into pool destinations."""
-        return self.reader.fetch_into(scope, keys, token_ids, start, allocate)
 
     # --- write hooks -----------------------------------------------------------------------
 
