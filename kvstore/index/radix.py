@@ -103,6 +103,14 @@ class RadixIndex:
 
         Records a hit on every matched node. Never splits: see the class docstring.
         """
+        return self._match(keys, token_ids, record=True)
+
+    def peek_prefix(self, keys: Sequence[bytes], token_ids: np.ndarray) -> MatchResult:
+        """`match_prefix` that records nothing: no policy call, no change of any state (a
+        probe, e.g. to route a request to the replica holding its longest prefix)."""
+        return self._match(keys, token_ids, record=False)
+
+    def _match(self, keys: Sequence[bytes], token_ids: np.ndarray, record: bool) -> MatchResult:
         n, joined, tokens = self._prepare(keys, token_ids)
         node, pos, ids = self.root, 0, []
         while pos < n:
@@ -113,7 +121,8 @@ class RadixIndex:
             if k == 0:  # a key hit with different tokens is a miss
                 break
             ids += child.block_ids[:k].tolist()
-            self.policy.access(child.id)
+            if record:
+                self.policy.access(child.id)
             node, pos = child, pos + k
             if k < child.num_blocks:
                 break

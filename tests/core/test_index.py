@@ -1,9 +1,11 @@
+from unittest import mock
+
 import numpy as np
 import pytest
 
 from hashing import BlockHasher, Namespace
 from kvstore.index import IntegrityError, RadixIndex, TreeNode
-from kvstore.policies import LFUPolicy
+from kvstore.policies import POLICIES, LFUPolicy, make_policy
 
 BS = 4
 HASHER = BlockHasher(Namespace("index-model", "float32", 1, 1, 4, BS))
@@ -91,6 +93,36 @@ def test_match_ending_inside_a_run_does_not_split_and_locks_the_whole_run():
     assert index.evict(4) == []
     index.unlock(result.last_node)
     assert index.num_evictable_blocks == 4
+
+
+def _used_tree(policy: str) -> RadixIndex:
+    """shared_tree's runs under `policy`, with a hit on [1 2 3 4] to give it some history."""
+    index = RadixIndex(BS, make_policy(policy, 16))
+    insert(index, A, [0, 1, 2, 3])
+    insert(index, B, [10, 11, 12, 13])
+    insert(index, prompt(5, 6), [20, 21])
+    match(index, A)
+    return index
+
+
+def _eviction_order(index: RadixIndex) -> list[int]:
+    return [b for _ in range(index.num_cached_blocks) for b in index.evict(1)]
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_peek_prefix_finds_what_match_prefix_finds_and_records_nothing(policy):
+    peeked, control = _used_tree(policy), _used_tree(policy)
+    spy = mock.Mock(wraps=peeked.policy)
+    peeked.policy = spy
+    for tokens, num_blocks in ((B, None), (A, 3), (prompt(5, 6, 7), None), (prompt(9), None)):
+        got = peeked.peek_prefix(keys(tokens)[:num_blocks], tokens)
+        want = match(control, tokens, num_blocks)
+        assert (got.num_blocks, got.block_ids) == (want.num_blocks, want.block_ids)
+        assert got.last_node.block_ids.tolist() == want.last_node.block_ids.tolist()
+    assert spy.mock_calls == []
+    peeked.policy = spy._mock_wraps
+    control = _used_tree(policy)  # the matches above recorded hits on the control
+    assert _eviction_order(peeked) == _eviction_order(control)
 
 
 def test_a_key_hit_with_different_tokens_is_a_miss():
