@@ -16,6 +16,9 @@ Each capacity also gets the offline figures of `bench.hitrate.offline`:
 `optimal_block_hit_rate` (a true upper bound for any prefix cache of that capacity) and
 `offline_block_hit_rate` (Belady on the radix tree's leaves, an achievable reference), and each
 policy its ratio to both.
+
+`--tiers`, `--replicas`, `--route`, `--write-policy` and the cost flags plan capacity instead:
+tier hierarchies and replica fleets (`bench.hitrate.plan`).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import numpy as np
 from tqdm import tqdm
 
 from bench.hitrate.offline import infinite_hits, offline_leaf_hits, upper_bound_hits
+from bench.hitrate.tiers import KEY_BYTES, key_blob
 from bench.traces import BlockTrace, TraceError, from_token_requests, load_trace
 from bench.workloads import WORKLOADS, WorkloadError, make_workload
 from engine.extras import require
@@ -37,9 +41,8 @@ from kvstore.index import RadixIndex
 from kvstore.policies import POLICIES, make_policy
 from kvstore.policies.base import Policy
 
-__all__ = ["ReplayResult", "main", "parse_capacities", "replay", "run"]
+__all__ = ["ReplayResult", "main", "parse_capacities", "replay", "run", "trace_summary"]
 
-KEY_BYTES = 16
 Progress = Callable[[int], None]
 OnRequest = Callable[[int, int, RadixIndex], None]
 
@@ -47,13 +50,6 @@ OnRequest = Callable[[int, int, RadixIndex], None]
 class ReplayResult(NamedTuple):
     block_hits: int
     token_hits: int
-
-
-def _key_blob(num_unique: int) -> bytes:
-    """Keys of dense ids 0..U-1 back to back: id as a little-endian 16-byte integer."""
-    keys = np.zeros((num_unique, 2), dtype="<u8")
-    keys[:, 0] = np.arange(num_unique, dtype=np.uint64)
-    return keys.tobytes()
 
 
 def replay(
@@ -75,7 +71,7 @@ def replay(
     if not isinstance(policy, str) and policy.entries():
         raise ValueError("replay needs a fresh policy instance; this one already has entries")
     index = RadixIndex(1, make_policy(policy, capacity) if isinstance(policy, str) else policy)
-    blob = _key_blob(trace.num_unique)
+    blob = key_blob(trace.num_unique)
     tokens = trace.blocks.astype(np.uint32)
     blocks, offsets = trace.blocks.tolist(), trace.offsets.tolist()
     block_hits = 0
@@ -196,7 +192,12 @@ def run(
             )
     bar.update(refs * jobs - bar.n)
     bar.close()
-    stats = trace.stats()
+    return {**trace_summary(trace), "results": results}
+
+
+def trace_summary(trace: BlockTrace) -> dict[str, Any]:
+    """The report's fields about the trace itself."""
+    stats, refs = trace.stats(), trace.num_refs
     return {
         "workload": trace.name,
         "block_tokens": trace.block_tokens,
@@ -205,7 +206,6 @@ def run(
         "unique_blocks": stats.unique_blocks,
         "mean_input_tokens": round(stats.mean_input_tokens, 1),
         "infinite_block_hit_rate": round(infinite_hits(trace) / refs if refs else 0.0, 6),
-        "results": results,
     }
 
 
@@ -328,7 +328,7 @@ def load_workload(spec: str, params: list[str], block_size: int) -> BlockTrace:
     return from_token_requests(config.generate(), block_size, spec)
 
 
-def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+def add_workload_arguments(parser: argparse.ArgumentParser, capacity_required: bool = True) -> None:
     """--workload, --param, --block-size and --capacity-blocks (see `parse_workload`)."""
     choices = ",".join([*WORKLOADS, "trace:PATH"])
     parser.add_argument("--workload", required=True, help=f"one of {{{choices}}}")
@@ -347,7 +347,7 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--capacity-blocks",
-        required=True,
+        required=capacity_required,
         help="comma list of capacities: blocks, or %% of unique blocks",
     )
 
@@ -355,36 +355,51 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
 def parse_workload(
     parser: argparse.ArgumentParser, args: argparse.Namespace
 ) -> tuple[BlockTrace, list[int]]:
-    """The trace and capacities the workload arguments name; a bad one exits with its error."""
+    """The trace and capacities the workload arguments name (none when --capacity-blocks is
+    optional and absent); a bad one exits with its error."""
     if args.block_size < 1:
         parser.error("--block-size must be >= 1")
     try:
         trace = load_workload(args.workload, args.param, args.block_size)
+        if args.capacity_blocks is None:
+            return trace, []
         return trace, parse_capacities(args.capacity_blocks, trace.num_unique)
     except (TraceError, WorkloadError, ValueError) as exc:
         parser.error(str(exc))
 
 
 def _parser() -> argparse.ArgumentParser:
+    from bench.hitrate import plan
+
     parser = argparse.ArgumentParser(
         prog="python -m bench hitrate",
         description="block and token hit rates of eviction policies vs offline figures",
     )
-    add_workload_arguments(parser)
-    parser.add_argument("--policy", default="all", help="comma list of policies, or 'all'")
+    add_workload_arguments(parser, capacity_required=False)
+    parser.add_argument(
+        "--policy", help="comma list of policies, or 'all' (default: all; lru when planning)"
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--out", type=Path, help="write hitrate.json/.md/.png into this dir")
+    plan.add_arguments(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    from bench.hitrate import plan
+
     parser = _parser()
     args = parser.parse_args(argv)
+    planning = plan.requested(args)
+    if not planning and args.capacity_blocks is None:
+        parser.error("the following arguments are required: --capacity-blocks")
     if args.out is not None:  # before any work: no partial --out
         require("matplotlib", needed_by="--out")
     trace, capacities = parse_workload(parser, args)
+    if planning:
+        return plan.main(parser, args, trace, capacities)
     try:
-        policies = parse_policies(args.policy)
+        policies = parse_policies(args.policy or "all")
     except ValueError as exc:
         parser.error(str(exc))
     report = run(trace, capacities, policies, show_progress=not args.json)

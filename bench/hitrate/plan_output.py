@@ -1,0 +1,137 @@
+"""The capacity-planning report as a rich table, markdown and a plot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from bench.hitrate.tiers import TIERS
+
+__all__ = ["markdown", "plot", "print_table", "write_outputs"]
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def _tiers_label(row: dict[str, Any]) -> str:
+    caps = row["tier_capacity_blocks"]
+    return ", ".join(f"{tier} {blocks:,}" for tier, blocks in caps.items())
+
+
+def _tiers_used(report: dict[str, Any]) -> list[str]:
+    used = {t for r in report["results"] for t in r["tier_capacity_blocks"]}
+    return [t for t in TIERS if t in used]
+
+
+def _has_cost(report: dict[str, Any]) -> bool:
+    return "cost_model" in report
+
+
+def columns(report: dict[str, Any]) -> list[str]:
+    cols = ["tiers per replica (blocks)", "policy", "replicas", "route"]
+    cols += [f"{t} hit" for t in _tiers_used(report)]
+    cols += ["block hit", "token hit", "upper bound"]
+    return cols + (["est TTFT s", "no cache s"] if _has_cost(report) else [])
+
+
+def rows(report: dict[str, Any]) -> list[list[str]]:
+    out = []
+    for r in report["results"]:
+        rates = r["tier_block_hit_rate"]
+        cells = [_tiers_label(r), r["policy"], str(r["replicas"]), r["route"]]
+        cells += [_pct(rates.get(t)) for t in _tiers_used(report)]
+        cells += [_pct(r[k]) for k in ("block_hit_rate", "token_hit_rate")]
+        cells.append(_pct(r["optimal_block_hit_rate"]))
+        if _has_cost(report):
+            cells += [f"{r['est_ttft_s']:.3f}", f"{r['est_ttft_nocache_s']:.3f}"]
+        out.append(cells)
+    return out
+
+
+def summary(report: dict[str, Any]) -> str:
+    text = (
+        f"{report['workload']}: {report['requests']:,} requests, {report['block_refs']:,} block "
+        f"references, {report['unique_blocks']:,} unique blocks of {report['block_tokens']} "
+        f"tokens; infinite-capacity block hit rate {_pct(report['infinite_block_hit_rate'])}"
+    )
+    if _has_cost(report):
+        cost = report["cost_model"]
+        loads = ", ".join(f"{t} {ms:g}" for t, ms in cost["load_ms_per_block"].items())
+        text += f"; prefill {cost['prefill_ms_per_token']:g} ms/token, load ms/block: {loads}"
+    return text
+
+
+def markdown(report: dict[str, Any]) -> str:
+    cols = columns(report)
+    lines = [summary(report), "", "| " + " | ".join(cols) + " |"]
+    lines.append("|" + "|".join("---" if i == 0 else "---:" for i in range(len(cols))) + "|")
+    lines += ["| " + " | ".join(row) + " |" for row in rows(report)]
+    return "\n".join(lines) + "\n"
+
+
+def print_table(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=summary(report))
+    for i, col in enumerate(columns(report)):
+        table.add_column(col, justify="left" if i == 0 else "right")
+    for row in rows(report):
+        table.add_row(*row)
+    Console().print(table)
+
+
+def _groups(report: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """Rows that differ only in device capacity, by a label of what they share."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in report["results"]:
+        spill = [f"{t} {b:,}" for t, b in r["tier_capacity_blocks"].items() if t != TIERS[0]]
+        label = f"{' + '.join(spill) or 'device only'}; {r['replicas']}x {r['route']}"
+        label += f"; {r['policy']}"
+        groups.setdefault(label, []).append(r)
+    return groups
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    """Total and device block hit rate (and estimated TTFT) against device capacity."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = 2 if _has_cost(report) else 1
+    fig, axes = plt.subplots(1, panels, figsize=(7 * panels, 4.8), squeeze=False)
+    hit_ax = axes[0][0]
+    for i, (label, group) in enumerate(_groups(report).items()):
+        group = sorted(group, key=lambda r: r["tier_capacity_blocks"][TIERS[0]])
+        x = [r["tier_capacity_blocks"][TIERS[0]] for r in group]
+        color = f"C{i % 10}"
+        hit_ax.plot(x, [r["block_hit_rate"] for r in group], "o-", color=color, label=label)
+        device = [r["tier_block_hit_rate"][TIERS[0]] for r in group]
+        hit_ax.plot(x, device, ":", color=color)
+        if panels == 2:
+            axes[0][1].plot(x, [r["est_ttft_s"] for r in group], "o-", color=color, label=label)
+    hit_ax.axhline(report["infinite_block_hit_rate"], color="grey", lw=0.8, label="infinite")
+    hit_ax.set_ylabel("block hit rate (solid: all tiers, dotted: device)")
+    if panels == 2:
+        nocache = report["results"][0]["est_ttft_nocache_s"]
+        axes[0][1].axhline(nocache, color="grey", lw=0.8, label="no cache")
+        axes[0][1].set_ylabel("estimated mean TTFT (s)")
+    for ax in axes[0]:
+        ax.set_xscale("log")
+        ax.set_xlabel("device capacity per replica (blocks)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(report["workload"])
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_outputs(report: dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "hitrate.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / "hitrate.md").write_text(markdown(report))
+    plot(report, out / "hitrate.png")

@@ -1,0 +1,302 @@
+"""Replica fleets (routing, derived sessions), the cost model, and `bench hitrate`'s planning
+flags."""
+
+import json
+from pathlib import Path
+from unittest import mock
+
+import numpy as np
+import pytest
+from bench_helpers import traces
+from hypothesis import given, settings
+
+from bench.hitrate import main
+from bench.hitrate.cost import CostModel
+from bench.hitrate.fleet import ROUTES, FleetConfig, derive_sessions, make_replicas, replay_fleet
+from bench.hitrate.offline import infinite_hits
+from bench.hitrate.tiers import TierConfig, block_requests
+from bench.traces import BlockTrace, from_chains, load_trace
+from kvstore.policies import LRUPolicy
+
+FIXTURES = Path(__file__).resolve().parents[2] / "bench" / "fixtures"
+TOKEN_FIXTURE = FIXTURES / "conversation_tokens.jsonl"
+MOONCAKE_FIXTURE = FIXTURES / "conversation_mooncake.jsonl"
+
+# a system prompt S = block 0; session A: [S, a1], later [S, a1, a2]; session B: [S, b1],
+# then [S, b1, b2]; arrivals A1, B1, B2, A2; then a one-off C with nothing shared
+TWO_SESSIONS = [[0, 1], [0, 2], [0, 2, 3], [0, 1, 4], [5, 6]]
+
+
+def fixture_head(requests: int) -> BlockTrace:
+    trace = load_trace(MOONCAKE_FIXTURE)
+    return from_chains([trace.request(r) for r in range(requests)], block_tokens=512)
+
+
+def routed(trace: BlockTrace, config: FleetConfig) -> tuple[list[int], list[int]]:
+    """(replica of each request, block hits of each request)."""
+    replicas: list[int] = []
+    hits: list[int] = []
+
+    def record(r: int, replica: int, tier_hits: list[int]) -> None:
+        replicas.append(replica)
+        hits.append(sum(tier_hits))
+
+    replay_fleet(trace, config, on_request=record)
+    return replicas, hits
+
+
+def fleet(replicas: int, route: str, device: int = 10, spill=()) -> FleetConfig:
+    return FleetConfig(TierConfig(device, spill), "lru", replicas, route)
+
+
+# --- sessions ------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("chains", "sessions"),
+    [
+        (TWO_SESSIONS, [0, 1, 1, 0, 2]),
+        ([[0], [0, 1], [0, 2]], [0, 0, 1]),  # the second branch off [0] is a new session
+        ([[0, 1], [0, 1], [0, 1, 2]], [0, 0, 0]),  # a resent prompt, then the next turn
+        ([[0, 1], [0, 1, 2], [0, 1, 3]], [0, 0, 1]),  # a regenerated turn starts a new one
+        ([[0, 1, 2], [0, 1], [0, 1, 3]], [0, 1, 2]),  # a prefix of a turn ends nothing
+        ([[], [0], []], [0, 1, 2]),
+    ],
+)
+def test_sessions_follow_a_request_that_resends_a_whole_earlier_prompt(chains, sessions):
+    assert derive_sessions(from_chains(chains)).tolist() == sessions
+
+
+def test_a_shared_system_prompt_does_not_merge_sessions_on_the_fixture():
+    trace = load_trace(MOONCAKE_FIXTURE)
+    sessions = derive_sessions(trace)
+    assert sessions[:3].tolist() == [0, 1, 2]  # three first turns behind system prompt 0, 60
+    counts = np.bincount(sessions)
+    assert counts.max() < 20  # no session swallows the conversations sharing a prompt
+
+
+# --- routing -------------------------------------------------------------------------------
+def test_round_robin_alternates_replicas_and_splits_the_sessions():
+    assert routed(from_chains(TWO_SESSIONS), fleet(2, "round-robin")) == (
+        [0, 1, 0, 1, 0],
+        [0, 0, 1, 1, 0],
+    )
+
+
+def test_session_routing_keeps_each_session_on_its_replica():
+    # A on replica 0, B on the least loaded (1); C starts on the least loaded (0: 2 vs 2)
+    assert routed(from_chains(TWO_SESSIONS), fleet(2, "session")) == (
+        [0, 1, 1, 0, 0],
+        [0, 0, 2, 2, 0],
+    )
+
+
+def test_prefix_routing_follows_the_longest_cached_prefix_and_breaks_ties_by_load():
+    # B1 shares S with A1's replica 0, so everything goes there until C, which holds no
+    # prefix anywhere and goes to the least loaded replica
+    assert routed(from_chains(TWO_SESSIONS), fleet(2, "prefix")) == (
+        [0, 0, 0, 0, 1],
+        [0, 1, 2, 2, 0],
+    )
+
+
+def test_control_a_fleet_that_ignored_routing_would_hit_like_one_cache():
+    # every request on one replica: round-robin's 2 and session's 4 hits above are routing
+    assert routed(from_chains(TWO_SESSIONS), fleet(1, "round-robin")) == (
+        [0, 0, 0, 0, 0],
+        [0, 1, 2, 2, 0],
+    )
+
+
+def test_prefix_probes_record_no_hit_on_any_replica():
+    # the fixture's routed requests, replayed again on fresh replicas with the same assignment
+    # and no probes: the policies see the same hits, and the same number of them (a probe
+    # that recorded hits would add one on every replica holding part of the prompt)
+    trace = fixture_head(600)
+    config = FleetConfig(TierConfig(60, (("memory", 100),)), "lru", 3, "prefix")
+    original = LRUPolicy.access
+    with mock.patch.object(LRUPolicy, "access", autospec=True, side_effect=original) as access:
+        assignment, hits = routed(trace, config)
+        probed = access.call_count
+        access.reset_mock()
+        replicas = make_replicas(config, trace.num_unique)
+        unprobed = [
+            sum(replicas[i].serve(req))
+            for i, req in zip(assignment, block_requests(trace), strict=True)
+        ]
+        assert access.call_count == probed > 0
+    assert sorted(set(assignment)) == [0, 1, 2]
+    assert unprobed == hits
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("replicas", [2, 3, 4])
+@settings(max_examples=25, derandomize=True, deadline=None)
+@given(trace=traces())
+def test_replicas_sharing_an_unbounded_redis_reach_the_single_cache_infinite_rate(
+    route, replicas, trace
+):
+    device = max(1, 2 * int(np.diff(trace.offsets).max()))  # takes any whole prompt
+    config = fleet(replicas, route, device, (("redis", max(1, trace.num_unique)),))
+    assert sum(routed(trace, config)[1]) == infinite_hits(trace)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_replicas_sharing_an_unbounded_redis_reach_the_infinite_rate_on_the_fixture(route):
+    trace = load_trace(MOONCAKE_FIXTURE)
+    spill = (("memory", 100), ("redis", trace.num_unique))
+    config = fleet(4, route, 2 * int(np.diff(trace.offsets).max()), spill)
+    result = replay_fleet(trace, config)
+    assert sum(result.tier_block_hits.values()) == infinite_hits(trace) == 16459
+    assert sum(result.routed) == trace.num_requests
+
+
+# --- cost model ----------------------------------------------------------------------------
+def test_estimated_ttft_charges_prefill_per_uncached_token_and_load_per_hit_block():
+    cost = CostModel(0.5, (("device", 0.25), ("memory", 2.0)))
+    # two requests of 33 and 17 tokens; 3 device hits and 1 memory hit of 8-token blocks
+    ttft = cost.mean_ttft_s({"device": 3, "memory": 1}, 50, 2, 8)
+    assert ttft == pytest.approx((0.5 * (50 - 32) + 0.75 + 2.0) / 2 / 1000)
+    assert cost.mean_nocache_s(50, 2) == pytest.approx(0.5 * 50 / 2 / 1000)
+
+
+def test_the_cost_model_needs_a_load_cost_for_every_tier_it_is_used_with():
+    cost = CostModel.parse(1.0, "device=0", ("device", "memory"))
+    with pytest.raises(ValueError, match=r"no cost for \['memory'\]: add memory=MS"):
+        cost.check_covers(("device", "memory"))
+
+
+# --- command line --------------------------------------------------------------------------
+PLAN_FIELDS = {
+    "replicas",
+    "route",
+    "tier_capacity_blocks",
+    "tier_block_hit_rate",
+    "tier_block_hits",
+    "tier_token_hit_rate",
+    "write_policy",
+    "requests_per_replica",
+}
+PLAIN_FIELDS = {
+    "policy",
+    "capacity_blocks",
+    "block_hit_rate",
+    "token_hit_rate",
+    "optimal_block_hit_rate",
+    "offline_block_hit_rate",
+    "ratio_to_optimal",
+    "ratio_to_offline",
+}
+
+
+def run_json(argv: list[str], capsys) -> dict:
+    assert main([*argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_device_only_planning_rows_equal_the_plain_report(capsys):
+    base = ["--workload", f"trace:{TOKEN_FIXTURE}", "--capacity-blocks", "5%,100"]
+    plain = run_json([*base, "--policy", "lru,arc"], capsys)
+    planned = run_json([*base, "--policy", "lru,arc", "--tiers", "device"], capsys)
+    assert [r["policy"] for r in planned["results"]] == ["lru", "arc", "lru", "arc"]
+    for old, new in zip(plain["results"], planned["results"], strict=True):
+        assert {k: new[k] for k in PLAIN_FIELDS} == old
+        assert new["tier_block_hit_rate"] == {"device": old["block_hit_rate"]}
+    assert {k: v for k, v in planned.items() if k != "results"} == {
+        k: v for k, v in plain.items() if k != "results"
+    }
+
+
+def test_planning_json_has_the_documented_fields_and_files(tmp_path, capsys):
+    # devices of at least twice the longest prompt (51 blocks) store every block they see
+    argv = ["--workload", f"trace:{TOKEN_FIXTURE}", "--capacity-blocks", "110,150"]
+    argv += ["--tiers", "memory:10%,redis:100%", "--replicas", "1,2", "--route", "session,prefix"]
+    argv += ["--prefill-ms-per-token", "0.5", "--load-ms-per-block", "device=0,memory=1,redis=3"]
+    report = run_json([*argv, "--out", str(tmp_path)], capsys)
+    rows = report["results"]
+    assert [(r["tier_capacity_blocks"]["device"], r["replicas"], r["route"]) for r in rows] == [
+        (110, 1, "session"),
+        (110, 2, "session"),
+        (110, 2, "prefix"),
+        (150, 1, "session"),
+        (150, 2, "session"),
+        (150, 2, "prefix"),
+    ]
+    assert report["cost_model"] == {
+        "prefill_ms_per_token": 0.5,
+        "load_ms_per_block": {"device": 0.0, "memory": 1.0, "redis": 3.0},
+    }
+    tokens = 156 * 186.1  # requests x mean input tokens (README of the fixtures)
+    for r in rows:
+        assert set(r) == PLAIN_FIELDS | PLAN_FIELDS | {"est_ttft_s", "est_ttft_nocache_s"}
+        caps = r["tier_capacity_blocks"]
+        assert caps == {"device": caps["device"], "memory": 69, "redis": 687}
+        assert r["capacity_blocks"] == r["replicas"] * (caps["device"] + 69) + 687
+        assert r["write_policy"] == {"memory": "write-back", "redis": "write-through"}
+        assert sum(r["tier_block_hits"].values()) == 1731 - 687  # redis holds everything
+        assert r["block_hit_rate"] == report["infinite_block_hit_rate"]
+        assert r["block_hit_rate"] == pytest.approx(sum(r["tier_block_hit_rate"].values()))
+        assert sum(r["requests_per_replica"]) == 156
+        assert r["est_ttft_nocache_s"] == pytest.approx(0.5 * tokens / 156 / 1000, abs=1e-4)
+        assert r["est_ttft_s"] < r["est_ttft_nocache_s"]
+    assert json.loads((tmp_path / "hitrate.json").read_text()) == report
+    table = (tmp_path / "hitrate.md").read_text()
+    assert table.count("| device 110, memory 69, redis 687 |") == 3
+    assert (tmp_path / "hitrate.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_planning_prints_a_table_with_a_column_per_tier(capsys):
+    argv = ["--workload", f"trace:{TOKEN_FIXTURE}", "--tiers", "device:30,lmdb:50"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "lmdb" in out
+    assert "conversation_tokens: 156 requests" in out
+
+
+TRACE = ["--workload", f"trace:{TOKEN_FIXTURE}"]
+PREFILL = ["--prefill-ms-per-token", "1"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ([*TRACE], "required: --capacity-blocks"),
+        ([*TRACE, "--tiers", "memory:10"], "has no device:C"),
+        ([*TRACE, "--capacity-blocks", "5", "--tiers", "device:5"], "would be unused"),
+        ([*TRACE, "--tiers", "device:5,disk:9"], "unknown tier 'disk'"),
+        ([*TRACE, "--tiers", "device:5,memory"], "needs a capacity"),
+        ([*TRACE, "--tiers", "device:5,redis:9,memory:9"], "fastest first"),
+        ([*TRACE, "--tiers", "device:5,memory:lots"], "neither a block count"),
+        ([*TRACE, "--tiers", "device:5", "--replicas", "0"], "integers >= 1"),
+        ([*TRACE, "--tiers", "device:5", "--route", "random"], "unknown route 'random'"),
+        ([*TRACE, "--tiers", "device:5,memory:9", "--write-policy", "memory=maybe"], "choose"),
+        ([*TRACE, "--tiers", "device:5", "--write-policy", "redis=off"], "no --tiers"),
+        ([*TRACE, "--tiers", "device:5", "--write-policy", "device=off"], "no write policy"),
+        ([*TRACE, "--tiers", "device:5", "--policy", "mru"], "'mru'"),
+        ([*TRACE, "--tiers", "device:5", "--load-ms-per-block", "device=0"], "needs --prefill"),
+        ([*TRACE, "--tiers", "device:5", *PREFILL], "needs --load-ms"),
+        (
+            [*TRACE, "--tiers", "device:5,memory:9", *PREFILL, "--load-ms-per-block", "device=0"],
+            "add memory=MS",
+        ),
+        (
+            [
+                *TRACE,
+                "--tiers",
+                "device:5",
+                "--prefill-ms-per-token=-1",
+                "--load-ms-per-block=device=0",
+            ],
+            "finite number >= 0",
+        ),
+        (
+            [*TRACE, "--tiers", "device:5", *PREFILL, "--load-ms-per-block", "device=fast"],
+            "must be numbers",
+        ),
+    ],
+)
+def test_bad_planning_flags_exit_2_with_a_one_line_message(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert message in err[-1]
+    assert err[-1].startswith("python -m bench hitrate: error:")
