@@ -254,7 +254,8 @@ def run_plan(
         done += refs
     rows = []
     for config in configs:
-        bar.set_description(f"{config.replicas}x {config.tiers.capacities} {config.route}")
+        caps = "/".join(str(c) for c in config.tiers.capacities.values())
+        bar.set_description(f"{config.replicas}x {config.route} {config.policy} {caps}")
         result = replay_fleet(trace, config, progress)
         done += refs
         rows.append(result_row(trace, config, result, bounds[config.total_blocks], cost))

@@ -84,44 +84,52 @@ def print_table(report: dict[str, Any]) -> None:
 
 
 def _groups(report: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
-    """Rows that differ only in device capacity, by a label of what they share."""
+    """Rows by their tiers (names), route and policy; a one-replica row, the same under every
+    route, joins each route's group."""
+    results = report["results"]
+    routes = list(dict.fromkeys(r["route"] for r in results if r["replicas"] > 1))
     groups: dict[str, list[dict[str, Any]]] = {}
-    for r in report["results"]:
-        spill = [f"{t} {b:,}" for t, b in r["tier_capacity_blocks"].items() if t != TIERS[0]]
-        label = f"{' + '.join(spill) or 'device only'}; {r['replicas']}x {r['route']}"
-        label += f"; {r['policy']}"
-        groups.setdefault(label, []).append(r)
+    for r in results:
+        tiers = " + ".join(r["tier_capacity_blocks"])
+        for route in routes if r["replicas"] == 1 and routes else [r["route"]]:
+            groups.setdefault(f"{tiers}; {route}; {r['policy']}", []).append(r)
     return groups
 
 
+def _draw(axes: list[Any], label: str, group: list[dict[str, Any]], color: str) -> None:
+    group = sorted(group, key=lambda r: r["capacity_blocks"])
+    x = [r["capacity_blocks"] for r in group]
+    axes[0].plot(x, [r["block_hit_rate"] for r in group], "o-", color=color, label=label)
+    axes[0].plot(x, [r["tier_block_hit_rate"][TIERS[0]] for r in group], ":", color=color)
+    if len(axes) > 1:
+        axes[1].plot(x, [r["est_ttft_s"] for r in group], "o-", color=color, label=label)
+    if any(r["replicas"] > 1 for r in group):
+        for r, xi in zip(group, x, strict=True):
+            axes[0].annotate(f"{r['replicas']}x", (xi, r["block_hit_rate"]), fontsize=7)
+
+
 def plot(report: dict[str, Any], path: Path) -> None:
-    """Total and device block hit rate (and estimated TTFT) against device capacity."""
+    """Total and device block hit rate (and estimated TTFT) against the fleet's blocks, one
+    line per tier hierarchy, route and policy."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     panels = 2 if _has_cost(report) else 1
-    fig, axes = plt.subplots(1, panels, figsize=(7 * panels, 4.8), squeeze=False)
-    hit_ax = axes[0][0]
+    fig, grid = plt.subplots(1, panels, figsize=(7 * panels, 4.8), squeeze=False)
+    axes = list(grid[0])
     for i, (label, group) in enumerate(_groups(report).items()):
-        group = sorted(group, key=lambda r: r["tier_capacity_blocks"][TIERS[0]])
-        x = [r["tier_capacity_blocks"][TIERS[0]] for r in group]
-        color = f"C{i % 10}"
-        hit_ax.plot(x, [r["block_hit_rate"] for r in group], "o-", color=color, label=label)
-        device = [r["tier_block_hit_rate"][TIERS[0]] for r in group]
-        hit_ax.plot(x, device, ":", color=color)
-        if panels == 2:
-            axes[0][1].plot(x, [r["est_ttft_s"] for r in group], "o-", color=color, label=label)
-    hit_ax.axhline(report["infinite_block_hit_rate"], color="grey", lw=0.8, label="infinite")
-    hit_ax.set_ylabel("block hit rate (solid: all tiers, dotted: device)")
+        _draw(axes, label, group, f"C{i % 10}")
+    axes[0].axhline(report["infinite_block_hit_rate"], color="grey", lw=0.8, label="infinite")
+    axes[0].set_ylabel("block hit rate (solid: all tiers, dotted: device)")
     if panels == 2:
         nocache = report["results"][0]["est_ttft_nocache_s"]
-        axes[0][1].axhline(nocache, color="grey", lw=0.8, label="no cache")
-        axes[0][1].set_ylabel("estimated mean TTFT (s)")
-    for ax in axes[0]:
+        axes[1].axhline(nocache, color="grey", lw=0.8, label="no cache")
+        axes[1].set_ylabel("estimated mean TTFT (s)")
+    for ax in axes:
         ax.set_xscale("log")
-        ax.set_xlabel("device capacity per replica (blocks)")
+        ax.set_xlabel("blocks in every tier of the fleet")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(report["workload"])
