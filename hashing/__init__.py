@@ -26,6 +26,7 @@ from hashing.namespace import (
     combine_salts,
     validate_salt,
 )
+from hashing.stack import StackHasher, StackNamespace
 
 __all__ = [
     "DEFAULT_SECRET",
@@ -36,6 +37,8 @@ __all__ = [
     "InvalidNamespace",
     "InvalidTokens",
     "Namespace",
+    "StackHasher",
+    "StackNamespace",
     "as_token_array",
     "combine_salts",
     "num_full_blocks",

@@ -54,6 +54,13 @@ CACHE_FAMILIES = (
     Family("dropped_writes_blocks_total", "tier writes dropped (queue full)"),
     Family("verify_failures_total", "tier entries that failed verification",
            ("reason", "tier")),
+    # kvstore.adapters: a serving stack's blocks in the spill tiers, by stack
+    Family("adapter_lookups_blocks_total", "stack blocks looked up", ("stack",)),
+    Family("adapter_hits_blocks_total", "stack blocks read and verified, by tier",
+           ("stack", "tier")),
+    Family("adapter_writes_blocks_total", "stack blocks written, by tier", ("stack", "tier")),
+    Family("adapter_dropped_writes_blocks_total",
+           "stack blocks a tier did not take (full or unreachable)", ("stack", "tier")),
 )  # fmt: skip
 FAMILIES = MappingProxyType({family.name: family for family in CACHE_FAMILIES})
 

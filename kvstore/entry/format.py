@@ -23,6 +23,7 @@ ID_BYTES = 16
 # num_tokens, header length, raw payload length, stored payload length,
 # namespace, key, digest, parent
 _FIXED = struct.Struct("<4sHBBBBBBHHIIQQ16s16s16s16s")
+FIXED_HEADER = _FIXED  # the fixed header's layout (kvstore.entry.stack packs it too)
 FIXED_HEADER_BYTES = _FIXED.size  # 104
 CHECKSUM_BYTES = 8
 HEADER_ALIGN = 16  # the payload starts at a 16-byte aligned offset
@@ -32,6 +33,7 @@ _CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 CODEC_CODES = {"none": 0, "fp16": 1, "bf16": 2, "lz4": 3, "zstd": 4}
 _CODE_CODECS = {code: name for name, code in CODEC_CODES.items()}
 FLAG_SHUFFLED = 1  # payload bytes were byte-shuffled (grouped by significance) before compression
+FLAG_STACK = 2  # a serving stack's block: raw bytes, no token ids (kvstore.entry.stack)
 REASONS = (
     "truncated",
     "magic",
@@ -190,10 +192,18 @@ def _parse_header(data: memoryview, f: tuple) -> EntryHeader:
     )  # fmt: skip
 
 
-def verified_header(data: memoryview) -> EntryHeader:
-    """The header of an entry whose checksum and layout hold; raises `EntryError`."""
+def verified_fixed(data: memoryview) -> tuple:
+    """The fixed header fields of an entry whose checksum holds; raises `EntryError`."""
     fixed = _unpack_fixed(data)
     _verify_checksum(data, fixed)
+    return fixed
+
+
+def verified_header(data: memoryview) -> EntryHeader:
+    """The header of a model entry whose checksum and layout hold; raises `EntryError`."""
+    fixed = verified_fixed(data)
+    if fixed[5] & FLAG_STACK:
+        raise EntryError("format", "a stack block entry (no token ids): see kvstore.entry.stack")
     h = _parse_header(data, fixed)
     _check_layout(h, len(data))
     return h

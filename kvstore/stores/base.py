@@ -84,6 +84,12 @@ class SpillStore(ABC):
         before they are fetched.
         """
 
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key is present (a promise only, as `count_prefix`); one round trip.
+
+        This default fetches the values; the stores override it to check keys only."""
+        return [v is not None for v in self._fetch(keys)]
+
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """The stored value of every key, None where absent; one round trip."""
         values = self._fetch(keys)

@@ -121,6 +121,18 @@ class LmdbStore(SpillStore):
             self._counters.add(errors=1)
             return 0
 
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        def contains(shared: SharedEnv) -> list[bool]:
+            with shared.env.begin(db=shared.blocks, buffers=True) as txn:
+                cursor = txn.cursor()
+                return [cursor.set_key(self._prefix + key) for key in keys]
+
+        try:
+            return self._run(contains)
+        except lmdb.Error:
+            self._counters.add(errors=1)
+            return [False] * len(keys)
+
     def _fetch(self, keys: Sequence[bytes]) -> list[bytes | None]:
         def get(shared: SharedEnv) -> list[bytes | None]:
             with shared.env.begin(db=shared.blocks) as txn:

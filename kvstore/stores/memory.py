@@ -38,6 +38,10 @@ class MemoryStore(SpillStore):
                     return i
             return len(keys)
 
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        with self._lock:
+            return [key in self._entries for key in keys]
+
     def _fetch(self, keys: Sequence[bytes]) -> list[bytes | None]:
         with self._lock:
             values = [self._entries.get(key) for key in keys]

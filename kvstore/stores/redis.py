@@ -144,16 +144,17 @@ class RedisStore(SpillStore):
     # --------------------------------------------------------------- reads
 
     def count_prefix(self, keys: Sequence[bytes]) -> int:
+        found = self.contains_many(keys)
+        return next((i for i, present in enumerate(found) if not present), len(found))
+
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         if not keys:
-            return 0
+            return []
         try:
             found = self._pipeline(lambda pipe: [pipe.exists(self._rkey(k)) for k in keys])
         except _Failed:
-            return 0
-        for i, n in enumerate(found):
-            if n != 1:
-                return i
-        return len(keys)
+            return [False] * len(keys)
+        return [n == 1 for n in found]
 
     def _fetch(self, keys: Sequence[bytes]) -> list[bytes | None]:
         values: list[bytes | None] = [None] * len(keys)
