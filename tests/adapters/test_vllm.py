@@ -1,0 +1,201 @@
+"""vLLM: the real TieringOffloadingSpec builds its manager with KvstoreTier as a secondary
+tier (SecondaryTierFactory, `type` + `module_path`), and the manager is driven as vLLM's
+scheduler drives it: real OffloadKeys, chunks through the real CPU primary buffer."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+
+import pytest
+from adapter_helpers import corrupt, count, import_stack, verify_failures
+
+import_stack("vllm", "vllm.v1.kv_offload.tiering.spec")
+
+from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key
+from vllm.v1.kv_offload.config import (
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+from kvstore.adapters.vllm import KvstoreTier
+
+BLOCK_BYTES = 2 * 2 * 2 * 16 * 8 * 2  # layers x K/V x heads x 16 tokens x head_dim x bf16
+STEP = ScheduleEndContext((), ())
+_ids = itertools.count()
+
+
+def offloading_config(settings: dict, model: str) -> OffloadingConfig:
+    tier = {"type": "KvstoreTier", "module_path": "kvstore.adapters.vllm", "kvstore": settings}
+    parallel = OffloadingParallelConfig(
+        rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
+        data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
+        is_parallelism_agnostic=False,
+    )  # fmt: skip
+    return OffloadingConfig(
+        groups=(OffloadingGroupConfig(16, ("layers.0.attn", "layers.1.attn"), 0),),
+        worker_kv_bytes_per_block=BLOCK_BYTES,
+        enable_kv_cache_events=False,
+        extra_config={"cpu_bytes_to_use": 16 * 4096, "secondary_tiers": [tier]},
+        engine_id=f"kvstore-test-{os.getpid()}-{next(_ids)}",
+        model=OffloadingModelConfig(name=model, dtype="bfloat16"),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        parallel=parallel,
+    )
+
+
+class Engine:
+    """One vLLM engine's offloading manager (scheduler side) with a KvstoreTier."""
+
+    def __init__(self, settings: dict, model: str = "org/model"):
+        self.spec = TieringOffloadingSpec(offloading_config(settings, model))
+        self.manager = self.spec.get_manager()
+        (self.tier,) = self.manager.secondary_tiers
+        self.view = self.manager.primary_tier.get_kv_memoryview().cast("B")
+        self.chunk_bytes = self.tier.block_size_bytes
+
+    def chunk(self, chunk_id: int) -> memoryview:
+        return self.view[chunk_id * self.chunk_bytes : (chunk_id + 1) * self.chunk_bytes]
+
+    def store(self, chunks: dict[bytes, bytes]) -> None:
+        """GPU -> primary (written into the CPU buffer) -> cascade into the tier."""
+        req = self._request()
+        out = self.manager.prepare_store(list(chunks), req)
+        for key, chunk_id in zip(out.keys_to_store, out.store_spec.chunk_ids, strict=True):
+            self.chunk(int(chunk_id))[:] = chunks[key]
+        self.manager.complete_store(list(chunks), req)
+        self.manager.on_schedule_end(STEP)  # cascades go out at the step's end
+        self.tier.drain_jobs()
+        self.manager.on_schedule_end(STEP)
+        self.manager.on_request_finished(req)
+
+    def reset_primary(self) -> None:
+        """An empty primary tier: every later hit comes from the secondary tier."""
+        self.manager.reset_cache()
+        self.manager.on_reset_flushed()
+
+    def load(self, keys: list[bytes]) -> dict[bytes, bytes]:
+        """Look the keys up as the scheduler does, step after step, until each is a HIT or a
+        MISS; returns the hits' chunks as read from the primary buffer."""
+        req = self._request()
+        results = self._settle(keys, req)
+        hits = [k for k, r in zip(keys, results, strict=True) if r is LookupResult.HIT]
+        spec = self.manager.prepare_load(hits, req)
+        chunks = {k: bytes(self.chunk(int(c))) for k, c in zip(hits, spec.chunk_ids, strict=True)}
+        self.manager.complete_load(hits, req)
+        self.manager.on_request_finished(req)
+        return chunks
+
+    def _settle(self, keys: list[bytes], req: ReqContext) -> list[LookupResult]:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            results = [self.manager.lookup(k, req) for k in keys]
+            if all(r in (LookupResult.HIT, LookupResult.MISS) for r in results):
+                return results
+            self.manager.on_schedule_end(STEP)  # flushes lookups and promotions
+            self.tier.drain_jobs()
+            time.sleep(0.005)
+        raise AssertionError(f"lookups did not settle: {results}")
+
+    def _request(self) -> ReqContext:
+        req = ReqContext(f"req-{next(_ids)}")
+        self.manager.on_new_request(req)
+        return req
+
+    def close(self) -> None:
+        self.view.release()
+        self.manager.shutdown()
+
+
+def chunks_of(n: int, seed: int = 0) -> dict[bytes, bytes]:
+    """n chunks under sha256-sized block hashes, group 0, each of distinct bytes."""
+    out = {}
+    for i in range(n):
+        block_hash = bytes([seed, i]) * 16
+        out[make_offload_key(block_hash, 0)] = bytes((seed + i + j) % 251 for j in range(4096))
+    return out
+
+
+@pytest.fixture
+def engines():
+    made: list[Engine] = []
+
+    def make(settings: dict, model: str = "org/model") -> Engine:
+        made.append(Engine(settings, model))
+        return made[-1]
+
+    yield make
+    for engine in made:
+        engine.close()
+
+
+def test_the_factory_builds_a_kvstore_tier_from_the_tier_config(tier, engines):
+    engine = engines(tier.settings)
+    assert isinstance(engine.tier, KvstoreTier)
+    assert [s.name for s in engine.tier.blocks.stores] == [tier.name]
+    assert engine.tier.block_size_bytes == 4096  # the chunk, aligned by vLLM
+
+
+def test_chunks_round_trip_bit_exact_through_the_primary_buffer(tier, engines):
+    engine, chunks = engines(tier.settings), chunks_of(4)
+    engine.store(chunks)
+    blocks = engine.tier.blocks
+    assert count(blocks, "adapter_writes_blocks_total", tier=tier.name) == 4
+    engine.reset_primary()
+    assert engine.load(list(chunks)) == chunks
+    assert count(blocks, "adapter_hits_blocks_total", tier=tier.name) == 4
+
+
+@pytest.mark.parametrize("tier", ["lmdb", "redis"], indirect=True)
+def test_a_second_engine_loads_what_the_first_stored(tier, engines):
+    chunks = chunks_of(3, seed=7)
+    engines(tier.settings).store(chunks)
+    reader = engines(tier.settings)
+    assert reader.load(list(chunks)) == chunks
+
+
+def test_a_corrupted_chunk_is_a_miss_and_is_deleted(tier, engines):
+    engine, chunks = engines(tier.settings), chunks_of(3, seed=3)
+    engine.store(chunks)
+    engine.reset_primary()
+    keys, blocks = list(chunks), engine.tier.blocks
+    assert blocks.get([keys[1]])[0] is not None  # control: it verifies before the damage
+    corrupt(blocks, keys[1])
+    got = engine.load(keys)
+    assert got == {keys[0]: chunks[keys[0]], keys[2]: chunks[keys[2]]}
+    assert verify_failures(blocks, tier.name, "checksum") == 1
+    assert blocks.contains([keys[1]]) == [False]  # rejected entries are deleted
+
+
+@pytest.mark.parametrize("tier", ["memory", "lmdb", "redis"], indirect=True)
+def test_two_models_never_share_a_chunk(tier, engines):
+    chunks = chunks_of(2, seed=9)
+    writer = engines(tier.settings, model="org/model-a")
+    writer.store(chunks)
+    other = engines(tier.settings, model="org/model-b")
+    other.tier.blocks.stores = writer.tier.blocks.stores  # even on the very same stores
+    assert other.load(list(chunks)) == {}
+    assert writer.tier.blocks.namespace.id != other.tier.blocks.namespace.id
+
+
+@pytest.mark.parametrize("tier", ["redis"], indirect=True)
+def test_redis_killed_is_misses_and_failed_jobs_then_recovery(tier, engines):
+    engine, chunks = engines(tier.settings), chunks_of(2, seed=11)
+    engine.store(chunks)
+    engine.reset_primary()
+    tier.redis.kill()
+    assert engine.load(list(chunks)) == {}  # misses, no exception
+    engine.store(chunks_of(1, seed=12))  # the job fails inside the tier, not in vLLM
+    blocks = engine.tier.blocks
+    assert count(blocks, "adapter_dropped_writes_blocks_total", tier="redis") == 1
+    tier.redis.restart()  # empty, on the same port
+    time.sleep(0.25)  # the breaker's cooldown
+    engine.reset_primary()
+    engine.store(chunks)
+    engine.reset_primary()
+    assert engine.load(list(chunks)) == chunks
