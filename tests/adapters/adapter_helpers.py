@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
+import yaml
 
 from kvstore.adapters.blocks import BlockStore
 
@@ -58,3 +60,33 @@ def count(blocks: BlockStore, name: str, **labels: str) -> int:
 
 def verify_failures(blocks: BlockStore, tier: str, reason: str) -> int:
     return blocks.metrics.get("verify_failures_total", tier=tier, reason=reason)
+
+
+ROOT = Path(__file__).resolve().parents[2]
+_VAR = re.compile(r"\$\{(\w+)(?::-([^}]*))?\}")
+
+
+def compose_service(name: str) -> tuple[list[str], dict[str, str]]:
+    """The command and environment of a docker-compose.yml service, ${VAR:-default}
+    interpolated with the defaults (as tests/server's Compose does)."""
+    service = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"][name]
+
+    def sub(value: object) -> str:
+        return _VAR.sub(lambda m: m.group(2) or "", str(value))
+
+    env = {k: sub(v) for k, v in (service.get("environment") or {}).items()}
+    return [sub(a) for a in service["command"]], env
+
+
+def flag_value(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
+def compose_redis(redis_server_factory: Any, env: dict[str, str]) -> dict[str, str]:
+    """Start a private Redis with the compose Redis's password; returns the service's
+    environment with KVSTORE_REDIS_URL moved to it (only the host and port change)."""
+    url = env["KVSTORE_REDIS_URL"]
+    password = url.split("://:", 1)[1].split("@", 1)[0]
+    server = redis_server_factory("--requirepass", password, password=password)
+    assert "@redis:6379/" in url, url
+    return {**env, "KVSTORE_REDIS_URL": url.replace("@redis:6379/", f"@127.0.0.1:{server.port}/")}

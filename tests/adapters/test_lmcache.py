@@ -9,7 +9,15 @@ import time
 
 import pytest
 import yaml
-from adapter_helpers import corrupt, count, import_stack, verify_failures
+from adapter_helpers import (
+    ROOT,
+    compose_redis,
+    compose_service,
+    corrupt,
+    count,
+    import_stack,
+    verify_failures,
+)
 
 import_stack("lmcache", "lmcache.v1.storage_backend.connector")
 
@@ -207,3 +215,33 @@ def test_a_slow_tier_never_blocks_the_event_loop(tier, workers):
 def test_an_unknown_setting_is_a_typed_error_naming_it(tmp_path):
     with pytest.raises(ConfigError, match="redis_uri: is not a kvstore setting"):
         Worker(tmp_path, {"redis_uri": "redis://127.0.0.1:1/0"})
+
+
+def test_the_compose_fleet_config_loads_through_lmcache(redis_server_factory, monkeypatch):
+    """vllm-lmcache's LMCACHE_CONFIG_FILE of docker-compose.yml (docs/lmcache.yaml) as
+    LMCache loads it, with a smaller CPU buffer, on a loopback Redis with its password."""
+    _, env = compose_service("vllm-lmcache")
+    for name, value in compose_redis(redis_server_factory, env).items():
+        monkeypatch.setenv(name, value)
+    assert env["LMCACHE_CONFIG_FILE"] == "/etc/kvstore/lmcache.yaml"
+    config = LMCacheEngineConfig.from_file(str(ROOT / "docs" / "lmcache.yaml"))
+    config.max_local_cpu_size = 0.05
+    chunk = config.chunk_size
+    metadata = LMCacheMetadata(
+        model_name="org/model", world_size=1, local_world_size=1, worker_id=0,
+        local_worker_id=0, kv_dtype=torch.bfloat16, kv_shape=(2, 2, chunk, 2, 8),
+        chunk_size=chunk,
+    )  # fmt: skip
+    backend = LocalCPUBackend(config, metadata)
+    loop = asyncio.new_event_loop()
+    conn = CreateConnector(config.remote_url, loop, backend, config, metadata, "kvstore")
+    try:
+        assert [s.name for s in conn._connector.blocks.stores] == ["redis"]
+        obj = backend.allocate(metadata.get_shapes(), metadata.get_dtypes())
+        obj.tensor.copy_(torch.arange(obj.tensor.numel()).view(obj.tensor.shape))
+        key = CacheEngineKey("org/model", 1, 0, 0xC0FFEE, torch.bfloat16)
+        loop.run_until_complete(conn.put(key, obj))
+        assert raw(loop.run_until_complete(conn.get(key))) == raw(obj)
+    finally:
+        loop.run_until_complete(conn.close())
+        loop.close()

@@ -11,10 +11,19 @@ beside the CPU build of torch this project installs)."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
-from adapter_helpers import corrupt, count, import_stack, verify_failures
+from adapter_helpers import (
+    compose_redis,
+    compose_service,
+    corrupt,
+    count,
+    flag_value,
+    import_stack,
+    verify_failures,
+)
 
 import_stack("sglang", "sglang.srt.mem_cache.storage.backend_factory")
 
@@ -173,3 +182,28 @@ def test_redis_killed_is_misses_then_recovery(tier, backends):
     backend.register_mem_pool_host(dst)
     assert backend.batch_get_v1(keys, indices([4, 5])) == [True, True]
     assert dst.page_bytes(4) == src.page_bytes(0)
+
+
+def test_the_compose_fleet_config_loads_through_sglangs_factory(redis_server_factory, monkeypatch):
+    """sglang's --hicache-storage-backend(-extra-config) of docker-compose.yml, verbatim,
+    through SGLang's StorageBackendFactory, on a loopback Redis with its password."""
+    command, env = compose_service("sglang")
+    for name, value in compose_redis(redis_server_factory, env).items():
+        monkeypatch.setenv(name, value)
+    assert flag_value(command, "--hicache-storage-backend") == "dynamic"
+    assert flag_value(command, "--page-size") == str(PAGE)
+    extra = json.loads(flag_value(command, "--hicache-storage-backend-extra-config"))
+    config = storage_config({}, "org/model")
+    config.extra_config = extra
+    src, dst = PagePool(seed=8), PagePool()
+    backend = StorageBackendFactory.create_backend("dynamic", config, src)
+    try:
+        backend.register_mem_pool_host(src)
+        assert [s.name for s in backend.blocks.stores] == ["redis"]
+        keys = keys_of(2, "compose")
+        assert backend.batch_set_v1(keys, indices([0, 1])) == [True, True]
+        backend.register_mem_pool_host(dst)
+        assert backend.batch_get_v1(keys, indices([2, 3])) == [True, True]
+        assert dst.page_bytes(2) == src.page_bytes(0)
+    finally:
+        backend.close()

@@ -4,12 +4,22 @@ scheduler drives it: real OffloadKeys, chunks through the real CPU primary buffe
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import json
 import os
 import time
 
 import pytest
-from adapter_helpers import corrupt, count, import_stack, verify_failures
+from adapter_helpers import (
+    compose_redis,
+    compose_service,
+    corrupt,
+    count,
+    flag_value,
+    import_stack,
+    verify_failures,
+)
 
 import_stack("vllm", "vllm.v1.kv_offload.tiering.spec")
 
@@ -21,6 +31,7 @@ from vllm.v1.kv_offload.config import (
     OffloadingModelConfig,
     OffloadingParallelConfig,
 )
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from kvstore.adapters.vllm import KvstoreTier
@@ -52,8 +63,8 @@ def offloading_config(settings: dict, model: str) -> OffloadingConfig:
 class Engine:
     """One vLLM engine's offloading manager (scheduler side) with a KvstoreTier."""
 
-    def __init__(self, settings: dict, model: str = "org/model"):
-        self.spec = TieringOffloadingSpec(offloading_config(settings, model))
+    def __init__(self, settings: dict, model: str = "org/model", spec=None):
+        self.spec = spec or TieringOffloadingSpec(offloading_config(settings, model))
         self.manager = self.spec.get_manager()
         (self.tier,) = self.manager.secondary_tiers
         self.view = self.manager.primary_tier.get_kv_memoryview().cast("B")
@@ -199,3 +210,27 @@ def test_redis_killed_is_misses_and_failed_jobs_then_recovery(tier, engines):
     engine.store(chunks)
     engine.reset_primary()
     assert engine.load(list(chunks)) == chunks
+
+
+def test_the_compose_fleet_config_loads_through_vllms_spec_factory(
+    redis_server_factory, monkeypatch
+):
+    """vllm-a's --kv-transfer-config of docker-compose.yml, verbatim but for a smaller CPU
+    buffer, through vLLM's OffloadingSpecFactory, on a loopback Redis with its password."""
+    command, env = compose_service("vllm-a")
+    for name, value in compose_redis(redis_server_factory, env).items():
+        monkeypatch.setenv(name, value)
+    kv = json.loads(flag_value(command, "--kv-transfer-config"))
+    assert (kv["kv_connector"], kv["kv_role"]) == ("OffloadingConnector", "kv_both")
+    extra = {**kv["kv_connector_extra_config"], "cpu_bytes_to_use": 16 * 4096}
+    config = offloading_config({}, "org/model")
+    spec = OffloadingSpecFactory.create_spec(dataclasses.replace(config, extra_config=extra))
+    engine = Engine({}, spec=spec)
+    try:
+        assert [s.name for s in engine.tier.blocks.stores] == ["redis"]
+        chunks = chunks_of(2, seed=21)
+        engine.store(chunks)
+        engine.reset_primary()
+        assert engine.load(list(chunks)) == chunks
+    finally:
+        engine.close()

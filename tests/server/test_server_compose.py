@@ -5,6 +5,7 @@ and a tmp dir) share the Redis tier it configures."""
 
 from __future__ import annotations
 
+import ast
 import importlib
 import json
 import subprocess
@@ -13,7 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import yaml
 from server_helpers import (
+    ROOT,
     Compose,
     ServerProcess,
     clean_env,
@@ -27,6 +30,7 @@ from server_helpers import (
 from bench.__main__ import BENCHMARKS
 from engine.cli import build_parser, config_from_args
 from engine.server.config import server_config_from_args
+from kvstore.adapters.blocks import config_from_settings
 
 ENGINES = ("engine-a", "engine-b")
 
@@ -59,14 +63,79 @@ def test_every_compose_command_and_flag_parses(compose, monkeypatch):
         elif command[:3] == ["python", "-m", "bench"]:
             assert command[3] in BENCHMARKS
             importlib.import_module(f"bench.{command[3]}").build_parser().parse_args(command[4:])
+        elif name in STACKS:
+            check_stack_service(compose, name)
+            seen.add(STACKS[name][0])
+            continue
         else:
             assert command[0] == "redis-server"  # its flags: the replica test starts it
             assert "healthcheck" in service
         seen.add(" ".join(command[:2] if command[0] != "python" else command[:4]))
     conf = "/usr/local/etc/redis/auth.conf"
-    assert seen == {"kvstore serve", "python -m bench serve", f"redis-server {conf}"}
+    assert seen == {"kvstore serve", "python -m bench serve", f"redis-server {conf}",
+                    "vllm", "lmcache", "sglang"}  # fmt: skip
     assert compose.services["redis"]["configs"] == [{"source": "redis-auth", "target": conf}]
     assert compose.services["bench"]["profiles"] == ["bench"]
+
+
+# The `stacks` profile: service -> (stack, its command's first words). Each stack's own
+# tests (tests/adapters) load these plug-in configs through the stack's real loader.
+STACKS = {
+    "vllm-a": ("vllm", ["vllm", "serve"]),
+    "vllm-b": ("vllm", ["vllm", "serve"]),
+    "vllm-lmcache": ("lmcache", ["vllm", "serve"]),
+    "sglang": ("sglang", ["python", "-m", "sglang.launch_server"]),
+}
+
+
+def adapter_classes(stack: str) -> set[str]:
+    """Class names defined in kvstore/adapters/<stack>.py (read, not imported: the stack
+    itself is installed only in its own venv)."""
+    tree = ast.parse((ROOT / "kvstore" / "adapters" / f"{stack}.py").read_text())
+    return {node.name for node in tree.body if isinstance(node, ast.ClassDef)}
+
+
+def stack_plugin(compose, name: str) -> tuple[str, str, dict]:
+    """(module path, class name, kvstore settings) a stack service's config names."""
+    command = compose.command(name)
+    if name.startswith("vllm-") and name != "vllm-lmcache":
+        kv = json.loads(flag_value(command, "--kv-transfer-config"))
+        (tier,) = kv["kv_connector_extra_config"]["secondary_tiers"]
+        assert kv["kv_connector_extra_config"]["spec_name"] == "TieringOffloadingSpec"
+        return tier["module_path"], tier["type"], tier["kvstore"]
+    if name == "vllm-lmcache":
+        kv = json.loads(flag_value(command, "--kv-transfer-config"))
+        assert kv["kv_connector"] == "LMCacheConnectorV1"
+        (config,) = compose.services[name]["configs"]
+        source = compose.data["configs"][config["source"]]["file"]
+        assert compose.environment(name)["LMCACHE_CONFIG_FILE"] == config["target"]
+        lmcache = yaml.safe_load((ROOT / source).read_text())
+        assert lmcache["remote_url"] == "plugin://kvstore"
+        assert lmcache["remote_storage_plugins"] == ["kvstore"]
+        extra = lmcache["extra_config"]
+        plugin = "remote_storage_plugin.kvstore."
+        return extra[plugin + "module_path"], extra[plugin + "class_name"], extra["kvstore"]
+    assert flag_value(command, "--hicache-storage-backend") == "dynamic"
+    extra = json.loads(flag_value(command, "--hicache-storage-backend-extra-config"))
+    assert extra["interface_v1"] == 1
+    return extra["module_path"], extra["class_name"], extra["kvstore"]
+
+
+def check_stack_service(compose, name: str) -> None:
+    """A stack's service: its profile, its command, the Redis URL (with the password) and
+    the secret of the engines, and a plug-in config naming an adapter with valid settings."""
+    stack, words = STACKS[name]
+    service, command = compose.services[name], compose.command(name)
+    assert service["profiles"] == ["stacks"] and command[: len(words)] == words
+    assert service["build"]["args"]["KVSTORE_EXTRA"] == stack
+    env = compose.environment(name)
+    password = compose.redis_password()
+    assert env["KVSTORE_REDIS_URL"] == f"redis://:{password}@redis:6379/0"
+    assert env["KVSTORE_SECRET"] == compose.environment("engine-a")["KVSTORE_SECRET"]
+    module, class_name, settings = stack_plugin(compose, name)
+    assert module == f"kvstore.adapters.{stack}" and class_name in adapter_classes(stack)
+    config = config_from_settings(settings, env=env)
+    assert config.redis_url == env["KVSTORE_REDIS_URL"] and config.secret == env["KVSTORE_SECRET"]
 
 
 def test_engines_reach_redis_with_its_password_and_share_a_secret(compose, monkeypatch):
@@ -99,7 +168,8 @@ def test_no_secret_is_on_a_command_line(monkeypatch):
 
 def test_the_image_is_built_once_and_reused(compose):
     services = compose.services
-    assert [name for name, s in services.items() if "build" in s] == ["engine-a"]
+    built = [name for name, s in services.items() if "build" in s and name not in STACKS]
+    assert built == ["engine-a"]  # the stacks build their own images (Dockerfile.stack)
     assert {services[name]["image"] for name in (*ENGINES, "bench")} == {"kvstore:latest"}
     assert [services[name].get("pull_policy") for name in ("engine-b", "bench")] == ["never"] * 2
 
