@@ -223,9 +223,9 @@ class BlockStore:
         ok = False
         with self._write_lock:
             for store in stores:
-                before = store.stats().dropped_writes
+                before = store.counters()["dropped_writes"]
                 written = store.put_many(items)
-                dropped = store.stats().dropped_writes - before
+                dropped = store.counters()["dropped_writes"] - before
                 self._count_write(store.name, written, dropped)
                 ok = ok or not dropped
         return ok

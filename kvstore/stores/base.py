@@ -140,6 +140,10 @@ class SpillStore(ABC):
     def stats(self) -> StoreStats:
         """Counters and size of this store."""
 
+    def counters(self) -> dict[str, int]:
+        """This store's counters alone (`Counters.FIELDS`): no backend call, unlike stats()."""
+        return self._counters.snapshot()
+
     @abstractmethod
     def clear(self) -> int:
         """Remove every entry of this store; returns how many were removed (None-free count)."""
