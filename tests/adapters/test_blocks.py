@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from adapter_helpers import corrupt, count, tier_settings, verify_failures
+from adapter_helpers import corrupt, count, verify_failures
 
 from hashing import BlockHasher, InvalidNamespace, Namespace, StackHasher, StackNamespace
 from kvstore.adapters.blocks import BlockStore, PutBlock, config_from_settings
@@ -205,7 +205,3 @@ def test_settings_are_converted_and_bad_ones_are_typed_errors(tmp_path):
     with pytest.raises(ConfigError, match="set at least one of memory_cache_gb"):
         config_from_settings({}, env={})
     assert isinstance(config, CacheConfig)
-
-
-def test_tier_settings_helper_matches_the_tiers(tmp_path):
-    assert tier_settings("memory", tmp_path) == {"memory_cache_gb": 0.01}
