@@ -156,13 +156,16 @@ def check_supported(config: PretrainedConfig) -> None:
 
 
 @dataclass(frozen=True)
-class KVLayout:
+class KVShape:
+    """The KV a model writes per token: layers x kv_heads x head_dim (with a block size and
+    dtype, a namespace's `kvstore.layout.KVLayout`)."""
+
     num_layers: int
     num_kv_heads: int
     head_dim: int
 
 
-def probe_kv_layout(model: PreTrainedModel) -> KVLayout:
+def probe_kv_layout(model: PreTrainedModel) -> KVShape:
     """Run one token and read the KV shapes the model really writes (per layer [1, H, 1, D])."""
     cfg, model_type = model.config, getattr(model.config, "model_type", "unknown")
     device = next(model.parameters()).device
@@ -179,7 +182,7 @@ def probe_kv_layout(model: PreTrainedModel) -> KVLayout:
     if len(shapes) != 1:
         raise UnsupportedModelError(model_type, "heterogeneous_attention", f"KV shapes {shapes}")
     _, heads, _, head_dim = shapes.pop()
-    return KVLayout(len(past.layers), heads, head_dim)
+    return KVShape(len(past.layers), heads, head_dim)
 
 
 def config_digest_input(config: PretrainedConfig) -> bytes:
@@ -215,7 +218,7 @@ class LoadedModel:
     model: PreTrainedModel
     tokenizer: Any
     fingerprint: str
-    layout: KVLayout
+    layout: KVShape
     vocab_size: int
     max_positions: int | None
     eos_token_ids: tuple[int, ...]

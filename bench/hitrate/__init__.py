@@ -33,6 +33,7 @@ import numpy as np
 from tqdm import tqdm
 
 from bench.hitrate.offline import infinite_hits, offline_leaf_hits, upper_bound_hits
+from bench.hitrate.plan_output import write_report
 from bench.hitrate.tiers import KEY_BYTES, key_blob
 from bench.traces import BlockTrace, TraceError, from_token_requests, load_trace
 from bench.workloads import WORKLOADS, WorkloadError, make_workload
@@ -293,10 +294,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 
 def write_outputs(report: dict[str, Any], out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "hitrate.json").write_text(json.dumps(report, indent=1) + "\n")
-    (out / "hitrate.md").write_text(markdown(report))
-    plot(report, out / "hitrate.png")
+    write_report(report, out, markdown(report), plot)
 
 
 def print_table(report: dict[str, Any]) -> None:

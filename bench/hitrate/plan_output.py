@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -139,7 +140,14 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 
 def write_outputs(report: dict[str, Any], out: Path) -> None:
+    write_report(report, out, markdown(report), plot)
+
+
+def write_report(
+    report: dict[str, Any], out: Path, table: str, plot_to: Callable[[dict, Path], None]
+) -> None:
+    """hitrate.json, hitrate.md (`table`) and hitrate.png (`plot_to`) under `out`."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "hitrate.json").write_text(json.dumps(report, indent=1) + "\n")
-    (out / "hitrate.md").write_text(markdown(report))
-    plot(report, out / "hitrate.png")
+    (out / "hitrate.md").write_text(table)
+    plot_to(report, out / "hitrate.png")

@@ -19,7 +19,7 @@ from transformers import (
 )
 
 from engine.model import (
-    KVLayout,
+    KVShape,
     LoadedModel,
     ModelLoadError,
     UnsupportedModelError,
@@ -35,7 +35,7 @@ from engine.model import (
 def test_tiny_model_is_pinned_and_produces_varied_greedy_text() -> None:
     tiny = load_model("tiny")
     assert sum(p.numel() for p in tiny.model.parameters()) == 22_819_328
-    assert tiny.layout == KVLayout(num_layers=8, num_kv_heads=2, head_dim=64)
+    assert tiny.layout == KVShape(num_layers=8, num_kv_heads=2, head_dim=64)
     assert (tiny.vocab_size, tiny.max_positions, tiny.eos_token_ids) == (260, 4096, (257,))
     q_std = tiny.model.model.layers[0].self_attn.q_proj.weight.std().item()
     assert abs(q_std - 0.1) < 0.002  # initializer_range=0.1 was really used
@@ -89,13 +89,13 @@ def test_head_dim_is_read_from_the_model_not_hidden_over_heads() -> None:
         num_attention_heads=4, num_key_value_heads=2, head_dim=32,
     )  # fmt: skip
     loaded = wrap_model(random_model(cfg, seed=0), byte_tokenizer(), "qwen3-micro")
-    assert loaded.layout == KVLayout(num_layers=3, num_kv_heads=2, head_dim=32)
+    assert loaded.layout == KVShape(num_layers=3, num_kv_heads=2, head_dim=32)
 
 
 def test_gpt2_style_model_is_supported() -> None:
     cfg = GPT2Config(vocab_size=260, n_embd=64, n_layer=2, n_head=4, n_positions=128)
     loaded = wrap_model(random_model(cfg, seed=0), byte_tokenizer(), "gpt2-micro")
-    assert loaded.layout == KVLayout(num_layers=2, num_kv_heads=4, head_dim=16)
+    assert loaded.layout == KVShape(num_layers=2, num_kv_heads=4, head_dim=16)
     assert loaded.max_positions == 128
 
 
