@@ -61,6 +61,16 @@ class StepBatch:
     decode_mask: torch.Tensor | None  # [B, 1, 1, w * block_size] bool: positions to attend
     prefills: list[_Prefill]
     num_tokens: int
+    _bias: torch.Tensor | None = None
+
+    def decode_bias(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """`decode_mask` as an additive bias of `dtype` (0 or -inf), built once per step."""
+        if self.decode_mask is None:
+            return None
+        if self._bias is None or self._bias.dtype != dtype:
+            zeros = torch.zeros(self.decode_mask.shape, dtype=dtype, device=self.decode_mask.device)
+            self._bias = zeros.masked_fill_(~self.decode_mask, float("-inf"))
+        return self._bias
 
 
 def build_step(
@@ -167,33 +177,54 @@ def _attend(
     return sdpa(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa)
 
 
+def _flash_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention and its log-sum-exp per query: q [B, H, n, D], k/v [B, H, S, D] (same H),
+    bias [B, 1, 1, S] additive or None -> ([B, H, n, D], [B, H, n] float32)."""
+    if q.device.type == "cpu" and _CPU_FLASH is not None:
+        out, lse = _CPU_FLASH(q, k, v, 0.0, False, attn_mask=bias, scale=scale)
+        return out, lse.float()
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # [B, H, n, S]
+    if bias is not None:
+        scores = scores + bias.float()
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.float())
+    return out.to(q.dtype), lse
+
+
+# Flash attention on CPU that also returns the log-sum-exp (what merging partial attention
+# over the shared blocks and each row's own blocks needs); None on builds without it.
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
 def _decode_attention(
     q: torch.Tensor, layer: torch.Tensor, batch: StepBatch, scale: float | None
 ) -> torch.Tensor:
-    """One query per row, q [B, Hq, D] -> [B, Hq, D]. The shared blocks are read once and
-    scored against every row's queries; each row's own blocks are read through its table;
-    one softmax runs over both. Query head h uses K/V head h // (Hq / Hkv), as HF's repeat_kv;
-    the grouping is a view, so K/V are never repeated."""
+    """One query per row, q [B, Hq, D] -> [B, Hq, D]. Each row's own blocks are read through
+    its table; the blocks every row shares are read once and attended by all rows' queries
+    as one batch; the two partial results merge by their log-sum-exp. Query head h uses K/V
+    head h // (Hq / Hkv), as HF's repeat_kv; the grouping is a view, so K/V are never
+    repeated."""
     rows, q_heads, dim = q.shape
     kv_heads = layer.shape[2]
     scale = dim**-0.5 if scale is None else scale
     qg = q.view(rows, kv_heads, q_heads // kv_heads, dim)  # [B, Hkv, G, D]
     k2, v2 = _read(layer, batch.decode_tables)  # [B, Hkv, S2, D]
+    bias = batch.decode_bias(q.dtype)
     if batch.decode_shared is None:  # the G query heads of a K/V head as G query rows
-        out = sdpa(qg, k2.to(q.dtype), v2.to(q.dtype), attn_mask=batch.decode_mask, scale=scale)
+        out = sdpa(qg, k2.to(q.dtype), v2.to(q.dtype), attn_mask=bias, scale=scale)
         return out.reshape(rows, q_heads, dim)
-    qg, k2, v2 = qg.float(), k2.float(), v2.float()
-    s2 = torch.matmul(qg, k2.transpose(-1, -2)) * scale  # [B, Hkv, G, S2]
-    s2 = s2.masked_fill(~batch.decode_mask, float("-inf"))
-    k1, v1 = (x.float() for x in _read(layer, batch.decode_shared))  # [Hkv, S1, D]
-    q1 = qg.transpose(0, 1).reshape(kv_heads, -1, dim)  # [Hkv, B * G, D]
-    s1 = torch.matmul(q1, k1.transpose(-1, -2)) * scale  # [Hkv, B * G, S1]
-    s1 = s1.view(kv_heads, rows, -1, s1.shape[-1]).transpose(0, 1)  # [B, Hkv, G, S1]
-    w = torch.softmax(torch.cat((s1, s2), dim=-1), dim=-1)
-    w1, w2 = w.split((s1.shape[-1], s2.shape[-1]), dim=-1)
-    w1 = w1.transpose(0, 1).reshape(kv_heads, -1, w1.shape[-1])  # [Hkv, B * G, S1]
-    out1 = torch.matmul(w1, v1).view(kv_heads, rows, -1, dim).transpose(0, 1)
-    out = out1 + torch.matmul(w2, v2)  # [B, Hkv, G, D]
+    out2, lse2 = _flash_with_lse(qg, k2.to(q.dtype), v2.to(q.dtype), bias, scale)
+    k1, v1 = (x.to(q.dtype).unsqueeze(0) for x in _read(layer, batch.decode_shared))
+    q1 = qg.transpose(0, 1).reshape(1, kv_heads, -1, dim)  # [1, Hkv, B * G, D]
+    out1, lse1 = _flash_with_lse(q1, k1, v1, None, scale)
+    out1 = out1.view(kv_heads, rows, -1, dim).transpose(0, 1)  # [B, Hkv, G, D]
+    lse1 = lse1.view(kv_heads, rows, -1).transpose(0, 1)  # [B, Hkv, G]
+    top = torch.maximum(lse1, lse2)
+    w1 = torch.exp(lse1 - top).unsqueeze(-1)
+    w2 = torch.exp(lse2 - top).unsqueeze(-1)
+    out = (out1.float() * w1 + out2.float() * w2) / (w1 + w2)
     return out.reshape(rows, q_heads, dim).to(q.dtype)
 
 
