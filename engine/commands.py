@@ -63,8 +63,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-num-batched-tokens",
         type=int,
-        default=512,
-        help="tokens fed per step over all requests (prefill chunks + decodes)",
+        default=None,
+        help="tokens fed per step over all requests (prefill chunks + decodes); "
+        "default 256 on a CPU, 2048 on an accelerator",
     )
 
 

@@ -15,8 +15,10 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
+
+import torch
 
 from engine.request import (
     InvalidRequestError,
@@ -27,19 +29,37 @@ from engine.request import (
 )
 from kvstore.sequences import BlockTables, SeqBlocks
 
+# Default tokens per step by device. On a CPU prefill costs the same per token in any batch
+# (its matmuls are compute-bound past ~64 rows), so a larger step buys no throughput and only
+# delays every token in it: under a burst, 256 lets prompts finish one after another (TTFT
+# p50 of 8 simultaneous chat turns: 240 ms at 256, 400 ms at 512; docs/BENCHMARKS.md). An
+# accelerator batches prefill nearly for free, so it takes vLLM's chunked-prefill default.
+BATCHED_TOKENS_BY_DEVICE = {"cpu": 256}
+BATCHED_TOKENS_ACCELERATOR = 2048
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Step shape: tokens fed per step (all rows) and requests running at once."""
+    """Step shape: tokens fed per step (all rows; None: by device) and requests running at
+    once."""
 
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int | None = None
     max_num_seqs: int = 32
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs"):
             value = getattr(self, name)
+            if value is None and name == "max_num_batched_tokens":
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+    def for_device(self, device: torch.device) -> SchedulerConfig:
+        """This config with the token budget set (the device's default when None)."""
+        if self.max_num_batched_tokens is not None:
+            return self
+        budget = BATCHED_TOKENS_BY_DEVICE.get(device.type, BATCHED_TOKENS_ACCELERATOR)
+        return replace(self, max_num_batched_tokens=budget)
 
 
 @dataclass(eq=False)
@@ -149,7 +169,7 @@ class Scheduler:
     """Plans steps over `tables`; the engine loop is its only caller besides `add`/`stats`."""
 
     def __init__(self, config: SchedulerConfig, tables: BlockTables):
-        self.config = config
+        self.config = config.for_device(tables.pool.device)
         self.tables = tables
         self.waiting = WaitQueue()
         self.running: list[Request] = []
@@ -183,9 +203,10 @@ class Scheduler:
                 continue
             if not pending.isdisjoint(self._keys(request)):
                 continue  # another request is computing its blocks: it waits, then hits them
-            row = self._admit(request, budget, reject)
+            whole_only = any(row.num_new > 1 for row in rows)
+            row = self._admit(request, budget, reject, whole_only)
             if row is None:
-                break  # no room now: later requests wait behind it
+                break  # not now: later requests wait behind it
             if row.num_new:
                 rows.append(row)
                 budget -= row.num_new
@@ -233,10 +254,15 @@ class Scheduler:
         self.waiting.push(request, front=True)
 
     def _admit(
-        self, request: Request, budget: int, reject: Callable[[Request, BaseException], None]
+        self,
+        request: Request,
+        budget: int,
+        reject: Callable[[Request, BaseException], None],
+        whole_only: bool = False,
     ) -> Scheduled | None:
         """Admit a waiting request: its row, a row of no tokens if it was rejected, or None
-        if the pool has no room for it now."""
+        if the pool has no room for it now, or if `whole_only` (the step already prefills)
+        and the rest of its prompt does not fit in `budget`."""
         tokens = all_tokens(request)
         need = self.tables.blocks_for(len(tokens) + 1)  # the prompt and a first decode slot
         if need > self.tables.pool.num_blocks - 1:
@@ -246,8 +272,12 @@ class Scheduler:
         blocks = self.tables.open(tokens, request.cache_salt, request.tenant or "")
         state = Running(blocks, min(blocks.num_cached_tokens, len(tokens) - 1))
         num_new = min(len(tokens) - state.num_computed, budget)
+        partial = num_new < len(tokens) - state.num_computed
         room = self.tables.num_available() >= need - len(blocks.block_table)
-        if not (room or not self.running) or not self.tables.grow(blocks, len(tokens)):
+        if (whole_only and partial) or not (room or not self.running):
+            self.tables.close(blocks)
+            return None
+        if not self.tables.grow(blocks, len(tokens)):
             self.tables.close(blocks)  # not now: it stays at the head of its queue
             return None
         self.waiting.take(request)

@@ -15,7 +15,9 @@ from engine_helpers import greedy_matches_reference, micro_cache_config
 from engine.engine import Engine
 from engine.model import LoadedModel, byte_tokenizer, random_model, wrap_model
 from engine.request import Request, RequestCancelled, SamplingParams
-from engine.scheduler import SchedulerConfig
+from engine.scheduler import Scheduler, SchedulerConfig
+from kvstore.cache import PrefixCache
+from kvstore.sequences import BlockTables
 
 GREEDY = SamplingParams(max_new_tokens=10, ignore_eos=True)
 # Architectures served one request at a time, and the reason the engine logs.
@@ -121,6 +123,40 @@ def test_a_perturbed_cached_block_fails_the_reference(micro: LoadedModel) -> Non
         again = engine.generate([prompt], GREEDY)[0]
     assert again.cached_tokens == 40
     assert not greedy_matches_reference(micro, prompt, again.output_token_ids)
+
+
+def test_a_step_that_already_prefills_admits_only_prompts_that_fit_whole(micro) -> None:
+    """Under a burst, prompts are prefilled one after another, not split across steps beside
+    each other: the first finishes a step sooner, and no prompt waits for another's chunk."""
+    cache = PrefixCache(micro_cache_config(), micro.namespace(BS))
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=16), BlockTables(cache))
+    a, b, c = (Request(tokens(n, seed=70 + n), GREEDY) for n in (6, 20, 4))
+    for request in (a, b, c):
+        scheduler.add(request)
+
+    def step() -> list[tuple[Request, int]]:
+        rows = scheduler.schedule(lambda request, error: pytest.fail(str(error)))
+        for row in rows:  # what the engine does after the forward
+            row.request.state.num_computed = row.start + row.num_new
+            if row.start + row.num_new == row.request.num_tokens:
+                row.request.emit(1)
+        return [(row.request, row.num_new) for row in rows]
+
+    assert step() == [(a, 6)]  # b would get 10 of its 20 tokens; c waits behind b
+    assert step() == [(a, 1), (b, 15)]  # the first prefill of a step may be a chunk
+    assert step() == [(a, 1), (b, 5), (c, 4)]  # c fits whole beside b's last chunk
+    for request in (a, b, c):
+        scheduler.finish(request)
+    cache.close()
+
+
+def test_the_step_budget_defaults_by_device_and_an_explicit_one_is_kept() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert SchedulerConfig().for_device(cpu).max_num_batched_tokens == 256
+    assert SchedulerConfig().for_device(cuda).max_num_batched_tokens == 2048
+    assert SchedulerConfig(max_num_batched_tokens=64).for_device(cuda).max_num_batched_tokens == 64
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be an int >= 1"):
+        SchedulerConfig(max_num_batched_tokens=0)
 
 
 def test_sampling_is_per_request_and_reproducible_by_seed(micro: LoadedModel) -> None:
