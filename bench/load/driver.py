@@ -1,4 +1,7 @@
-"""Runs `bench load`: every level on each server in turn, servers always stopped at the end."""
+"""Runs `bench load`: every level on each server, servers always stopped at the end. Servers
+restarted per level run level by level (kvstore then the peer at each level), so the two
+figures a ratio compares are measured minutes closer together on a machine whose speed
+drifts."""
 
 from __future__ import annotations
 
@@ -44,16 +47,20 @@ def measure(running: Running, target: Target, args: argparse.Namespace, c: int) 
     return summarize_level(outcomes, wall, c, len(sessions), args.turns)
 
 
-def run_server(target: Target, args: argparse.Namespace) -> dict:
-    """All levels on one server, started anew before each level unless --keep-servers (or
-    --url, a server that is not ours). A server that cannot start or serve ends its run with
-    `error` saying why; the levels measured so far stay."""
+def new_entry(target: Target, args: argparse.Namespace) -> dict:
     restart = target.restartable and not args.keep_servers
-    entry = {"label": target.label, "url": target.url, "restarted_per_level": restart,
-             "command": [], "error": None, "levels": []}  # fmt: skip
+    return {"label": target.label, "url": target.url, "restarted_per_level": restart,
+            "command": [], "error": None, "levels": []}  # fmt: skip
+
+
+def run_server(target: Target, args: argparse.Namespace, levels: list[int], entry: dict) -> None:
+    """`levels` on one server into `entry`, started anew before each level unless
+    --keep-servers (or --url, a server that is not ours). A server that cannot start or serve
+    ends its run with `error` saying why; the levels measured so far stay."""
+    restart = entry["restarted_per_level"]
     running: Running | None = None
     try:
-        for c in args.levels:
+        for c in levels:
             if running is None or restart:
                 if running is not None:
                     running.stop()
@@ -65,22 +72,27 @@ def run_server(target: Target, args: argparse.Namespace) -> dict:
     finally:
         if running is not None:
             running.stop()
-        entry["command"] = target.command
-    return entry
+        entry["command"] = target.command or entry["command"]
 
 
 def run_all(args: argparse.Namespace, model_dir: Path | None, log_dir: Path) -> dict:
-    """kvstore's levels, then the peer's (one server up at a time)."""
-    servers = {}
+    """Every level on kvstore and the peer, one server up at a time: level by level when
+    servers restart per level, else kvstore's levels then the peer's."""
     blocks = args.pool_blocks
     targets = [Target(KVSTORE, model_dir or Path(), log_dir, blocks, args.url, args.api_key)]
     if not args.no_peer and model_dir is not None:
         targets.append(Target(PEER, model_dir, log_dir, blocks))
-    for target in targets:
-        servers[target.name] = run_server(target, args)
-        if error := servers[target.name]["error"]:
-            more = "; continuing with kvstore only" if target.name == PEER else ""
-            print(f"bench load: {target.name}: {error}{more}", file=sys.stderr)
+    servers = {target.name: new_entry(target, args) for target in targets}
+    by_level = all(entry["restarted_per_level"] for entry in servers.values())
+    rounds = [[c] for c in args.levels] if by_level else [args.levels]
+    for levels in rounds:
+        for target in targets:
+            entry = servers[target.name]
+            if entry["error"] is None:
+                run_server(target, args, levels, entry)
+                if entry["error"] is not None:
+                    more = "; continuing with kvstore only" if target.name == PEER else ""
+                    print(f"bench load: {target.name}: {entry['error']}{more}", file=sys.stderr)
     return {"servers": servers}
 
 
