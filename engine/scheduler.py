@@ -33,7 +33,7 @@ from kvstore.sequences import BlockTables, SeqBlocks
 # (its matmuls are compute-bound past ~64 rows), so a larger step buys no throughput and only
 # delays every token in it: under a burst, 256 lets prompts finish one after another (TTFT
 # p50 of 8 simultaneous chat turns: 240 ms at 256, 400 ms at 512; docs/BENCHMARKS.md). An
-# accelerator batches prefill nearly for free, so it takes vLLM's chunked-prefill default.
+# accelerator batches prefill nearly for free: 2048, as vLLM uses for online serving.
 BATCHED_TOKENS_BY_DEVICE = {"cpu": 256}
 BATCHED_TOKENS_ACCELERATOR = 2048
 
@@ -264,6 +264,10 @@ class Scheduler:
         if the pool has no room for it now, or if `whole_only` (the step already prefills)
         and the rest of its prompt does not fit in `budget`."""
         tokens = all_tokens(request)
+        if whole_only:  # probed without a lookup: a request that waits is not counted a hit
+            cached = min(self.tables.cache.peek(tokens, request.cache_salt), len(tokens) - 1)
+            if len(tokens) - cached > budget:
+                return None
         need = self.tables.blocks_for(len(tokens) + 1)  # the prompt and a first decode slot
         if need > self.tables.pool.num_blocks - 1:
             self.waiting.remove(request)
@@ -272,12 +276,8 @@ class Scheduler:
         blocks = self.tables.open(tokens, request.cache_salt, request.tenant or "")
         state = Running(blocks, min(blocks.num_cached_tokens, len(tokens) - 1))
         num_new = min(len(tokens) - state.num_computed, budget)
-        partial = num_new < len(tokens) - state.num_computed
         room = self.tables.num_available() >= need - len(blocks.block_table)
-        if (whole_only and partial) or not (room or not self.running):
-            self.tables.close(blocks)
-            return None
-        if not self.tables.grow(blocks, len(tokens)):
+        if not (room or not self.running) or not self.tables.grow(blocks, len(tokens)):
             self.tables.close(blocks)  # not now: it stays at the head of its queue
             return None
         self.waiting.take(request)

@@ -120,6 +120,15 @@ class PrefixCache:
         self.metrics.record_lookup(len(tokens), hit.tier_tokens)
         return hit
 
+    def peek(self, token_ids: Sequence[int] | np.ndarray, cache_salt: str = "") -> int:
+        """Tokens of the longest whole-block prefix of token_ids in the device pool now. Records
+        nothing: no hit, lock, tier lookup or metric (a scheduler's probe)."""
+        tokens = as_token_array(token_ids)
+        usable = len(tokens) // self.block_size * self.block_size
+        keys = self.scopes.get(cache_salt).hasher.hash_blocks(tokens[:usable])
+        with self._lock:
+            return self.index.peek_prefix(keys, tokens).num_blocks * self.block_size
+
     def _promote(self, scope: Scope, hit: CacheHit, tokens: np.ndarray, tenant: str) -> None:
         """Copy verified tier blocks into fresh pool blocks, index them, move the hit's lock."""
         new_ids: list[int] = []

@@ -77,6 +77,20 @@ def test_shared_prefix_with_a_different_suffix_hits_the_shared_blocks():
     cache.check_integrity()
 
 
+def test_peek_counts_device_cached_tokens_and_records_nothing():
+    cache = make_cache()
+    a = tokens(12 * BS)
+    cache.store(a, kv_for(a))
+    b = a.copy()
+    b[5 * BS + 1] += 1  # diverge inside block 5
+    before = cache.metrics.snapshot()
+    assert cache.peek(b) == 5 * BS
+    assert cache.peek(a) == 12 * BS  # whole blocks of all the tokens
+    assert cache.peek(a, cache_salt="other") == 0
+    assert cache.metrics.snapshot() == before  # no lookup, no hit counted
+    cache.check_integrity()  # and no lock left behind
+
+
 def test_storing_a_cached_prompt_again_adds_nothing():
     cache = make_cache()
     prompt = tokens(6 * BS)

@@ -142,9 +142,15 @@ def test_a_step_that_already_prefills_admits_only_prompts_that_fit_whole(micro) 
                 row.request.emit(1)
         return [(row.request, row.num_new) for row in rows]
 
-    assert step() == [(a, 6)]  # b would get 10 of its 20 tokens; c waits behind b
-    assert step() == [(a, 1), (b, 15)]  # the first prefill of a step may be a chunk
-    assert step() == [(a, 1), (b, 5), (c, 4)]  # c fits whole beside b's last chunk
+    lookups = []
+    for want in (
+        [(a, 6)],  # b would get 10 of its 20 tokens; c waits behind b
+        [(a, 1), (b, 15)],  # the first prefill of a step may be a chunk
+        [(a, 1), (b, 5), (c, 4)],  # c fits whole beside b's last chunk
+    ):
+        assert step() == want
+        lookups.append(cache.metrics.get("lookups_total"))
+    assert lookups == [1, 2, 3]  # a request held back is probed, not looked up
     for request in (a, b, c):
         scheduler.finish(request)
     cache.close()
