@@ -289,6 +289,17 @@ def _convert(field: dataclasses.Field, text: str) -> object:
         raise WorkloadError(f"{field.name} expects a {kind}, got {text!r}") from None
 
 
+def parse_params(items: list[str] | tuple[str, ...]) -> dict[str, str]:
+    """`--param KEY=VALUE` items as a dict (later keys win); `WorkloadError` for one without =."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise WorkloadError(f"--param expects KEY=VALUE, got {item!r}")
+        out[key.strip()] = value.strip()
+    return out
+
+
 def make_workload(name: str, params: dict[str, str] | None = None) -> object:
     """The config of workload `name` with fields overridden from strings ("key" -> "value")."""
     if name not in WORKLOADS:

@@ -58,19 +58,9 @@ class StepBatch:
     decode_index: torch.Tensor | None  # [B] long: query index of each one-token row
     decode_shared: torch.Tensor | None  # [k] long: leading blocks every decode row shares
     decode_tables: torch.Tensor | None  # [B, w] long: each row's blocks after those k (padded)
-    decode_mask: torch.Tensor | None  # [B, 1, 1, w * block_size] bool: positions to attend
+    decode_bias: torch.Tensor | None  # [B, 1, 1, w * block_size] float32: 0 to attend, -inf
     prefills: list[_Prefill]
     num_tokens: int
-    _bias: torch.Tensor | None = None
-
-    def decode_bias(self, dtype: torch.dtype) -> torch.Tensor | None:
-        """`decode_mask` as an additive bias of `dtype` (0 or -inf), built once per step."""
-        if self.decode_mask is None:
-            return None
-        if self._bias is None or self._bias.dtype != dtype:
-            zeros = torch.zeros(self.decode_mask.shape, dtype=dtype, device=self.decode_mask.device)
-            self._bias = zeros.masked_fill_(~self.decode_mask, float("-inf"))
-        return self._bias
 
 
 def build_step(
@@ -141,12 +131,13 @@ def _add_decode(
         used = (row.end + block_size - 1) // block_size
         tables[i, : used - k] = torch.as_tensor(list(row.block_table[k:used]), dtype=torch.long)
     lengths = torch.tensor([row.end - k * block_size for row in rows])
-    mask = torch.arange(width * block_size).unsqueeze(0) < lengths.unsqueeze(1)
+    beyond = torch.arange(width * block_size).unsqueeze(0) >= lengths.unsqueeze(1)
+    bias = torch.zeros(beyond.shape).masked_fill_(beyond, float("-inf"))
     batch.decode_index = torch.tensor([offset for offset, _ in decode_rows], device=device)
     if k:
         batch.decode_shared = torch.as_tensor(list(rows[0].block_table[:k])).to(device)
     batch.decode_tables = tables.to(device)
-    batch.decode_mask = mask[:, None, None, :].to(device)
+    batch.decode_bias = bias[:, None, None, :].to(device)
 
 
 def _read(kv_layer: torch.Tensor, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -211,7 +202,7 @@ def _decode_attention(
     scale = dim**-0.5 if scale is None else scale
     qg = q.view(rows, kv_heads, q_heads // kv_heads, dim)  # [B, Hkv, G, D]
     k2, v2 = _read(layer, batch.decode_tables)  # [B, Hkv, S2, D]
-    bias = batch.decode_bias(q.dtype)
+    bias = batch.decode_bias.to(q.dtype)  # what SDPA's CPU flash kernel requires
     if batch.decode_shared is None:  # the G query heads of a K/V head as G query rows
         out = sdpa(qg, k2.to(q.dtype), v2.to(q.dtype), attn_mask=bias, scale=scale)
         return out.reshape(rows, q_heads, dim)

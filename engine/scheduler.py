@@ -194,6 +194,7 @@ class Scheduler:
                 rows.append(row)
                 budget -= row.num_new
         pending = self._pending_keys()
+        prefilling = any(row.num_new > 1 for row in rows)  # then a new prompt must fit whole
         for request in self.waiting.candidates():
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
@@ -203,14 +204,14 @@ class Scheduler:
                 continue
             if not pending.isdisjoint(self._keys(request)):
                 continue  # another request is computing its blocks: it waits, then hits them
-            whole_only = any(row.num_new > 1 for row in rows)
-            row = self._admit(request, budget, reject, whole_only)
+            row = self._admit(request, budget, reject, whole_only=prefilling)
             if row is None:
                 break  # not now: later requests wait behind it
             if row.num_new:
                 rows.append(row)
                 budget -= row.num_new
                 pending |= self._pending(request)
+                prefilling |= row.num_new > 1
         return rows
 
     def _keys(self, request: Request) -> set[bytes]:

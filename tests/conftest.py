@@ -27,6 +27,12 @@ def skip_or_fail(message: str) -> None:
     pytest.skip(message)
 
 
+@pytest.fixture(name="skip_or_fail")
+def skip_or_fail_fixture():
+    """`skip_or_fail` for test files below this one (a conftest is not imported by name)."""
+    return skip_or_fail
+
+
 def require_binary(name: str) -> str:
     """Path of an executable; skip (or fail under KVSTORE_REQUIRE_REDIS=1) when missing."""
     path = shutil.which(name)

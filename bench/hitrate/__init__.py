@@ -36,7 +36,7 @@ from bench.hitrate.offline import infinite_hits, offline_leaf_hits, upper_bound_
 from bench.hitrate.plan_output import write_report
 from bench.hitrate.tiers import KEY_BYTES, key_blob
 from bench.traces import BlockTrace, TraceError, from_token_requests, load_trace
-from bench.workloads import WORKLOADS, WorkloadError, make_workload
+from bench.workloads import WORKLOADS, WorkloadError, make_workload, parse_params
 from engine.extras import require
 from kvstore.index import RadixIndex
 from kvstore.policies import POLICIES, make_policy
@@ -316,13 +316,7 @@ def load_workload(spec: str, params: list[str], block_size: int) -> BlockTrace:
         if params:
             raise WorkloadError("--param applies to generated workloads, not to trace:PATH")
         return load_trace(spec[len("trace:") :], block_size)
-    pairs = {}
-    for item in params:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise WorkloadError(f"--param expects KEY=VALUE, got {item!r}")
-        pairs[key.strip()] = value.strip()
-    config = make_workload(spec, pairs)
+    config = make_workload(spec, parse_params(params))
     return from_token_requests(config.generate(), block_size, spec)
 
 

@@ -31,7 +31,7 @@ import numpy as np
 from tqdm import tqdm
 
 from bench.traces import Request
-from bench.workloads import WORKLOADS, WorkloadError, make_workload
+from bench.workloads import WORKLOADS, WorkloadError, make_workload, parse_params
 
 # Defaults sized for the pinned `tiny` model on a CPU (byte vocabulary, 4096 positions).
 WORKLOAD_DEFAULTS = {
@@ -84,12 +84,7 @@ def sessions_of(requests: Sequence[Request]) -> list[Session]:
 
 def build_workload(name: str, params: Sequence[str], requests: int | None) -> list[Request]:
     """The workload's requests (bench defaults < --param), the first `requests` of them."""
-    given = {}
-    for item in params:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise WorkloadError(f"--param expects KEY=VALUE, got {item!r}")
-        given[key.strip()] = value.strip()
+    given = parse_params(params)
     pairs = {**WORKLOAD_DEFAULTS.get(name, {}), **given}
     if name == "multiturn" and requests and "num_clients" not in given:
         pairs["num_clients"] = str(math.ceil(requests / int(pairs["num_turns"])))

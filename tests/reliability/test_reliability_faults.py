@@ -1,7 +1,6 @@
 """The fault scenarios of `python -m bench faults`, at CI scale, with their must-haves:
 no wrong output, no lost entry, every request served, every injected corruption detected."""
 
-import os
 from pathlib import Path
 
 import pytest
@@ -70,13 +69,10 @@ def test_redis_paused_killed_and_restarted_under_load_fails_no_request(ctx):
 
 
 @pytest.mark.parametrize("disk", [False, True], ids=["tiny-map", "full-tmpfs"])
-def test_a_full_lmdb_keeps_serving_every_request(ctx, disk):
+def test_a_full_lmdb_keeps_serving_every_request(ctx, disk, skip_or_fail):
     o = lmdb_full(ctx, disk)
     if o is None:  # CI (root) must run it: the skip would hide a scenario there
-        message = "cannot mount a size-limited tmpfs here (needs root)"
-        if os.environ.get("KVSTORE_REQUIRE_REDIS") == "1":
-            pytest.fail(message + "; KVSTORE_REQUIRE_REDIS=1 requires every scenario")
-        pytest.skip(message)
+        skip_or_fail("cannot mount a size-limited tmpfs here (needs root)")
     assert_must_haves(o)
     assert o.requests == 63
 
