@@ -11,12 +11,15 @@ Two chains are computed over the same blocks:
 from __future__ import annotations
 
 from hashing.blocks import (
+    DEFAULT_KEY_ID,
     DEFAULT_SECRET,
     HASH_BYTES,
+    KEY_ID_BYTES,
     BlockHash,
     BlockHasher,
     InvalidTokens,
     as_token_array,
+    key_id,
     num_full_blocks,
 )
 from hashing.namespace import (
@@ -29,9 +32,11 @@ from hashing.namespace import (
 from hashing.stack import StackHasher, StackNamespace
 
 __all__ = [
+    "DEFAULT_KEY_ID",
     "DEFAULT_SECRET",
     "FORMAT_VERSION",
     "HASH_BYTES",
+    "KEY_ID_BYTES",
     "BlockHash",
     "BlockHasher",
     "InvalidNamespace",
@@ -41,6 +46,7 @@ __all__ = [
     "StackNamespace",
     "as_token_array",
     "combine_salts",
+    "key_id",
     "num_full_blocks",
     "validate_salt",
 ]

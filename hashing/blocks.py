@@ -13,7 +13,20 @@ from hashing.namespace import Namespace
 BlockHash = bytes  # 16 bytes
 HASH_BYTES = 16
 DEFAULT_SECRET = b"kvstore-default-verification-key"
+KEY_ID_BYTES = 8
 _U32_MAX = 2**32 - 1
+
+
+def key_id(secret: bytes) -> bytes:
+    """The 8-byte id of a deployment secret that entries carry (never the secret itself):
+    a reader whose id differs knows the entry was written under another secret (foreign),
+    not damaged."""
+    if not isinstance(secret, bytes) or not secret:
+        raise ValueError("secret must be non-empty bytes")
+    return hashlib.blake2b(b"kvstore-key-id", digest_size=KEY_ID_BYTES, key=secret).digest()
+
+
+DEFAULT_KEY_ID = key_id(DEFAULT_SECRET)
 
 
 class InvalidTokens(ValueError):
@@ -61,6 +74,7 @@ class BlockHasher:
         self.block_size = namespace.block_size
         self.root = self._truncate(namespace.root(), key_bytes)
         self.verify_root = namespace.verify_root(secret)
+        self.key_id = key_id(secret)
         self._secret = secret
         self._key_bytes = key_bytes
 

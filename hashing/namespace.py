@@ -8,7 +8,9 @@ from dataclasses import dataclass
 
 import xxhash
 
-FORMAT_VERSION = 1
+# The entry format version (kvstore.entry) is this one: a new format is a new namespace, so
+# entries of two formats never share a key (a new release never finds, nor blocks, old ones).
+FORMAT_VERSION = 2
 MAX_SALT_CHARS = 256
 KV_DTYPES = ("float32", "float16", "bfloat16")
 

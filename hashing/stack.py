@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import xxhash
 
-from hashing.blocks import DEFAULT_SECRET
-from hashing.namespace import InvalidNamespace, _frame, validate_salt
+from hashing.blocks import DEFAULT_SECRET, key_id
+from hashing.namespace import FORMAT_VERSION, InvalidNamespace, _frame, validate_salt
 
-STACK_FORMAT_VERSION = 1
+STACK_FORMAT_VERSION = FORMAT_VERSION
 MAX_STACK_KEY_BYTES = 4096
 
 
@@ -68,7 +68,7 @@ class StackHasher:
         self.namespace = namespace
         self.root = namespace.root()
         self._verify_root = hashlib.blake2b(namespace.framed(), digest_size=16, key=secret)
-        self._secret = secret
+        self.key_id = key_id(secret)
 
     def key(self, stack_key: bytes) -> bytes:
         return xxhash.xxh3_128_digest(self.root + _framed_key(stack_key))

@@ -35,7 +35,9 @@ FIELD_HELP = {
     "`as3fifo` (adaptive S3-FIFO), `arc`, `lhd` (least hit density); docs/POLICIES.md "
     "compares them",
     "secret": "key of the BLAKE2b verification digests (the deployment secret); empty = a "
-    "fixed default. Every process sharing a tier must use the same one",
+    "fixed default. Every process sharing a tier must use the same one: a process with "
+    "another reads the others' entries as foreign misses, says so once in its log, and never "
+    "deletes them (docs/FORMAT.md)",
     "tenant_salt": "mixed into the namespace root: caches with different salts never share "
     "a block (at most 256 printable characters)",
     "tenant_quota_blocks": "most device-pool blocks one owner (a server tenant) may hold; a "

@@ -54,8 +54,12 @@ CACHE_FAMILIES = (
     Family("dropped_writes_blocks_total", "tier writes dropped (queue full)"),
     Family("verify_failures_total", "tier entries that failed verification",
            ("reason", "tier")),
+    Family("foreign_entries_total",
+           "intact tier entries of another secret, namespace or format (kept, never deleted)",
+           ("reason", "tier")),
     # kvstore.adapters: a serving stack's blocks in the spill tiers, by stack
     Family("adapter_lookups_blocks_total", "stack blocks looked up", ("stack",)),
+    Family("adapter_reads_blocks_total", "stack blocks asked for by reads", ("stack",)),
     Family("adapter_hits_blocks_total", "stack blocks read and verified, by tier",
            ("stack", "tier")),
     Family("adapter_writes_blocks_total", "stack blocks written, by tier", ("stack", "tier")),

@@ -75,5 +75,6 @@ class Scopes:
         root, expected = ns.root(), None
         if self.with_entries and self.config.codec == "none":
             n = self.config.chunk_blocks
-            expected = ExpectedEntry(root, self.layout.dtype, self.layout.entry_shape(n), n)
+            shape = self.layout.entry_shape(n)
+            expected = ExpectedEntry(root, self.layout.dtype, shape, n, hasher.key_id)
         return Scope(salt, hasher, root, expected)

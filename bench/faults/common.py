@@ -20,6 +20,7 @@ from bench.launch import RedisServer
 from engine.contract import greedy_matches_reference
 from engine.engine import Engine, GenerateResult, SamplingParams
 from engine.model import BYTE_VOCAB_SIZE, LoadedModel, byte_tokenizer, random_model, wrap_model
+from hashing import KEY_ID_BYTES
 from kvstore.config import CacheConfig
 from kvstore.entry import FIXED_HEADER_BYTES, ID_BYTES
 
@@ -27,6 +28,7 @@ BS = 4
 PARAMS = SamplingParams(max_new_tokens=4)
 PROMPT_LEN = 10 * BS + 1  # 10 whole blocks can hit, the last token is always computed
 NAMESPACE_AT = FIXED_HEADER_BYTES - 4 * ID_BYTES  # namespace, key, digest, parent end the header
+KEY_ID_AT = NAMESPACE_AT - KEY_ID_BYTES  # the secret's key id comes before them
 
 
 @dataclass(frozen=True)

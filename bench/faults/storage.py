@@ -17,6 +17,7 @@ import xxhash
 
 from bench.faults.common import (
     BS,
+    KEY_ID_AT,
     NAMESPACE_AT,
     PROMPT_LEN,
     Context,
@@ -29,38 +30,47 @@ from bench.faults.common import (
     tier_config,
 )
 from engine.engine import Engine
+from hashing import KEY_ID_BYTES
 from kvstore.entry import CHECKSUM_BYTES, FIXED_HEADER_BYTES, ID_BYTES
 
 # ----------------------------------------------------------------------------- 2. corruption
 
 
 def corrupt(value: bytes, kind: str, rng: random.Random) -> bytes:
-    """One damaged copy of an entry: a flipped payload bit, a cut, another version or
-    another namespace (re-checksummed, so only the namespace check can catch it)."""
+    """One changed copy of an entry. Damage: a flipped payload bit, a cut. Foreign (intact,
+    re-checksummed, so only the header checks catch it): another format version, another
+    namespace, another secret's key id."""
     data = bytearray(value)
     if kind == "bit flip":
         pos = rng.randrange(FIXED_HEADER_BYTES, len(data) - CHECKSUM_BYTES)
         data[pos] ^= 1 << rng.randrange(8)
-    elif kind == "truncation":
-        del data[rng.randrange(1, len(data)) :]
-    elif kind == "header version":
+        return bytes(data)
+    if kind == "truncation":
+        return bytes(data[: rng.randrange(1, len(data))])
+    if kind == "header version":
         data[4:6] = (99).to_bytes(2, "little")
-    else:
+    elif kind == "wrong namespace":
         data[NAMESPACE_AT : NAMESPACE_AT + ID_BYTES] = os.urandom(ID_BYTES)
-        body = bytes(data[:-CHECKSUM_BYTES])
-        data[-CHECKSUM_BYTES:] = xxhash.xxh3_64_intdigest(body).to_bytes(CHECKSUM_BYTES, "little")
+    else:
+        data[KEY_ID_AT : KEY_ID_AT + KEY_ID_BYTES] = os.urandom(KEY_ID_BYTES)
+    body = bytes(data[:-CHECKSUM_BYTES])
+    data[-CHECKSUM_BYTES:] = xxhash.xxh3_64_intdigest(body).to_bytes(CHECKSUM_BYTES, "little")
     return bytes(data)
 
 
-CORRUPTIONS = ("bit flip", "truncation", "header version", "wrong namespace")
+DAMAGE = ("bit flip", "truncation")
+FOREIGN = ("header version", "wrong namespace", "wrong secret")
+CORRUPTIONS = DAMAGE + FOREIGN
 
 
 def corruption(ctx: Context, tier: str) -> FaultOutcome:
-    """Corrupt one entry of each prompt in the tier; a fresh engine must detect, delete and
-    recompute it (hit = the blocks before it), and a third engine must find it repaired."""
+    """Change one entry of each prompt in the tier. A fresh engine must detect each (hit =
+    the blocks before it) and recompute; damaged entries are deleted (a third engine hits
+    in full), foreign ones are kept (still there, still a miss: never deleted)."""
     flush_redis(ctx.redis.url)
     n, rng = 2 * len(CORRUPTIONS) * max(1, ctx.scale.requests // 8), random.Random(2)
     prompts, config = make_prompts(n, seed=20), tier_config(ctx, tier, "corrupt")
+    kinds = [CORRUPTIONS[i % len(CORRUPTIONS)] for i in range(n)]
     with Engine(ctx.model, config) as writer:
         serve(writer, prompts)
         writer.cache.flush(30)
@@ -68,10 +78,10 @@ def corruption(ctx: Context, tier: str) -> FaultOutcome:
         keys = [hasher.hash_blocks(p[: PROMPT_LEN - 1]) for p in prompts]
         acked = sum(store.count_prefix(k) for k in keys)
         at = [rng.randrange(len(k)) for k in keys]
-        for i, (k, j) in enumerate(zip(keys, at, strict=True)):
+        for k, j, kind in zip(keys, at, kinds, strict=True):
             (value,) = store.get_many([k[j]])
             store.delete([k[j]])
-            store.put_many([(k[j], corrupt(value, CORRUPTIONS[i % len(CORRUPTIONS)], rng))])
+            store.put_many([(k[j], corrupt(value, kind, rng))])
     with Engine(ctx.model, config) as reader:
         results = serve(reader, prompts)
         reader.cache.flush(30)
@@ -79,16 +89,22 @@ def corruption(ctx: Context, tier: str) -> FaultOutcome:
     short = sum(r is None or r.cached_tokens != j * BS for r, j in zip(results, at, strict=True))
     with Engine(ctx.model, config) as checker:
         again = serve(checker, prompts)
-    lost = acked - sum((r.cached_tokens if r else 0) // BS for r in again)
-    repaired = sum(bool(r and r.cached_tokens == PROMPT_LEN - 1) for r in again)
+        present = sum(sum(checker.cache.tiers.stores[0].contains_many(k)) for k in keys)
+    full = [bool(r and r.cached_tokens == PROMPT_LEN - 1) for r in again]
+    cut = [bool(r and r.cached_tokens == j * BS) for r, j in zip(again, at, strict=True)]
+    repaired = sum(f for f, kind in zip(full, kinds, strict=True) if kind in DAMAGE)
+    kept = sum(c for c, kind in zip(cut, kinds, strict=True) if kind in FOREIGN)
     return outcome(
-        ctx, f"corrupt entries ({tier})",
+        ctx, f"corrupt and foreign entries ({tier})",
         f"1 entry per prompt rewritten in {tier}: " + ", ".join(CORRUPTIONS) + " in turn",
-        prompts + prompts, results + again, lost_entries=lost, corrupt_injected=n,
+        prompts + prompts, results + again, lost_entries=acked - present, corrupt_injected=n,
         corrupt_detected=detected,
-        figures={"hits_cut_at_damage": len(prompts) - short, "repaired": repaired},
-        note=f"{len(prompts) - short}/{len(prompts)} hits stopped exactly at the damaged block; "
-        f"a fresh engine then hit {repaired}/{len(prompts)} prompts in full (repaired)",
+        figures={"hits_cut_at_damage": len(prompts) - short, "repaired": repaired,
+                 "foreign_kept": kept},
+        note=f"{len(prompts) - short}/{len(prompts)} hits stopped exactly at the changed block; "
+        f"a fresh engine then hit {repaired}/{2 * n // 5} damaged prompts in full (deleted, "
+        f"rewritten) and {kept}/{3 * n // 5} foreign ones up to the kept foreign entry "
+        f"(never deleted)",
     )  # fmt: skip
 
 

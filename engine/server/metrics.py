@@ -30,7 +30,7 @@ LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.
                      10.0, 30.0, 60.0)  # fmt: skip
 BREAKER_STATES = ("closed", "open", "half_open")
 STORE_COUNTERS = ("hits", "misses", "writes", "evictions", "verify_failures", "dropped_writes",
-                  "errors")  # fmt: skip
+                  "errors", "foreign")  # fmt: skip
 STORE_GAUGES = ("entries", "bytes", "capacity_bytes")
 SERVER_COUNTERS = (  # name, help, label
     ("kvstore_requests_total", "finished requests by outcome (ok, error, cancelled)", "outcome"),

@@ -3,8 +3,9 @@
 Every adapter (vLLM, LMCache, SGLang) maps its stack's keys and buffers onto one
 `BlockStore`: keys are the stack's own block keys (bytes), values its blocks' raw bytes.
 Each block is stored as a stack entry (`kvstore.entry.stack`) under a `StackNamespace`, so
-a read proves the namespace, the exact stack key (keyed digest) and the checksum; anything
-else is rejected (deleted, counted) and reads as a miss.
+a read proves the namespace, the secret, the exact stack key (keyed digest) and the
+checksum; anything else reads as a miss and is counted, and only a damaged entry is deleted
+(`kvstore.tiers.rejects`: another secret's entries are kept).
 
 Every call is one round trip per store, whatever the batch: reads ask the stores fastest
 first, each only for what the faster ones missed (and fill the faster ones with what a
@@ -14,9 +15,12 @@ on a store failure: the stores' breakers and error counting make a failing tier 
 
 from __future__ import annotations
 
+import contextlib
+import difflib
+import logging
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any, NamedTuple
 
@@ -27,8 +31,10 @@ from kvstore.entry.stack import STACK_CODECS, decode_stack_entry, encode_stack_e
 from kvstore.metrics import CacheMetrics
 from kvstore.settings import load_config
 from kvstore.stores import SpillStore, make_stores
+from kvstore.tiers.rejects import Rejections
 
 SETTINGS_KEY = "kvstore"  # the stacks' config key that holds kvstore's settings
+log = logging.getLogger("kvstore.adapters")
 
 
 class Block(NamedTuple):
@@ -49,22 +55,52 @@ class PutBlock(NamedTuple):
     meta: bytes = b""
 
 
+# The CacheConfig fields an adapter uses (docs/ADAPTERS.md): its tiers, their failure
+# handling, the entries' secret, tenant and codec, and the write policies.
+ADAPTER_SETTINGS = (
+    "memory_cache_gb", "lmdb_dir", "lmdb_map_size_gb", "redis_url", "redis_ttl_s",
+    "lookup_deadline_ms", "breaker_failures", "breaker_cooldown_s", "secret", "tenant_salt",
+    "codec", "memory_write_policy", "lmdb_write_policy", "redis_write_policy",
+)  # fmt: skip
+
+
 def config_from_settings(
     settings: Mapping[str, Any] | None, env: Mapping[str, str] | None = None
 ) -> CacheConfig:
-    """The CacheConfig of an adapter: `settings` (CacheConfig field names; strings are
-    converted) over KVSTORE_* variables and KVSTORE_CONFIG's TOML. Raises ConfigError."""
+    """The CacheConfig of an adapter: `settings` (`ADAPTER_SETTINGS`; strings are converted)
+    over KVSTORE_* variables and KVSTORE_CONFIG's TOML. Raises ConfigError."""
     settings = dict(settings or {})
-    unknown = sorted(set(settings) - set(CacheConfig.field_names()))
+    unknown = sorted(set(settings) - set(ADAPTER_SETTINGS))
     if unknown:
-        valid = ", ".join(CacheConfig.field_names())
-        raise ConfigError(unknown[0], f"is not a kvstore setting; use one of: {valid}")
+        raise ConfigError(unknown[0], _unknown_setting(unknown[0]))
     config = load_config(env=os.environ if env is None else env, overrides=settings)
     if config.codec not in STACK_CODECS:
         raise ConfigError("codec", f"adapters store raw bytes: use one of {STACK_CODECS}")
     if not config.has_tiers:
         raise ConfigError("redis_url", "set at least one of memory_cache_gb, lmdb_dir, redis_url")
     return config
+
+
+@contextlib.contextmanager
+def startup_errors(stack: str, where: str, consequence: str) -> Iterator[None]:
+    """An adapter's start-up: a ConfigError is logged at ERROR with what to fix and what the
+    stack does about it (LMCache catches it and runs on: the log still says why), then
+    raised."""
+    try:
+        yield
+    except ConfigError as e:
+        log.error(
+            "kvstore's %s adapter cannot start: %s. Fix %s (docs/ADAPTERS.md); %s.",
+            stack, e, where, consequence,
+        )  # fmt: skip
+        raise
+
+
+def _unknown_setting(name: str) -> str:
+    close = difflib.get_close_matches(name, ADAPTER_SETTINGS, n=1, cutoff=0.5)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    what = "does nothing in an adapter" if name in CacheConfig.field_names() else "is unknown"
+    return f"this kvstore setting {what}; {hint}an adapter takes: {', '.join(ADAPTER_SETTINGS)}"
 
 
 def settings_of(mapping: Mapping[str, Any] | None, where: str) -> dict[str, Any]:
@@ -94,6 +130,7 @@ class BlockStore:
         self.root = self.hasher.root
         self.stores = list(stores) if stores is not None else make_stores(config, namespace.id)
         self.metrics = metrics if metrics is not None else CacheMetrics()
+        self.rejections = Rejections(self.metrics)
         self._writable = [s for s in self.stores if _write_policy(config, s.name) != "off"]
         self._write_lock = threading.Lock()  # dropped-write deltas are per call
 
@@ -134,6 +171,7 @@ class BlockStore:
         """The verified blocks, None where no tier has a valid one. `payload_bytes`: the size
         every block must have (an entry of another size is rejected)."""
         keys, out = self.keys(stack_keys), [None] * len(stack_keys)
+        self.metrics.inc("adapter_reads_blocks_total", len(keys), stack=self.stack)
         for rank, store in enumerate(self.stores):
             todo = [i for i, block in enumerate(out) if block is None]
             if not todo:
@@ -154,16 +192,15 @@ class BlockStore:
         out: list[Block | None],
     ) -> list[tuple[bytes, bytes]]:
         """Fill `out` with the blocks of `values` that verify; returns (key, entry) of those."""
-        found, bad = [], []
+        found, failures = [], []
         for i, value in zip(todo, values, strict=True):
             if value is None:
                 continue
-            block = self._decode(store, value, stack_keys[i], keys[i], payload_bytes, bad)
+            block = self._decode(store, value, stack_keys[i], keys[i], payload_bytes, failures)
             if block is not None:
                 out[i] = block
                 found.append((keys[i], value))
-        if bad:
-            store.reject(bad)
+        self.rejections.record(store, failures)
         if found:
             self.metrics.inc("adapter_hits_blocks_total", len(found), stack=self.stack,
                              tier=store.name)  # fmt: skip
@@ -176,7 +213,7 @@ class BlockStore:
         stack_key: bytes,
         key: bytes,
         payload_bytes: int | None,
-        bad: list[bytes],
+        failures: list[tuple[bytes, EntryError]],
     ) -> Block | None:
         try:
             entry = decode_stack_entry(
@@ -185,10 +222,10 @@ class BlockStore:
                 key=key,
                 digest=self.hasher.digest(stack_key),
                 payload_bytes=payload_bytes,
+                key_id=self.hasher.key_id,
             )
         except EntryError as e:
-            bad.append(key)
-            self.metrics.inc("verify_failures_total", tier=store.name, reason=e.reason)
+            failures.append((key, e))
             return None
         return Block(entry.payload, entry.meta, entry.num_tokens, store.name)
 
@@ -217,6 +254,7 @@ class BlockStore:
             num_tokens=block.num_tokens,
             meta=block.meta,
             codec=self.config.codec,
+            key_id=self.hasher.key_id,
         )
 
     def _write(self, stores: Sequence[SpillStore], items: list[tuple[bytes, bytes]]) -> bool:
@@ -245,9 +283,15 @@ class BlockStore:
     # --- state ------------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        """{"namespace": id, "metrics": CacheMetrics snapshot, "tiers": per-store stats}."""
+        """{"namespace": id, "metrics": CacheMetrics snapshot, "tiers": per-store stats};
+        the snapshot's `hit_rate` is blocks read and verified over blocks asked for."""
         tiers = {store.name: asdict(store.stats()) for store in self.stores}
-        return {"namespace": self.namespace.id, "metrics": self.metrics.snapshot(), "tiers": tiers}
+        metrics = self.metrics.snapshot()
+        reads = self.metrics.get("adapter_reads_blocks_total", stack=self.stack)
+        hits = metrics["counters"].get("adapter_hits_blocks_total", {})
+        found = sum(n for (stack, _), n in hits.items() if stack == self.stack)
+        metrics["hit_rate"] = found / reads if reads else 0.0
+        return {"namespace": self.namespace.id, "metrics": metrics, "tiers": tiers}
 
     def clear(self) -> int:
         """Remove this namespace's blocks from every tier (the memory tier: all of it)."""

@@ -1,8 +1,9 @@
 """Encode and decode whole entries (format in `kvstore.entry.format`, docs/FORMAT.md).
 
 `decode_entry` never trusts a stored entry: it checks magic, version, length, checksum, and
-that namespace, lookup key, verification digest, dtype (and optionally tokens and shape)
-are the ones the caller expects. Any mismatch raises `EntryError` with a `reason`.
+that namespace, secret (key id), lookup key, verification digest, dtype (and optionally
+tokens and shape) are the ones the caller expects. Any mismatch raises `EntryError` with a
+`reason` (whose kind says whether the entry is damaged, foreign or another prefix's).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import numpy as np
 import torch
 import zstandard
 
-from hashing import as_token_array
+from hashing import DEFAULT_KEY_ID, KEY_ID_BYTES, as_token_array
 from kvstore.entry.format import (
     CODEC_CODES,
     DTYPE_CODES,
@@ -94,6 +95,8 @@ def _check_entry(entry: BlockEntry, tokens: np.ndarray) -> None:
         value = getattr(entry, name)
         if not isinstance(value, bytes) or len(value) != ID_BYTES:
             raise EntryError("input", f"{name} must be {ID_BYTES} bytes, got {value!r:.40}")
+    if not isinstance(entry.key_id, bytes) or len(entry.key_id) != KEY_ID_BYTES:
+        raise EntryError("input", f"key_id must be {KEY_ID_BYTES} bytes (hashing.key_id)")
     kv = entry.kv
     if kv.dtype not in DTYPE_CODES:
         raise EntryError("input", f"kv dtype must be float32, float16 or bfloat16, not {kv.dtype}")
@@ -158,6 +161,7 @@ def decode_entry(
     dtype: torch.dtype,
     token_ids: np.ndarray | None = None,
     shape: tuple[int, ...] | None = None,
+    key_id: bytes = DEFAULT_KEY_ID,
 ) -> BlockEntry:
     """Verify and decode an entry; raises `EntryError` (with `reason`) on any mismatch.
 
@@ -166,7 +170,7 @@ def decode_entry(
     """
     mv = memoryview(data).cast("B")
     h = verified_header(mv)
-    check_identity(h, namespace, key, digest)
+    check_identity(h, namespace, key, digest, key_id)
     if h.dtype != dtype:
         raise EntryError("dtype", f"entry holds {h.dtype}, expected {dtype}")
     if shape is not None and tuple(shape) != h.shape:
@@ -180,4 +184,4 @@ def decode_entry(
     kv = frombuffer_le(payload, h.stored_dtype, numel).view(h.shape)
     if kv.dtype != dtype:
         kv = kv.to(dtype)
-    return BlockEntry(h.namespace, h.key, h.digest, h.parent, tokens, kv, h.num_blocks)
+    return BlockEntry(h.namespace, h.key, h.digest, h.parent, tokens, kv, h.num_blocks, h.key_id)

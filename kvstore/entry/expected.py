@@ -12,6 +12,7 @@ import numpy as np
 import torch
 import xxhash
 
+from hashing import DEFAULT_KEY_ID
 from kvstore.entry.format import (
     CHECKSUM_BYTES,
     DTYPE_CODES,
@@ -35,7 +36,12 @@ class ExpectedEntry:
     """
 
     def __init__(
-        self, namespace: bytes, dtype: torch.dtype, shape: tuple[int, ...], num_blocks: int = 1
+        self,
+        namespace: bytes,
+        dtype: torch.dtype,
+        shape: tuple[int, ...],
+        num_blocks: int = 1,
+        key_id: bytes = DEFAULT_KEY_ID,
     ):
         self.namespace, self.num_blocks = namespace, num_blocks
         self.dtype, self.shape = dtype, tuple(shape)
@@ -43,11 +49,12 @@ class ExpectedEntry:
         num_tokens = shape[3]
         zeros, tokens = bytes(ID_BYTES), np.zeros(num_tokens, np.uint32)
         like = torch.empty((), dtype=dtype).expand(shape)
-        entry = BlockEntry(namespace, zeros, zeros, zeros, tokens, like, num_blocks)
+        entry = BlockEntry(namespace, zeros, zeros, zeros, tokens, like, num_blocks, key_id)
         nbytes = self.numel * dtype.itemsize
         header = pack_header(entry, entry.token_ids, DTYPE_CODES[dtype], "none", 0, nbytes, nbytes)
         tokens_at = FIXED_HEADER_BYTES + 4 * len(shape)
-        self._head = header[: FIXED_HEADER_BYTES - 3 * ID_BYTES]  # up to key, digest, parent
+        # everything up to key, digest and parent (key id and namespace included)
+        self._head = header[: FIXED_HEADER_BYTES - 3 * ID_BYTES]
         self._shape = header[FIXED_HEADER_BYTES:tokens_at]
         self._pad = header[tokens_at + 4 * num_tokens :]
         self.header_bytes = len(header)

@@ -16,15 +16,17 @@ import numpy as np
 import torch
 import xxhash
 
+from hashing import DEFAULT_KEY_ID, FORMAT_VERSION, KEY_ID_BYTES
+
 MAGIC = b"KVSB"
-FORMAT_VERSION = 1
 ID_BYTES = 16
 # magic, version, kv dtype, stored dtype, codec, flags, ndim, reserved, num_blocks, reserved,
 # num_tokens, header length, raw payload length, stored payload length,
-# namespace, key, digest, parent
-_FIXED = struct.Struct("<4sHBBBBBBHHIIQQ16s16s16s16s")
+# key id, namespace, key, digest, parent
+_FIXED = struct.Struct(f"<4sHBBBBBBHHIIQQ{KEY_ID_BYTES}s16s16s16s16s")
 FIXED_HEADER = _FIXED  # the fixed header's layout (kvstore.entry.stack packs it too)
-FIXED_HEADER_BYTES = _FIXED.size  # 104
+FIXED_HEADER_BYTES = _FIXED.size  # 112
+_MAGIC_VERSION = struct.Struct("<4sH")
 CHECKSUM_BYTES = 8
 HEADER_ALIGN = 16  # the payload starts at a 16-byte aligned offset
 
@@ -34,20 +36,13 @@ CODEC_CODES = {"none": 0, "fp16": 1, "bf16": 2, "lz4": 3, "zstd": 4}
 _CODE_CODECS = {code: name for name, code in CODEC_CODES.items()}
 FLAG_SHUFFLED = 1  # payload bytes were byte-shuffled (grouped by significance) before compression
 FLAG_STACK = 2  # a serving stack's block: raw bytes, no token ids (kvstore.entry.stack)
-REASONS = (
-    "truncated",
-    "magic",
-    "version",
-    "checksum",
-    "format",
-    "namespace",
-    "key",
-    "digest",
-    "dtype",
-    "shape",
-    "tokens",
-    "input",
-)
+# Why an entry fails verification, in three kinds (docs/FORMAT.md, "Verification on read"):
+# damaged bytes (deleted by the reader), an intact entry of another writer's configuration
+# (foreign: kept), and an intact entry of another prefix or shape (kept).
+DAMAGED = ("truncated", "magic", "checksum", "format")
+FOREIGN = ("version", "kind", "namespace", "secret")
+MISMATCHED = ("key", "digest", "dtype", "shape", "tokens")
+REASONS = (*DAMAGED, *FOREIGN, *MISMATCHED, "input")
 
 
 class EntryError(ValueError):
@@ -56,6 +51,16 @@ class EntryError(ValueError):
     def __init__(self, reason: str, message: str):
         super().__init__(f"{reason}: {message}")
         self.reason = reason
+
+    @property
+    def damaged(self) -> bool:
+        """The entry's own bytes are bad: the only failure a reader deletes."""
+        return self.reason in DAMAGED
+
+    @property
+    def foreign(self) -> bool:
+        """An intact entry written under another secret, namespace or format version."""
+        return self.reason in FOREIGN
 
 
 class BlockEntry(NamedTuple):
@@ -72,6 +77,7 @@ class BlockEntry(NamedTuple):
     token_ids: np.ndarray
     kv: torch.Tensor
     num_blocks: int = 1
+    key_id: bytes = DEFAULT_KEY_ID  # `hashing.key_id` of the secret the digest was made with
 
 
 class EntryHeader(NamedTuple):
@@ -87,6 +93,7 @@ class EntryHeader(NamedTuple):
     header_bytes: int
     raw_bytes: int
     stored_bytes: int
+    key_id: bytes
     namespace: bytes
     key: bytes
     digest: bytes
@@ -118,7 +125,7 @@ def pack_header(
         MAGIC, FORMAT_VERSION, DTYPE_CODES[entry.kv.dtype], stored_code,
         CODEC_CODES[codec], flags, entry.kv.dim(), 0, entry.num_blocks, 0,
         len(tokens), header_len, raw_bytes, stored_bytes,
-        entry.namespace, entry.key, entry.digest, entry.parent,
+        entry.key_id, entry.namespace, entry.key, entry.digest, entry.parent,
     )  # fmt: skip
     pad = bytes(header_len - FIXED_HEADER_BYTES - len(shape) - tokens.nbytes)
     return b"".join((fixed, shape, tokens.astype("<u4", copy=False).data, pad))
@@ -156,15 +163,18 @@ def _encode_into(
 
 
 def _unpack_fixed(data: memoryview) -> tuple:
-    """The fixed header fields, after checking size, magic and version only."""
+    """The fixed header fields, after checking magic, version and size only. The version
+    comes before the size: another version's header may be laid out differently."""
+    if len(data) < _MAGIC_VERSION.size:
+        raise EntryError("truncated", f"entry is {len(data)} bytes, shorter than a header")
+    magic, version = _MAGIC_VERSION.unpack_from(data, 0)
+    if magic != MAGIC:
+        raise EntryError("magic", f"magic is {magic!r}, expected {MAGIC!r}")
+    if version != FORMAT_VERSION:
+        raise EntryError("version", f"format version {version}, this reader knows {FORMAT_VERSION}")
     if len(data) < FIXED_HEADER_BYTES + CHECKSUM_BYTES:
         raise EntryError("truncated", f"entry is {len(data)} bytes, shorter than a header")
-    f = _FIXED.unpack_from(data, 0)
-    if f[0] != MAGIC:
-        raise EntryError("magic", f"magic is {f[0]!r}, expected {MAGIC!r}")
-    if f[1] != FORMAT_VERSION:
-        raise EntryError("version", f"format version {f[1]}, this reader knows {FORMAT_VERSION}")
-    return f
+    return _FIXED.unpack_from(data, 0)
 
 
 def _verify_checksum(mv: memoryview, f: tuple) -> None:
@@ -188,7 +198,7 @@ def _parse_header(data: memoryview, f: tuple) -> EntryHeader:
     shape = struct.unpack_from(f"<{ndim}I", data, FIXED_HEADER_BYTES)
     return EntryHeader(
         f[1], dtype, stored, codec, f[5], f[8], f[10], header_len, f[12], f[13],
-        f[14], f[15], f[16], f[17], shape,
+        f[14], f[15], f[16], f[17], f[18], shape,
     )  # fmt: skip
 
 
@@ -203,7 +213,7 @@ def verified_header(data: memoryview) -> EntryHeader:
     """The header of a model entry whose checksum and layout hold; raises `EntryError`."""
     fixed = verified_fixed(data)
     if fixed[5] & FLAG_STACK:
-        raise EntryError("format", "a stack block entry (no token ids): see kvstore.entry.stack")
+        raise EntryError("kind", "a stack block entry (no token ids): see kvstore.entry.stack")
     h = _parse_header(data, fixed)
     _check_layout(h, len(data))
     return h
@@ -230,9 +240,19 @@ def _check_layout(h: EntryHeader, total_bytes: int) -> None:
         raise EntryError("format", f"inconsistent header: shape {h.shape}, {h.raw_bytes} bytes")
 
 
-def check_identity(h: EntryHeader, namespace: bytes, key: bytes, digest: bytes) -> None:
+def check_identity(
+    h: EntryHeader, namespace: bytes, key: bytes, digest: bytes, key_id: bytes
+) -> None:
+    """Namespace, secret, lookup key and digest, in this order: a digest that differs under
+    the same key id is a lookup-key collision, under another key id another secret's."""
     if h.namespace != namespace:
         raise EntryError("namespace", f"entry is from namespace {h.namespace.hex()}")
+    if h.key_id != key_id:
+        raise EntryError(
+            "secret",
+            f"entry was written under secret key id {h.key_id.hex()}, this reader's is "
+            f"{key_id.hex()}",
+        )
     if h.key != key:
         raise EntryError("key", f"entry has lookup key {h.key.hex()}, expected {key.hex()}")
     if h.digest != digest:

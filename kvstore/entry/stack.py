@@ -16,6 +16,7 @@ from typing import NamedTuple
 import lz4.block
 import zstandard
 
+from hashing import DEFAULT_KEY_ID, KEY_ID_BYTES
 from kvstore.entry.format import (
     CHECKSUM_BYTES,
     CODEC_CODES,
@@ -60,9 +61,13 @@ def _compress(raw: memoryview, codec: str) -> bytes | memoryview:
     return raw
 
 
-def _check_parts(namespace: bytes, key: bytes, digest: bytes, meta: bytes, codec: str) -> None:
+def _check_parts(
+    namespace: bytes, key: bytes, digest: bytes, key_id: bytes, meta: bytes, codec: str
+) -> None:
     if {len(namespace), len(key), len(digest)} != {ID_BYTES}:
         raise EntryError("input", f"namespace, key and digest must be {ID_BYTES} bytes")
+    if len(key_id) != KEY_ID_BYTES:
+        raise EntryError("input", f"key_id must be {KEY_ID_BYTES} bytes (hashing.key_id)")
     if len(meta) > MAX_META_BYTES:
         raise EntryError("input", f"stack metadata is {len(meta)} bytes, at most {MAX_META_BYTES}")
     if codec not in STACK_CODECS:
@@ -78,9 +83,11 @@ def encode_stack_entry(
     num_tokens: int = 0,
     meta: bytes = b"",
     codec: str = "none",
+    key_id: bytes = DEFAULT_KEY_ID,
 ) -> bytes:
-    """The entry of one stack block: `payload` its raw bytes, `meta` the stack's metadata."""
-    _check_parts(namespace, key, digest, meta, codec)
+    """The entry of one stack block: `payload` its raw bytes, `meta` the stack's metadata,
+    `key_id` the `hashing.key_id` of the secret `digest` was made with."""
+    _check_parts(namespace, key, digest, key_id, meta, codec)
     raw = memoryview(payload).cast("B")
     stored = _compress(raw, codec)
     if len(stored) >= raw.nbytes:
@@ -89,7 +96,7 @@ def encode_stack_entry(
     fixed = FIXED_HEADER.pack(
         MAGIC, FORMAT_VERSION, BYTES_CODE, BYTES_CODE, CODEC_CODES[codec], FLAG_STACK, 1, 0,
         1, len(meta), num_tokens, header_len, raw.nbytes, len(stored),
-        namespace, key, digest, namespace,
+        key_id, namespace, key, digest, namespace,
     )  # fmt: skip
     pad = bytes(header_len - FIXED_HEADER_BYTES - 4 - len(meta))
     header = b"".join((fixed, _U32.pack(raw.nbytes), meta, pad))
@@ -103,24 +110,27 @@ def decode_stack_entry(
     key: bytes,
     digest: bytes,
     payload_bytes: int | None = None,
+    key_id: bytes = DEFAULT_KEY_ID,
 ) -> StackEntry:
     """Verify a stack entry and return its parts; raises `EntryError` (with `reason`).
 
-    Checks, in order: length, magic, version, checksum, that it is a stack entry with a
-    consistent header, namespace, key, digest, and the payload size when given."""
+    Checks, in order: magic, version, length, checksum, that it is a stack entry with a
+    consistent header, namespace, secret (key id), key, digest, and the payload size when
+    given."""
     mv = memoryview(data).cast("B")
     f = verified_fixed(mv)
     codec, meta_len, header_len, raw_len, stored_len = _layout(f, len(mv))
-    check_identity(_Identity(f[14], f[15], f[16]), namespace, key, digest)
+    check_identity(_Identity(f[14], f[15], f[16], f[17]), namespace, key, digest, key_id)
     if payload_bytes is not None and raw_len != payload_bytes:
         raise EntryError("shape", f"entry holds {raw_len} bytes, expected {payload_bytes}")
     meta_at = FIXED_HEADER_BYTES + 4
     meta = bytes(mv[meta_at : meta_at + meta_len])
     stored = mv[header_len : header_len + stored_len]
-    return StackEntry(f[15], f[10], meta, _inflate(stored, codec, raw_len))
+    return StackEntry(f[16], f[10], meta, _inflate(stored, codec, raw_len))
 
 
 class _Identity(NamedTuple):
+    key_id: bytes
     namespace: bytes
     key: bytes
     digest: bytes
@@ -128,8 +138,10 @@ class _Identity(NamedTuple):
 
 def _layout(f: tuple, total: int) -> tuple[str, int, int, int, int]:
     """codec, meta, header, raw and stored lengths of a stack entry; else EntryError."""
-    if not f[5] & FLAG_STACK or f[2] != BYTES_CODE or f[3] != BYTES_CODE or f[6] != 1:
-        raise EntryError("format", "not a stack block entry (a model entry: decode_entry)")
+    if not f[5] & FLAG_STACK:
+        raise EntryError("kind", "not a stack block entry (a model entry: decode_entry)")
+    if f[2] != BYTES_CODE or f[3] != BYTES_CODE or f[6] != 1:
+        raise EntryError("format", "a stack entry must hold raw bytes of one dimension")
     codec = _CODEC_NAMES.get(f[4])
     meta_len, header_len, raw_len, stored_len = f[9], f[11], f[12], f[13]
     ok = (

@@ -34,6 +34,7 @@ class StoreStats:
     verify_failures: int
     dropped_writes: int
     errors: int
+    foreign: int = 0  # of verify_failures: intact entries of another secret/namespace/format
     breaker_state: str | None = None  # "closed", "open", "half_open"; None without a breaker
 
 
@@ -48,6 +49,7 @@ class Counters:
         "verify_failures",
         "dropped_writes",
         "errors",
+        "foreign",
     )
 
     def __init__(self) -> None:
@@ -127,9 +129,15 @@ class SpillStore(ABC):
         """Remove these keys; returns how many were present."""
 
     def reject(self, keys: Sequence[bytes]) -> int:
-        """Entries that failed verification: count them as verify failures and delete them."""
+        """Damaged entries (checksum or header fails): count them as verify failures and
+        delete them. Only damaged ones: an intact entry that fails is `refuse`d."""
         self._counters.add(verify_failures=len(keys))
         return self.delete(keys) if keys else 0
+
+    def refuse(self, count: int, foreign: int = 0) -> None:
+        """Intact entries that failed verification (`foreign` of them written under another
+        secret, namespace or format version; the rest another prefix's): counted, kept."""
+        self._counters.add(verify_failures=count, foreign=foreign)
 
     def probe(self) -> str | None:
         """None when the store can be reached now, else why not (one line, no secrets).

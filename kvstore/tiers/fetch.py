@@ -26,6 +26,7 @@ from kvstore.layout import KVLayout, as_block, entry_to_blocks, token_bytes
 from kvstore.metrics import CacheMetrics
 from kvstore.scopes import Scope
 from kvstore.stores import SpillStore
+from kvstore.tiers.rejects import Rejections
 
 
 class Segment(NamedTuple):
@@ -61,6 +62,7 @@ class TierReader:
     ):
         self.stores, self.layout, self.metrics = stores, layout, metrics
         self.chunk_blocks = chunk_blocks
+        self.rejections = Rejections(metrics)
 
     def fetch_into(
         self,
@@ -156,7 +158,7 @@ class TierReader:
     def _verified_kv(
         self, read: _Read, value: bytes | memoryview, first: int, end: int
     ) -> torch.Tensor | None:
-        """The KV of the chunk's entry if it verifies; else None (rejected and counted)."""
+        """The KV of the chunk's entry if it verifies; else None (deleted if damaged)."""
         args = self._entry_args(read, first, end)
         if read.scope.expected is not None:
             kv = read.scope.expected.kv(value, *args)
@@ -174,7 +176,7 @@ class TierReader:
         digest: bytes,
         tokens: np.ndarray,
     ) -> torch.Tensor | None:
-        """KV of a verified entry, or None after rejecting (deleting and counting) it."""
+        """KV of a verified entry, or None after recording why not (`Rejections`)."""
         try:
             return decode_entry(
                 value,
@@ -184,8 +186,8 @@ class TierReader:
                 dtype=self.layout.dtype,
                 token_ids=tokens,
                 shape=self.layout.entry_shape(self.chunk_blocks),
+                key_id=read.scope.hasher.key_id,
             ).kv
         except EntryError as e:
-            read.store.reject([key])
-            self.metrics.inc("verify_failures_total", tier=read.store.name, reason=e.reason)
+            self.rejections.record(read.store, [(key, e)])
             return None

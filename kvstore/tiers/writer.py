@@ -152,7 +152,8 @@ class TierWriter:
 
             def entry(i: int) -> BlockEntry:
                 tokens = write.token_ids[i * tokens_per : (i + 1) * tokens_per]
-                return BlockEntry(root, keys[i], digests[i], parents[i], tokens, kv[i], per)
+                key_id = write.scope.hasher.key_id
+                return BlockEntry(root, keys[i], digests[i], parents[i], tokens, kv[i], per, key_id)
 
             return lambda i, out: encode_entry(entry(i), self._codec, out), max_entry_bytes(
                 entry(0)

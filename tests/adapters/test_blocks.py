@@ -4,6 +4,8 @@ without token ids), stack namespaces and keys, `contains_many` on every store, a
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 import torch
@@ -14,7 +16,7 @@ from kvstore.adapters.blocks import BlockStore, PutBlock, config_from_settings
 from kvstore.config import CacheConfig, ConfigError
 from kvstore.entry import BlockEntry, EntryError, decode_entry, encode_entry
 from kvstore.entry.stack import decode_stack_entry, encode_stack_entry
-from kvstore.stores import LmdbStore, MemoryStore, RedisStore
+from kvstore.stores import LmdbStore, MemoryStore, RedisStore, make_stores
 
 NS = StackNamespace("vllm", "org/model", '{"chunk_bytes": 4096}', "bfloat16")
 PAYLOAD = bytes(range(256)) * 16
@@ -80,11 +82,11 @@ def test_model_entries_and_stack_entries_never_read_as_each_other():
     model = encode_entry(BlockEntry(ns.root(), key, digest, hasher.root, tokens, kv))
     with pytest.raises(EntryError, match="not a stack block entry") as e:
         decode_stack_entry(model, namespace=ns.root(), key=key, digest=digest)
-    assert e.value.reason == "format"
+    assert e.value.reason == "kind"
     stack = encode_stack_entry(ns.root(), key, digest, PAYLOAD)
     with pytest.raises(EntryError, match="a stack block entry") as e:
         decode_entry(stack, namespace=ns.root(), key=key, digest=digest, dtype=torch.float32)
-    assert e.value.reason == "format"
+    assert e.value.reason == "kind"
 
 
 def test_bad_input_is_a_typed_error_saying_what_to_fix():
@@ -145,25 +147,52 @@ def test_a_block_store_round_trips_and_counts_on_every_tier(tier):
     assert count(blocks, "adapter_writes_blocks_total", tier=tier.name) == 3
     assert count(blocks, "adapter_hits_blocks_total", tier=tier.name) == 3
     assert count(blocks, "adapter_lookups_blocks_total") == 6
+    assert count(blocks, "adapter_reads_blocks_total") == 4
+    assert blocks.stats()["metrics"]["hit_rate"] == 3 / 4
     corrupt(blocks, b"k2")
     assert blocks.get([b"k2"]) == [None]
     assert verify_failures(blocks, tier.name, "checksum") == 1
     blocks.close()
 
 
-def test_another_tenant_or_secret_never_reads_a_block(tmp_path):
+def test_another_tenant_never_reads_a_block(tmp_path):
     settings = {"lmdb_dir": str(tmp_path / "shared"), "lmdb_map_size_gb": 0.01}
     writer = block_store(settings)
     writer.put([PutBlock(b"k", PAYLOAD)])
     org2 = StackNamespace(NS.stack, NS.model, NS.layout, NS.dtype, "org-2")
     tenant = block_store({**settings, "tenant_salt": "org-2"}, org2)
     assert tenant.get([b"k"]) == [None] and tenant.contains([b"k"]) == [False]
-    forger = block_store({**settings, "secret": "not-the-deployment-secret"})
-    assert forger.contains([b"k"]) == [True]  # same key: the entry is there ...
-    assert forger.get([b"k"]) == [None]  # ... but its digest was not made with this secret
-    assert verify_failures(forger, "lmdb", "digest") == 1
-    for blocks in (writer, tenant, forger):
+    for blocks in (writer, tenant):
         blocks.close()
+
+
+def test_two_secrets_on_one_tier_keep_each_others_blocks(tier, caplog):
+    """A process with another secret reads the blocks as foreign misses and never deletes
+    them; both announce it; a damaged block is still deleted (the control)."""
+    (store,) = make_stores(config_from_settings(tier.settings, env={}), NS.id)
+    a = BlockStore(config_from_settings({**tier.settings, "secret": "a"}, env={}), NS, [store])
+    b = BlockStore(config_from_settings({**tier.settings, "secret": "b"}, env={}), NS, [store])
+    a.put([PutBlock(b"a%d" % i, PAYLOAD) for i in range(3)])
+    b.put([PutBlock(b"b%d" % i, PAYLOAD) for i in range(3)])
+    with caplog.at_level(logging.WARNING, logger="kvstore.tiers"):
+        for reader, other in ((a, b"b"), (b, b"a")):
+            keys = [other + b"%d" % i for i in range(3)]
+            assert reader.contains(keys) == [True] * 3  # the entries are there ...
+            assert reader.get(keys) == [None] * 3  # ... but not this secret's
+            assert reader.get(keys[:1]) == [None]  # twice: still there, still a miss
+            assert verify_failures(reader, store.name, "secret") == 4
+            assert reader.metrics.get("foreign_entries_total", tier=store.name,
+                                      reason="secret") == 4  # fmt: skip
+    assert [bytes(x.payload) for x in a.get([b"a0", b"a1", b"a2"])] == [PAYLOAD] * 3
+    assert [bytes(x.payload) for x in b.get([b"b0", b"b1", b"b2"])] == [PAYLOAD] * 3
+    stats = store.stats()
+    assert (stats.verify_failures, stats.foreign) == (8, 8)
+    announced = [r for r in caplog.records if "secret (KVSTORE_SECRET) differs" in r.message]
+    assert len(announced) == 2  # once per reader
+    corrupt(a, b"a0")
+    assert a.get([b"a0"]) == [None] and verify_failures(a, store.name, "checksum") == 1
+    assert a.contains([b"a0", b"a1"]) == [False, True]  # only the damaged one is gone
+    a.close()
 
 
 def test_a_slower_tier_fills_the_faster_one(tmp_path):
@@ -198,8 +227,13 @@ def test_settings_are_converted_and_bad_ones_are_typed_errors(tmp_path):
     assert (config.memory_cache_gb, config.breaker_failures) == (0.01, 2)
     env = {"KVSTORE_REDIS_URL": "redis://127.0.0.1:6390/0", "KVSTORE_SECRET": "s3"}
     assert config_from_settings({}, env=env).secret == "s3"
-    with pytest.raises(ConfigError, match="lmdb_path: is not a kvstore setting; use one of"):
+    with pytest.raises(ConfigError, match=r"lmdb_path: .* unknown; did you mean 'lmdb_dir'\?") as e:
         config_from_settings({"lmdb_path": str(tmp_path)}, env={})
+    assert "device_blocks" not in str(e.value)  # only what an adapter takes is listed
+    with pytest.raises(ConfigError, match=r"block_size: .* does nothing in an adapter"):
+        config_from_settings({"memory_cache_gb": 1, "block_size": 4}, env={})
+    with pytest.raises(ConfigError, match=r"unix://.*rediss\+cluster://"):
+        config_from_settings({"redis_url": "http://127.0.0.1:6379"}, env={})
     with pytest.raises(ConfigError, match="codec: adapters store raw bytes"):
         config_from_settings({"memory_cache_gb": 1, "codec": "fp16"}, env={})
     with pytest.raises(ConfigError, match="set at least one of memory_cache_gb"):

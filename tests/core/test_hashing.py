@@ -5,6 +5,7 @@ import pytest
 import xxhash
 
 from hashing import (
+    FORMAT_VERSION,
     HASH_BYTES,
     BlockHasher,
     InvalidNamespace,
@@ -42,7 +43,7 @@ def test_changing_any_namespace_field_gives_disjoint_roots_and_block_hashes(fiel
 
 
 def test_format_version_is_part_of_the_namespace():
-    assert dataclasses.replace(BASE, format_version=2).root() != BASE.root()
+    assert dataclasses.replace(BASE, format_version=FORMAT_VERSION + 1).root() != BASE.root()
 
 
 def test_adapter_and_salt_fields_are_framed_so_shifting_characters_changes_the_root():

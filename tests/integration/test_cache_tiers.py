@@ -9,7 +9,7 @@ import torch
 from hashing import Namespace
 from kvstore.cache import PrefixCache
 from kvstore.config import CacheConfig
-from kvstore.stores import MemoryStore
+from kvstore.stores import MemoryStore, make_stores
 
 LAYERS, HEADS, BS, DIM = 2, 2, 4, 8
 NS = Namespace("fp", "float32", LAYERS, HEADS, DIM, BS)
@@ -342,3 +342,39 @@ def test_a_hit_in_a_slower_tier_fills_the_faster_write_through_tiers(tmp_path, r
         assert hit.tier_tokens == {"lmdb": 5 * BS}
         assert_kv_equal(local.load(hit), kv_for(prompt), 5 * BS)
         local.release(hit)
+
+
+def test_caches_with_two_secrets_share_a_tier_without_deleting_each_others_entries(
+    tier, redis_url, tmp_path, caplog
+):
+    """A misconfigured process (another secret) must not empty a shared tier: each cache
+    reads the other's entries as foreign misses, keeps them, and says why once."""
+    prompts = {"a": tokens(4 * BS + 1, seed=10), "b": tokens(4 * BS + 1, seed=11)}
+    config = {s: tier_config(tier, tmp_path, redis_url, secret=s) for s in "ab"}
+    (store,) = make_stores(config["a"], config["a"].bind(NS))  # one store both caches share
+    caches = {s: PrefixCache(config[s], NS, [store]) for s in "ab"}
+    for s, cache in caches.items():
+        assert cache.store(prompts[s], kv_for(prompts[s])) == 4
+        assert cache.flush(10)
+        cache.evict_device()
+    assert store.stats().entries in (8, None)  # Redis does not count cheaply
+    with caplog.at_level("WARNING", logger="kvstore.tiers"):
+        for reader, writer in (("a", "b"), ("b", "a")):
+            hit = caches[reader].lookup(prompts[writer])
+            assert hit.num_cached_tokens == 0  # foreign: a miss ...
+            caches[reader].release(hit)
+            keys = caches[writer].hasher.hash_blocks(prompts[writer])
+            assert store.contains_many(keys) == [True] * 4  # ... never deleted
+            assert caches[reader].metrics.get("foreign_entries_total", tier=tier,
+                                              reason="secret") == 1  # fmt: skip
+    announced = [r for r in caplog.records if "KVSTORE_SECRET" in r.message]
+    assert len(announced) == 2
+    for s, cache in caches.items():  # each still reads its own, bit-exact
+        cache.evict_device()
+        hit = cache.lookup(prompts[s])
+        assert hit.tier_tokens == {tier: 4 * BS}
+        assert_kv_equal(cache.load(hit), kv_for(prompts[s]), 4 * BS)
+        cache.release(hit)
+    assert (store.stats().verify_failures, store.stats().foreign) == (2, 2)
+    for cache in caches.values():
+        cache.close()

@@ -9,10 +9,14 @@ import pytest
 import torch
 from tier_helpers import assert_same_entry, make_chain, namespace
 
-from hashing import BlockHasher
+from hashing import FORMAT_VERSION, BlockHasher, key_id
 from kvstore.entry import (
     CHECKSUM_BYTES,
+    DAMAGED,
     FIXED_HEADER_BYTES,
+    FOREIGN,
+    MISMATCHED,
+    REASONS,
     BlockEntry,
     EntryError,
     ExpectedEntry,
@@ -94,7 +98,7 @@ def test_header_describes_the_entry() -> None:
     chain = make_chain(namespace(torch.float16, layers=3, kv_heads=2, head_dim=8), num_blocks=1)
     e, h = chain.entries[0], read_header(chain.encoded[0])
     assert (h.version, h.dtype, h.codec, h.num_blocks, h.num_tokens) == (
-        1, torch.float16, "none", 1, 4
+        FORMAT_VERSION, torch.float16, "none", 1, 4
     )  # fmt: skip
     assert h.shape == (3, 2, 2, 4, 8)
     assert (h.namespace, h.key, h.digest, h.parent) == (e.namespace, e.key, e.digest, e.parent)
@@ -140,8 +144,26 @@ def test_truncated_value_is_detected(keep: int) -> None:
 def test_future_format_version_is_rejected() -> None:
     chain = make_chain(namespace(), num_blocks=1)
     data = bytearray(chain.encoded[0])
-    struct.pack_into("<H", data, 4, 2)
+    struct.pack_into("<H", data, 4, FORMAT_VERSION + 1)
     assert reason_of(chain, bytes(data)) == "version"
+
+
+def test_an_entry_of_another_secret_is_foreign_not_damaged() -> None:
+    chain = make_chain(namespace(), num_blocks=1)
+    other = key_id(b"another deployment secret")
+    with pytest.raises(EntryError, match=other.hex()) as info:
+        decode_as(chain, 0, chain.encoded[0], key_id=other)
+    assert info.value.reason == "secret"
+    assert info.value.foreign and not info.value.damaged
+
+
+def test_every_reason_is_of_one_kind() -> None:
+    assert set(REASONS) == {*DAMAGED, *FOREIGN, *MISMATCHED, "input"}
+    assert len(REASONS) == len(set(REASONS))
+    assert [EntryError(r, "").damaged for r in ("checksum", "truncated", "magic", "format")] == [
+        True
+    ] * 4
+    assert not any(EntryError(r, "").damaged for r in (*FOREIGN, *MISMATCHED))
 
 
 def test_foreign_bytes_are_rejected_as_bad_magic() -> None:
