@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import importlib
 
+# The distribution's name on the package index ("kvstore" there is an unrelated project).
+DISTRIBUTION = "kvstore-llm"
+
 # Top-level module -> the extra that installs it (README.md, "Commands").
 EXTRA_OF_MODULE = {
     "transformers": "engine",
@@ -29,7 +32,7 @@ class MissingExtraError(ImportError):
         by = f" (needed by {needed_by})" if needed_by else ""
         super().__init__(
             f"module {module!r} is not installed{by}; install the {extra!r} extra: "
-            f"pip install -e '.[{extra}]'",
+            f"pip install -e '.[{extra}]' in a checkout, or pip install '{DISTRIBUTION}[{extra}]'",
             name=module,
         )
         self.module, self.extra = module, extra

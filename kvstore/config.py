@@ -51,7 +51,7 @@ class CacheConfig:
     memory_cache_gb: float = 0.0  # host-RAM tier; 0 = off
     lmdb_dir: str | None = None
     lmdb_map_size_gb: float = 4.0
-    redis_url: str | None = None  # redis://, rediss:// or redis+cluster://
+    redis_url: str | None = None  # redis://, rediss://, unix://, redis(s)+cluster://
     redis_ttl_s: int | None = None
     lookup_deadline_ms: float = 200.0  # one deadline per tier lookup
     breaker_failures: int = 3  # consecutive failures that open a tier's circuit breaker
@@ -93,7 +93,11 @@ class CacheConfig:
         if self.redis_url is not None and not self.redis_url.startswith(
             ("redis://", "rediss://", "redis+cluster://", "rediss+cluster://", "unix://")
         ):
-            raise ConfigError("redis_url", "must start with redis://, rediss://, redis+cluster://")
+            raise ConfigError(
+                "redis_url",
+                "must start with redis://, rediss:// (TLS), unix:// (a socket path), "
+                "redis+cluster:// or rediss+cluster://",  # never the URL: it may hold a password
+            )
 
     def _check_numbers(self) -> None:
         if not isinstance(self.key_bytes, int) or not 1 <= self.key_bytes <= 16:

@@ -8,7 +8,9 @@ metadata, and reads them back into `MemoryObj`s allocated from LMCache's CPU bac
 The async methods never block the event loop: every store call runs on the connector's
 own thread pool (`run_in_executor`); `put` returns once the chunk's bytes are copied into
 the encoded entry, so LMCache may release the `MemoryObj` right after. Batched forms are one
-round trip per store. A failing tier reads as a miss and a dropped write, never raises.
+round trip per store. A failing tier reads as a miss; a put no tier took raises
+`WriteDropped`, which LMCache counts; `ping` tells LMCache's health check whether every tier
+answers.
 
 Enable it (docs/ADAPTERS.md): `remote_url: plugin://kvstore`, `remote_storage_plugins:
 [kvstore]`, and in `extra_config`: `remote_storage_plugin.kvstore.module_path:
@@ -30,11 +32,28 @@ from lmcache.v1.protocol import RemoteMetadata
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from hashing import StackNamespace
-from kvstore.adapters.blocks import Block, BlockStore, PutBlock, config_from_settings, settings_of
+from kvstore.adapters.blocks import (
+    Block,
+    BlockStore,
+    PutBlock,
+    config_from_settings,
+    settings_of,
+    startup_errors,
+)
 from kvstore.config import ConfigError
 
 STACK = "lmcache"
+# What LMCache 0.5.6 does when the connector cannot be built (docs/ADAPTERS.md)
+CONSEQUENCE = (
+    "LMCache runs on without this remote backend, retries it every 10 s and its health "
+    "check reports the backend down"
+)
+UNREACHABLE = 1  # ping's error code when a kvstore tier does not answer (0: all answer)
 T = TypeVar("T")
+
+
+class WriteDropped(RuntimeError):
+    """No kvstore tier took a put (down or full): raised so that LMCache counts it."""
 
 
 def lmcache_namespace(metadata: Any, tenant: str) -> StackNamespace:
@@ -65,14 +84,15 @@ class KvstoreConnector(RemoteConnector):
 
     def __init__(self, loop: asyncio.AbstractEventLoop, local_cpu_backend: Any, config: Any):
         metadata = getattr(local_cpu_backend, "metadata", None)
-        if metadata is None:
-            raise ConfigError("kvstore", "KvstoreConnector needs LMCache's worker-side backend")
+        with startup_errors(STACK, "extra_config in LMCACHE_CONFIG_FILE", CONSEQUENCE):
+            if metadata is None:
+                raise ConfigError("kvstore", "KvstoreConnector needs LMCache's worker-side backend")
+            extra = getattr(config, "extra_config", None) or {}
+            cache_config = config_from_settings(settings_of(extra, "LMCache extra_config"))
+            threads = extra.get("kvstore.io_threads", 4)
+            if not isinstance(threads, int) or threads < 1:
+                raise ConfigError("kvstore.io_threads", f"must be an int >= 1, got {threads!r}")
         super().__init__(config, metadata)
-        extra = getattr(config, "extra_config", None) or {}
-        cache_config = config_from_settings(settings_of(extra, "LMCache extra_config"))
-        threads = extra.get("kvstore.io_threads", 4)
-        if not isinstance(threads, int) or threads < 1:
-            raise ConfigError("kvstore.io_threads", f"must be an int >= 1, got {threads!r}")
         self.loop, self.local_cpu_backend = loop, local_cpu_backend
         namespace = lmcache_namespace(metadata, cache_config.tenant_salt)
         self.blocks = BlockStore(cache_config, namespace)
@@ -156,10 +176,12 @@ class KvstoreConnector(RemoteConnector):
     async def batched_put(self, keys: list[CacheEngineKey], memory_objs: list[MemoryObj]) -> None:
         await self._run(self._put_many, keys, memory_objs)
 
-    def _put_many(self, keys: Sequence[CacheEngineKey], objs: Sequence[MemoryObj]) -> bool:
-        """Encode (copy) every chunk and write them in one batch."""
+    def _put_many(self, keys: Sequence[CacheEngineKey], objs: Sequence[MemoryObj]) -> None:
+        """Encode (copy) every chunk and write them in one batch; `WriteDropped` if no tier
+        took it (LMCache counts a failed put in its put_failed_count)."""
         blocks = [self._block(k, obj) for k, obj in zip(keys, objs, strict=True)]
-        return self.blocks.put(blocks)
+        if not self.blocks.put(blocks):
+            raise WriteDropped(f"no kvstore tier took {len(blocks)} chunks (see kvstore's log)")
 
     def _block(self, key: CacheEngineKey, obj: MemoryObj) -> PutBlock:
         payload = memoryview(obj.byte_array).cast("B")
@@ -170,6 +192,19 @@ class KvstoreConnector(RemoteConnector):
 
     def remove_sync(self, key: CacheEngineKey) -> bool:
         return self.blocks.delete([stack_key(key)]) > 0
+
+    # --- health -----------------------------------------------------------------------------
+
+    def support_ping(self) -> bool:
+        return True
+
+    async def ping(self) -> int:
+        """0 when every tier answers, else `UNREACHABLE` (LMCache's health check then
+        reports the backend down and records the code)."""
+        return await self._run(self._ping)
+
+    def _ping(self) -> int:
+        return UNREACHABLE if any(s.probe() is not None for s in self.blocks.stores) else 0
 
     # --- admin ------------------------------------------------------------------------------
 

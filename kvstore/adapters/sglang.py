@@ -19,6 +19,7 @@ Enable it (docs/ADAPTERS.md): `--hicache-storage-backend dynamic
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,13 +28,27 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
+    PoolName,
+    PoolTransfer,
+    PoolTransferResult,
 )
 
 from hashing import StackNamespace
-from kvstore.adapters.blocks import BlockStore, PutBlock, config_from_settings, settings_of
+from kvstore.adapters.blocks import (
+    BlockStore,
+    PutBlock,
+    config_from_settings,
+    settings_of,
+    startup_errors,
+)
 from kvstore.config import CacheConfig
 
 STACK = "sglang"
+log = logging.getLogger("kvstore.adapters")
+
+
+class HybridModelError(RuntimeError):
+    """The model keeps side pools (Mamba, SWA, DSA, draft) besides its KV pages."""
 
 
 def sglang_namespace(config: HiCacheStorageConfig, pool: Any, tenant: str) -> StackNamespace:
@@ -72,9 +87,14 @@ class KvstoreHiCache(HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None):
         self.storage_config = storage_config
         extra = storage_config.extra_config or {}
-        self.config: CacheConfig = config_from_settings(settings_of(extra, "SGLang extra_config"))
+        where = "--hicache-storage-backend-extra-config"
+        with startup_errors(STACK, where, "SGLang does not start"):
+            self.config: CacheConfig = config_from_settings(
+                settings_of(extra, "SGLang extra_config")
+            )
         self.blocks: BlockStore | None = None
         self.writer = storage_config.is_storage_writer
+        self._side_pools: list[str] = []  # a hybrid model's pools besides KV: refused
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         super().register_mem_pool_host(mem_pool_host)
@@ -82,6 +102,46 @@ class KvstoreHiCache(HiCacheStorage):
             tenant = self.config.tenant_salt
             namespace = sglang_namespace(self.storage_config, mem_pool_host, tenant)
             self.blocks = BlockStore(self.config, namespace)
+
+    # --- hybrid models: refused ------------------------------------------------------------
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        if host_pool_name != PoolName.KV:
+            self._side_pools.append(str(host_pool_name))
+
+    def on_host_pools_registered(self) -> None:
+        """SGLang's attach ends here: a hybrid model is refused with one line (SGLang then
+        fails the attach, so the server does not start with a backend that stores nothing)."""
+        if self._side_pools:
+            error = HybridModelError(
+                f"kvstore's SGLang backend stores KV pages only; this model also keeps "
+                f"{', '.join(self._side_pools)} pools (a hybrid model), which it cannot store: "
+                f"serve it without --hicache-storage-backend dynamic"
+            )
+            log.error("%s", error)
+            raise error
+
+    def batch_exists_v2(
+        self,
+        keys: list[str],
+        pool_transfers: list[PoolTransfer] | None = None,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> PoolTransferResult:
+        """Nothing: the side pools of a hybrid model are never stored (refused above)."""
+        return PoolTransferResult.empty()
+
+    def batch_get_v2(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[str, list[bool]]:
+        return {t.name: [False] * len(t.keys or ()) for t in transfers}
+
+    def batch_set_v2(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[str, list[bool]]:
+        return {t.name: [False] * len(t.keys or ()) for t in transfers}
+
+    # --- keys -------------------------------------------------------------------------------
 
     def _keys(self, keys: Sequence[str]) -> list[bytes]:
         return [k.encode() for k in keys]

@@ -41,8 +41,8 @@ from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from hashing import StackNamespace
-from kvstore.adapters.blocks import BlockStore, PutBlock, config_from_settings
-from kvstore.config import ConfigError
+from kvstore.adapters.blocks import BlockStore, PutBlock, config_from_settings, startup_errors
+from kvstore.config import CacheConfig, ConfigError
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -84,6 +84,29 @@ class _Lookups(AsyncLookupManager):
         return self._blocks.contains([bytes(k) for k in keys])
 
 
+TIER_KEYS = ("kvstore", "io_threads", "locality", "backpressure")  # besides type, module_path
+
+
+def _tier_config(
+    kvstore: Mapping[str, Any] | None,
+    io_threads: int,
+    locality: str | None,
+    unknown: Mapping[str, Any],
+) -> tuple[CacheConfig, Locality | None]:
+    """The tier entry's settings checked before anything is built; else ConfigError."""
+    if unknown:
+        name = sorted(unknown)[0]
+        raise ConfigError(name, f"is not a key of a KvstoreTier entry; use: {', '.join(TIER_KEYS)}")
+    if not isinstance(io_threads, int) or io_threads < 1:
+        raise ConfigError("io_threads", f"must be an int >= 1, got {io_threads!r}")
+    try:
+        where = Locality(locality) if locality is not None else None
+    except ValueError:
+        names = ", ".join(m.value for m in Locality)
+        raise ConfigError("locality", f"must be one of {names}, got {locality!r}") from None
+    return config_from_settings(kvstore), where
+
+
 class KvstoreTier(SecondaryTierManager):
     """A vLLM secondary tier on kvstore's spill tiers (memory, LMDB, Redis, Redis Cluster).
 
@@ -102,14 +125,15 @@ class KvstoreTier(SecondaryTierManager):
         kvstore: Mapping[str, Any] | None = None,
         io_threads: int = 2,
         locality: str | None = None,
+        **unknown: Any,
     ):
+        where = "the KvstoreTier entry of --kv-transfer-config's secondary_tiers"
+        with startup_errors(STACK, where, "vLLM does not start"):
+            config, where_to = _tier_config(kvstore, io_threads, locality, unknown)
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
-        if not isinstance(io_threads, int) or io_threads < 1:
-            raise ConfigError("io_threads", f"must be an int >= 1, got {io_threads!r}")
-        config = config_from_settings(kvstore)
+        self.locality = where_to
         chunk = self.block_size_bytes
         namespace = vllm_namespace(offloading_spec.config, chunk, config.tenant_salt)
-        self.locality = Locality(locality) if locality is not None else None
         self.blocks = BlockStore(config, namespace)
         self._buffer = primary_kv_view.cast("B")  # chunk i: [i * chunk, (i + 1) * chunk)
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvstore-vllm")

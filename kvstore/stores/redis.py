@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -30,6 +31,16 @@ SCHEMES = ("redis://", "rediss://", "unix://", *CLUSTER_SCHEMES)
 _FAILURES = (RedisError, RedisClusterException, OSError)
 _CONNECTION_FAILURES = (redis.ConnectionError, redis.TimeoutError, OSError)
 _GLOB_CHARS = "*?[]\\"
+
+
+def _clear_frames(error: BaseException | None) -> None:
+    """Clear the locals of the finished frames of `error` and of the errors it chains."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        _clear_frames(error.__cause__)
+        error = error.__context__
 
 
 class _Failed(Exception):
@@ -120,7 +131,11 @@ class RedisStore(SpillStore):
             self._counters.add(errors=1)
             if not isinstance(e, redis.ResponseError) or self.cluster:
                 self._reset_connections()  # anything but a server reply may be a bad socket
-            raise _Failed from e
+            # The client's frames hold the error in cycles, and each frame links to its
+            # callers': until a gc pass they would keep the callers' arguments alive, such
+            # as views of a serving stack's buffer (vLLM then cannot unmap it). Cut them.
+            _clear_frames(e)
+            raise _Failed from None
         except BaseException:
             self.breaker.record_failure()  # never leave a half-open probe outstanding
             raise

@@ -29,7 +29,7 @@ def import_stack(stack: str, module: str) -> ModuleType:
         if stack in required:
             pytest.fail(f"{stack} is required (KVSTORE_REQUIRE_STACKS) but: {e}")
         pytest.skip(
-            f"{stack} is not installed (pip install 'kvstore[{stack}]'): {e}",
+            f"{stack} is not installed (pip install -e '.[{stack}]'): {e}",
             allow_module_level=True,
         )
 

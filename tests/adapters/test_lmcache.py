@@ -5,6 +5,7 @@ LocalCPUBackend, then put / exists / get of real MemoryObjs under real CacheEngi
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -24,14 +25,18 @@ import_stack("lmcache", "lmcache.v1.storage_backend.connector")
 import torch
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.config import LMCacheEngineConfig
+from lmcache.v1.health_monitor.checks.remote_backend_check import RemoteBackendHealthCheck
 from lmcache.v1.metadata import LMCacheMetadata
+from lmcache.v1.storage_backend import CreateStorageBackends
 from lmcache.v1.storage_backend.connector import CreateConnector
 from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
+from lmcache.v1.storage_backend.remote_backend import RemoteBackend
 
-from kvstore.adapters.lmcache import KvstoreConnector
+from kvstore.adapters.lmcache import UNREACHABLE, KvstoreConnector, WriteDropped
 from kvstore.config import ConfigError
 
 CHUNK = 16
+PLUGIN_URL = "plugin://kvstore"  # the URL LMCache's RemoteBackend builds for the plugin
 
 
 def lmcache_config(tmp_path, settings: dict) -> LMCacheEngineConfig:
@@ -41,8 +46,7 @@ def lmcache_config(tmp_path, settings: dict) -> LMCacheEngineConfig:
         "kvstore": settings,
     }
     doc = {"chunk_size": CHUNK, "local_cpu": False, "max_local_cpu_size": 0.05,
-           "remote_url": "plugin://kvstore", "remote_storage_plugins": ["kvstore"],
-           "extra_config": extra}  # fmt: skip
+           "remote_storage_plugins": ["kvstore"], "extra_config": extra}  # fmt: skip
     path = tmp_path / f"lmcache-{time.monotonic_ns()}.yaml"
     path.write_text(yaml.safe_dump(doc))
     return LMCacheEngineConfig.from_file(str(path))
@@ -61,9 +65,8 @@ class Worker:
         self.backend = LocalCPUBackend(self.config, self.metadata)
         self.loop = asyncio.new_event_loop()
         self.conn = CreateConnector(
-            self.config.remote_url, self.loop, self.backend, self.config, self.metadata,
-            plugin_name="kvstore",
-        )  # fmt: skip
+            PLUGIN_URL, self.loop, self.backend, self.config, self.metadata, plugin_name="kvstore"
+        )
         self.plugin = self.conn._connector
         self.blocks = self.plugin.blocks
 
@@ -177,7 +180,8 @@ def test_redis_killed_is_misses_then_recovery(tier, workers):
     tier.redis.kill()
     assert worker.run(worker.conn.exists(key)) is False
     assert worker.run(worker.conn.get(key)) is None
-    worker.run(worker.conn.put(worker.key(78), obj))  # dropped, not raised
+    with pytest.raises(WriteDropped):  # LMCache counts it in put_failed_count
+        worker.run(worker.conn.put(worker.key(78), obj))
     assert count(worker.blocks, "adapter_dropped_writes_blocks_total", tier="redis") == 1
     tier.redis.restart()
     time.sleep(0.25)  # the breaker's cooldown
@@ -213,7 +217,7 @@ def test_a_slow_tier_never_blocks_the_event_loop(tier, workers):
 
 
 def test_an_unknown_setting_is_a_typed_error_naming_it(tmp_path):
-    with pytest.raises(ConfigError, match="redis_uri: is not a kvstore setting"):
+    with pytest.raises(ConfigError, match=r"redis_uri: .* unknown; did you mean 'redis_url'"):
         Worker(tmp_path, {"redis_uri": "redis://127.0.0.1:1/0"})
 
 
@@ -234,7 +238,8 @@ def test_the_compose_fleet_config_loads_through_lmcache(redis_server_factory, mo
     )  # fmt: skip
     backend = LocalCPUBackend(config, metadata)
     loop = asyncio.new_event_loop()
-    conn = CreateConnector(config.remote_url, loop, backend, config, metadata, "kvstore")
+    assert config.remote_url is None  # one backend: the plugin, not the legacy URL too
+    conn = CreateConnector(PLUGIN_URL, loop, backend, config, metadata, "kvstore")
     try:
         assert [s.name for s in conn._connector.blocks.stores] == ["redis"]
         obj = backend.allocate(metadata.get_shapes(), metadata.get_dtypes())
@@ -245,3 +250,125 @@ def test_the_compose_fleet_config_loads_through_lmcache(redis_server_factory, mo
     finally:
         loop.run_until_complete(conn.close())
         loop.close()
+
+
+class Backends:
+    """LMCache's own storage backends (CreateStorageBackends) from a config, on an event
+    loop in a thread as LMCache runs it."""
+
+    def __init__(self, config: LMCacheEngineConfig):
+        self.metadata = LMCacheMetadata(
+            model_name="org/model", world_size=1, local_world_size=1, worker_id=0,
+            local_worker_id=0, kv_dtype=torch.bfloat16, kv_shape=(2, 2, config.chunk_size, 2, 8),
+            chunk_size=config.chunk_size,
+        )  # fmt: skip
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.all = CreateStorageBackends(config, self.metadata, self.loop)
+        self.remote = [b for b in self.all.values() if isinstance(b, RemoteBackend)]
+        self.cpu = self.all["LocalCPUBackend"]
+
+    def put(self, n: int) -> None:
+        """n chunks through every backend, as LMCache's StorageManager.batched_put does."""
+        keys = [CacheEngineKey("org/model", 1, 0, 0xBEEF + i, torch.bfloat16) for i in range(n)]
+        objs = [self.cpu.allocate(self.metadata.get_shapes(), self.metadata.get_dtypes())
+                for _ in range(n)]  # fmt: skip
+        for backend in self.remote:
+            backend.batched_submit_put_task(keys, objs)
+        self.drain()
+        for obj in objs:
+            obj.ref_count_down()  # the allocation's own reference, as LMCache drops it
+
+    def drain(self) -> None:
+        """Wait until the loop runs no task but this check (every put has finished)."""
+
+        async def others() -> int:
+            return len(asyncio.all_tasks()) - 1
+
+        deadline = time.monotonic() + 10
+        while asyncio.run_coroutine_threadsafe(others(), self.loop).result(5):
+            assert time.monotonic() < deadline, "LMCache's puts did not finish"
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        for backend in self.remote:
+            backend.close()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+def sets(server) -> int:
+    return server.client().info("commandstats").get("cmdstat_set", {}).get("calls", 0)
+
+
+def test_the_docs_config_makes_one_backend_that_writes_each_chunk_once(redis_server, monkeypatch):
+    monkeypatch.setenv("KVSTORE_REDIS_URL", redis_server.url)
+    config = LMCacheEngineConfig.from_file(str(ROOT / "docs" / "lmcache.yaml"))
+    config.max_local_cpu_size = 0.05
+    backends = Backends(config)
+    try:
+        assert len(backends.remote) == 1
+        before = sets(redis_server)
+        backends.put(4)
+        assert sets(redis_server) - before == 4  # one SET per chunk
+        assert redis_server.client().dbsize() == 4
+    finally:
+        backends.close()
+
+
+def test_a_config_error_is_an_error_line_and_lmcache_reports_the_backend_down(tmp_path, caplog):
+    """LMCache 0.5.6 catches a plugin that cannot start and runs on: kvstore logs why at
+    ERROR with the fix, and LMCache's health check reports the backend down."""
+    config = lmcache_config(tmp_path, {"redis_ur": "redis://127.0.0.1:1/0"})
+    with caplog.at_level("ERROR", logger="kvstore.adapters"):
+        backends = Backends(config)
+    try:
+        (remote,) = backends.remote
+        assert remote.connection is None  # LMCache kept the backend, without a connection
+        (record,) = [r for r in caplog.records if r.name == "kvstore.adapters"]
+        assert record.levelname == "ERROR"
+        assert "redis_ur" in record.message and "did you mean 'redis_url'" in record.message
+        assert RemoteBackendHealthCheck(remote).check() is False
+    finally:
+        backends.close()
+
+
+@pytest.mark.parametrize("tier", ["redis"], indirect=True)
+def test_an_outage_shows_in_lmcache_health_check_and_failure_counters(tier, tmp_path):
+    backends = Backends(lmcache_config(tmp_path, tier.settings))
+    try:
+        (remote,) = backends.remote
+        check = RemoteBackendHealthCheck(remote)
+        assert check.check() is True  # ping: every tier answers
+        tier.redis.kill()
+        assert remote.connection.getWrappedConnector()._ping() == UNREACHABLE
+        assert check.check() is False
+        obj = backends.cpu.allocate(backends.metadata.get_shapes(), backends.metadata.get_dtypes())
+        key = CacheEngineKey("org/model", 1, 0, 0xDEAD, torch.bfloat16)
+        remote.submit_put_task(key, obj).exception(timeout=5)
+        obj.ref_count_down()
+        assert remote.put_failed_count == 1  # LMCache counted the dropped write
+        tier.redis.restart()
+        assert check.check() is True
+    finally:
+        backends.close()
+
+
+def test_two_secrets_on_one_tier_keep_each_others_chunks(tier, workers, caplog):
+    right = workers({**tier.settings, "secret": "right"})
+    wrong = workers({**tier.settings, "secret": "wrong"})
+    wrong.plugin.blocks.stores = right.blocks.stores  # the very same stores
+    objs = [right.chunk(seed) for seed in range(3)]
+    keys = [right.key(300 + i) for i in range(3)]
+    right.run(right.plugin.batched_put(keys, [obj for obj, _ in objs]))
+    with caplog.at_level("WARNING", logger="kvstore.tiers"):
+        assert wrong.run(wrong.plugin.batched_get(keys)) == [None] * 3
+    assert wrong.run(wrong.plugin.batched_async_contains("l", keys)) == 3  # kept: 0 deleted
+    assert verify_failures(wrong.blocks, tier.name, "secret") == 3
+    assert len([r for r in caplog.records if "KVSTORE_SECRET" in r.message]) == 1
+    got = right.run(right.plugin.batched_get(keys))
+    assert [raw(o) for o in got] == [data for _, data in objs]
+    corrupt(right.blocks, keys[0].to_string().encode())  # the control: damage is deleted
+    assert right.run(right.conn.get(keys[0])) is None
+    assert right.run(right.conn.exists(keys[0])) is False

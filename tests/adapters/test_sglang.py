@@ -4,10 +4,10 @@ controller drives it: register_mem_pool_host, batch_exists, batch_set_v1 / batch
 at host indices (interface_v1), and the legacy page-tensor batch_set / batch_get.
 
 The host pool here is `PagePool`, a page buffer with the host pool's page API
-(get_data_page, get_dummy_flat_data_page, set_from_flat_data_page): SGLang's own host
-pools cannot be imported on a CPU-only machine (sglang.srt.mem_cache.memory_pool imports
-its model configs, whose multimodal helpers import torchvision, which does not load
-beside the CPU build of torch this project installs)."""
+(get_data_page, get_dummy_flat_data_page, set_from_flat_data_page). SGLang's own host
+pools import in this venv (SGLang's own torch), but building one takes a device KV pool's
+buffer description with K/V pointer tables, which only a running SGLang model runner
+makes."""
 
 from __future__ import annotations
 
@@ -28,10 +28,16 @@ from adapter_helpers import (
 import_stack("sglang", "sglang.srt.mem_cache.storage.backend_factory")
 
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    PoolName,
+    PoolTransfer,
+)
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
-from kvstore.adapters.sglang import KvstoreHiCache
+from kvstore.adapters.sglang import HybridModelError, KvstoreHiCache
+from kvstore.config import ConfigError
 
 PAGE, PAGES, TOKEN_ELEMS = 16, 8, 2 * 2 * 2 * 8  # K/V x layers x heads x head_dim
 
@@ -207,3 +213,53 @@ def test_the_compose_fleet_config_loads_through_sglangs_factory(redis_server_fac
         assert dst.page_bytes(2) == src.page_bytes(0)
     finally:
         backend.close()
+
+
+def test_two_secrets_on_one_tier_keep_each_others_pages(tier, backends, caplog):
+    src = PagePool(seed=9)
+    right = backends({**tier.settings, "secret": "right"}, src)
+    wrong = backends({**tier.settings, "secret": "wrong"}, PagePool())
+    wrong.blocks.stores = right.blocks.stores  # the very same stores
+    keys = keys_of(3, "s")
+    assert right.batch_set_v1(keys, indices([0, 1, 2])) == [True] * 3
+    with caplog.at_level("WARNING", logger="kvstore.tiers"):
+        assert wrong.batch_get_v1(keys, indices([3, 4, 5])) == [False] * 3
+    assert wrong.batch_exists(keys) == 3  # kept: 0 deleted
+    assert verify_failures(wrong.blocks, tier.name, "secret") == 3
+    assert len([r for r in caplog.records if "KVSTORE_SECRET" in r.message]) == 1
+    assert right.batch_get_v1(keys, indices([3, 4, 5])) == [True] * 3
+    assert src.page_bytes(3) == src.page_bytes(0)
+    corrupt(right.blocks, keys[0].encode())  # the control: damage is still deleted
+    assert right.batch_get_v1(keys[:1], indices([6])) == [False]
+    assert right.batch_exists(keys) == 0
+
+
+def test_a_hybrid_model_is_refused_at_attach_with_one_error_line(backends, caplog):
+    """SGLang registers a hybrid model's side pools (Mamba, SWA, DSA) after the KV pool and
+    then calls on_host_pools_registered, whose error fails the attach."""
+    backend = backends({"memory_cache_gb": 0.01}, PagePool())
+    backend.register_mem_host_pool_v2(PagePool(), PoolName.KV)
+    backend.register_mem_host_pool_v2(PagePool(), PoolName.MAMBA)
+    with caplog.at_level("ERROR", logger="kvstore.adapters"), pytest.raises(HybridModelError):
+        backend.on_host_pools_registered()
+    (record,) = caplog.records
+    assert "mamba pools (a hybrid model)" in record.message
+    transfer = PoolTransfer(PoolName.MAMBA, keys=keys_of(2, "m"))
+    assert backend.batch_exists_v2(keys_of(2, "m"), [transfer]).kv_hit_pages == 0  # no raise
+    assert backend.batch_get_v2([transfer]) == {PoolName.MAMBA: [False, False]}
+    assert backend.batch_set_v2([transfer]) == {PoolName.MAMBA: [False, False]}
+
+
+def test_a_model_with_kv_pages_only_attaches(backends):
+    backend = backends({"memory_cache_gb": 0.01}, PagePool())
+    backend.register_mem_host_pool_v2(PagePool(), PoolName.KV)
+    backend.on_host_pools_registered()  # no error
+
+
+def test_a_config_error_stops_sglang_with_one_error_line(caplog):
+    config = storage_config({"redis_ur": "redis://127.0.0.1:1/0"}, "org/model")
+    with caplog.at_level("ERROR", logger="kvstore.adapters"), pytest.raises(ConfigError):
+        StorageBackendFactory.create_backend("dynamic", config, PagePool())
+    (record,) = [r for r in caplog.records if r.name == "kvstore.adapters"]
+    assert "did you mean 'redis_url'" in record.message
+    assert "SGLang does not start" in record.message

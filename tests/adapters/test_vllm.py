@@ -35,6 +35,7 @@ from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from kvstore.adapters.vllm import KvstoreTier
+from kvstore.config import ConfigError
 
 BLOCK_BYTES = 2 * 2 * 2 * 16 * 8 * 2  # layers x K/V x heads x 16 tokens x head_dim x bf16
 STEP = ScheduleEndContext((), ())
@@ -234,3 +235,59 @@ def test_the_compose_fleet_config_loads_through_vllms_spec_factory(
         assert engine.load(list(chunks)) == chunks
     finally:
         engine.close()
+
+
+def test_two_secrets_on_one_tier_keep_each_others_chunks(tier, engines, caplog):
+    """An engine with another secret reads the chunks as foreign misses and never deletes
+    them; it says so once; the writer still loads them. A damaged chunk is still deleted."""
+    right = engines({**tier.settings, "secret": "right"})
+    wrong = engines({**tier.settings, "secret": "wrong"})
+    wrong.tier.blocks.stores = right.tier.blocks.stores  # the very same stores
+    chunks = chunks_of(3, seed=31)
+    right.store(chunks)
+    with caplog.at_level("WARNING", logger="kvstore.tiers"):
+        assert wrong.load(list(chunks)) == {}
+        assert wrong.load(list(chunks)) == {}  # still there, still a miss
+    foreign = wrong.tier.blocks.metrics.get("foreign_entries_total", tier=tier.name,
+                                            reason="secret")  # fmt: skip
+    assert foreign == 6  # each load reads all 3 again: a lookup only sees them present
+    assert right.tier.blocks.contains(list(chunks)) == [True] * 3  # 0 deleted
+    assert len([r for r in caplog.records if "KVSTORE_SECRET" in r.message]) == 1
+    right.reset_primary()
+    assert right.load(list(chunks)) == chunks
+    first = next(iter(chunks))
+    corrupt(right.tier.blocks, first)  # the control: damage is still deleted
+    right.reset_primary()
+    assert first not in right.load(list(chunks))
+    assert right.tier.blocks.contains([first]) == [False]
+
+
+def test_a_bad_tier_entry_stops_vllm_with_one_error_line_saying_what_to_fix(tmp_path, caplog):
+    config = offloading_config({"memory_cache_gb": 0.01}, "org/model")
+    tiers = config.extra_config["secondary_tiers"]
+    for bad, message in (({"io_thread": 2}, "io_thread: is not a key of a KvstoreTier entry"),
+                         ({"locality": "NEAR"}, "locality: must be one of LOCAL, REMOTE"),
+                         ({"kvstore": {"redis_ur": "x"}}, "did you mean 'redis_url'")):  # fmt: skip
+        entry = {**tiers[0], **bad}
+        extra = {**config.extra_config, "secondary_tiers": [entry]}
+        spec = TieringOffloadingSpec(dataclasses.replace(config, extra_config=extra))
+        caplog.clear()
+        with caplog.at_level("ERROR", logger="kvstore.adapters"), pytest.raises(ConfigError):
+            spec.get_manager()
+        (record,) = caplog.records
+        assert message in record.message and "vLLM does not start" in record.message
+
+
+@pytest.mark.parametrize("tier", ["redis"], indirect=True)
+def test_a_failed_store_leaves_no_view_of_the_primary_buffer(tier, engines, caplog):
+    """vLLM unmaps its shared primary buffer at shutdown only if no view of it is left:
+    a store that failed (Redis down) must not keep one alive."""
+    engine = engines(tier.settings)
+    tier.redis.kill()
+    engine.store(chunks_of(2, seed=41))
+    assert count(engine.tier.blocks, "adapter_dropped_writes_blocks_total", tier="redis") == 2
+    region = engine.spec._scheduler_mmap
+    with caplog.at_level("WARNING"):
+        engine.close()
+    assert not [r for r in caplog.records if "Keeping" in r.message]
+    assert region.mmap_obj is None  # unmapped

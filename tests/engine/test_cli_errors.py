@@ -83,7 +83,8 @@ def test_an_unknown_model_type(tmp_path: Path) -> None:
 def test_serve_without_the_serve_extra_names_it() -> None:
     proc = kvstore("serve", "--model", "tiny", blocked=("fastapi",))
     assert only_error_line(proc, "kvstore serve") == (
-        "module 'fastapi' is not installed; install the 'serve' extra: pip install -e '.[serve]'"
+        "module 'fastapi' is not installed; install the 'serve' extra: pip install -e '.[serve]' "
+        "in a checkout, or pip install 'kvstore-llm[serve]'"
     )
 
 
@@ -100,7 +101,7 @@ def test_generate_without_the_engine_extra_names_it() -> None:
     proc = kvstore(*PROMPT, blocked=("transformers",))
     assert only_error_line(proc, "kvstore generate") == (
         "module 'transformers' is not installed; install the 'engine' extra: "
-        "pip install -e '.[engine]'"
+        "pip install -e '.[engine]' in a checkout, or pip install 'kvstore-llm[engine]'"
     )
 
 
@@ -111,6 +112,6 @@ def test_bench_hitrate_out_without_matplotlib_writes_nothing(tmp_path: Path) -> 
     proc = run_module("bench", *argv, blocked=("matplotlib",))
     assert only_error_line(proc, "python -m bench hitrate") == (
         "module 'matplotlib' is not installed (needed by --out); install the 'bench' extra: "
-        "pip install -e '.[bench]'"
+        "pip install -e '.[bench]' in a checkout, or pip install 'kvstore-llm[bench]'"
     )
     assert not out.exists()
