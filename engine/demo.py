@@ -1,20 +1,27 @@
-"""`kvstore demo`: a 4-turn chat and 8 prompts sharing a system prompt on the tiny model.
+"""`kvstore demo`: a 4-turn chat and 4 questions sharing a system prompt, on SmolLM2-135M-Instruct
+by default (`--model tiny` for the random-weight test model).
 
-Every request is compared with a no-cache greedy run. With a shared tier configured
-(`--lmdb-dir`, `--redis-url`), a second pass replays the batch on a fresh engine whose device
-pool is empty, so its cached tokens come from that tier.
+The chat goes through the model's own chat template: each turn renders the whole history,
+the earlier answers included, so a turn hits the cache for the previous turn's prompt and
+answer. Every request is compared with a no-cache greedy run of the same model. With a
+shared tier configured (`--lmdb-dir`, `--redis-url`), a second pass replays the questions on
+a fresh engine whose device pool is empty, so its cached tokens come from that tier.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvstore.config import CacheConfig
 
 if TYPE_CHECKING:
     import torch
 
+    from engine.engine import Engine, GenerateResult
+    from engine.model import LoadedModel
+
+DEFAULT_MODEL = "smollm2"
 TINY_NOTE = "random weights: its text is noise; what counts is cached output = uncached output"
 
 _SYSTEM_RULES = (
@@ -27,35 +34,27 @@ _SYSTEM_RULES = (
     "summarize long documents before answering questions about them",
     "keep code samples small, complete and runnable",
 )
-SYSTEM_PROMPT = "You are the kvstore demo assistant, a careful and friendly helper. " + " ".join(
+SYSTEM_PROMPT = "You are a careful and friendly assistant. " + " ".join(
     f"Rule {i + 1}: {rule}, and remember rule {i + 1} in every turn of the conversation."
     for i, rule in enumerate(_SYSTEM_RULES)
 )
 CHAT_TURNS = (
-    "Hello! What does a prefix cache store, in one sentence?",
-    "And why does the last prompt token always have to be computed?",
-    "How would you size the device pool for a chat service?",
-    "Thanks. Summarize our conversation in one line.",
+    "What is the capital of France?",
+    "What is the capital of Italy?",
+    "Which of those two cities has more inhabitants?",
+    "Thanks. Summarize our conversation in one sentence.",
 )
-BATCH_QUESTIONS = tuple(
-    f"Question {i + 1}: explain topic number {i + 1} of the course, {topic}, to a beginner."
-    for i, topic in enumerate(
-        (
-            "hash chains",
-            "radix trees",
-            "paged memory",
-            "eviction",
-            "spill tiers",
-            "checksums",
-            "circuit breakers",
-            "time to first token",
-        )
-    )
+BATCH_QUESTIONS = (
+    "What is the capital of Spain?",
+    "What is the largest planet of the solar system?",
+    "Who wrote Romeo and Juliet?",
+    "What do bees make?",
 )
+Row = dict[str, Any]
 
 
 def num_requests(config: CacheConfig) -> int:
-    """12, and 8 more (a second pass) with a shared tier."""
+    """8, and 4 more (a second pass) with a shared tier."""
     passes = 2 if config.lmdb_dir or config.redis_url else 1
     return len(CHAT_TURNS) + passes * len(BATCH_QUESTIONS)
 
@@ -69,62 +68,83 @@ def device_name(device: torch.device) -> str:
     return f"GPU ({device}, {torch.cuda.get_device_name(device)})"
 
 
-def run_demo_requests(
-    max_tokens: int,
-    config: CacheConfig,
-    device: torch.device | str = "cpu",
-    on_row: Callable[[dict], None] | None = None,
-) -> list[dict]:
-    """Run the demo's requests through the engine and compare each with a no-cache run;
-    `on_row(row)` is called as each comparison is done (progress)."""
-    from engine.engine import Engine, SamplingParams
-    from engine.model import END_OF_TURN, load_model
-    from engine.sequential import reference_generate
+def model_label(model_name: str) -> str:
+    from engine.gguf_models import BUILTINS
 
-    model = load_model("tiny", device=device)
-    tok = model.tokenizer
-    params = SamplingParams(max_new_tokens=max_tokens, ignore_eos=True)
-    reference_generate(model, list(range(64)), 2)  # warm-up, not reported
-    system = {"role": "system", "content": SYSTEM_PROMPT}
+    if model_name in BUILTINS:
+        return BUILTINS[model_name].description.split(" (")[0]
+    return f"{model_name} model ({TINY_NOTE})" if model_name == "tiny" else model_name
 
-    def chat_ids(question: str) -> list[int]:
-        messages = [system, {"role": "user", "content": question}]
-        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return tok(text, add_special_tokens=False)["input_ids"]
 
-    def compare(name: str, ids: list[int], result) -> dict:
-        ref, ttft_nocache = reference_generate(model, ids, len(result.output_token_ids))
+class _Demo:
+    """One model's demo requests, each compared with a no-cache run as it finishes."""
+
+    def __init__(self, model: LoadedModel, max_tokens: int, on_row: Callable[[Row], None] | None):
+        from engine.engine import SamplingParams
+
+        self.model, self.tok, self.on_row = model, model.tokenizer, on_row
+        self.params = SamplingParams(max_new_tokens=max_tokens)
+        self.system = {"role": "system", "content": SYSTEM_PROMPT}
+
+    def ids(self, messages: list[dict]) -> list[int]:
+        """The history through the model's chat template, ready for the answer."""
+        text = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tok(text, add_special_tokens=False)["input_ids"]
+
+    def chat(self, engine: Engine) -> list[Row]:
+        messages, rows = [self.system], []
+        for turn, question in enumerate(CHAT_TURNS):
+            messages.append({"role": "user", "content": question})
+            ids = self.ids(messages)
+            result = engine.generate([ids], self.params)[0]
+            messages.append({"role": "assistant", "content": result.text})
+            rows.append(self.compare(f"chat turn {turn + 1}", question, ids, result))
+        return rows
+
+    def batch(self, engine: Engine, prefix: str = "") -> list[Row]:
+        questions = BATCH_QUESTIONS
+        prompts = [self.ids([self.system, {"role": "user", "content": q}]) for q in questions]
+        results = engine.generate(prompts, self.params)
+        return [
+            self.compare(f"{prefix}question {i + 1}", q, ids, result)
+            for i, (q, ids, result) in enumerate(zip(questions, prompts, results, strict=True))
+        ]
+
+    def compare(self, name: str, question: str, ids: list[int], result: GenerateResult) -> Row:
+        from engine.sequential import reference_generate
+
+        n = len(result.output_token_ids)
+        ref, ttft_nocache = reference_generate(self.model, ids, n, self.model.eos_token_ids)
         row = {
-            "name": name,
-            "prompt_tokens": result.prompt_tokens,
-            "cached_tokens": result.cached_tokens,
-            "cached_by_tier": result.cached_by_tier,
-            "ttft_s": result.ttft_s,
-            "ttft_nocache_s": ttft_nocache,
+            "name": name, "question": question, "answer": result.text,
+            "prompt_tokens": result.prompt_tokens, "cached_tokens": result.cached_tokens,
+            "completion_tokens": n, "cached_by_tier": result.cached_by_tier,
+            "ttft_s": result.ttft_s, "ttft_nocache_s": ttft_nocache,
             "identical": ref == result.output_token_ids,
-        }
-        if on_row is not None:
-            on_row(row)
+        }  # fmt: skip
+        if self.on_row is not None:
+            self.on_row(row)
         return row
 
-    rows = []
+
+def run_demo_requests(
+    model: LoadedModel,
+    max_tokens: int,
+    config: CacheConfig,
+    on_row: Callable[[Row], None] | None = None,
+) -> list[Row]:
+    """Run the demo's requests through the engine and compare each with a no-cache run;
+    `on_row(row)` is called as each comparison is done (progress)."""
+    from engine.engine import Engine
+    from engine.sequential import reference_generate
+
+    demo = _Demo(model, max_tokens, on_row)
+    reference_generate(model, list(range(64)), 2)  # warm-up, not reported
     with Engine(model, config) as engine:
-        ids, output = chat_ids(CHAT_TURNS[0]), []
-        for turn, question in enumerate(CHAT_TURNS):
-            if turn:  # the history is tokens, so turn k+1 can hit turn k's generated tokens
-                follow = f"{END_OF_TURN}\nuser: {question}{END_OF_TURN}\nassistant: "
-                ids = ids + output + tok(follow, add_special_tokens=False)["input_ids"]
-            result = engine.generate([ids], params)[0]
-            output = result.output_token_ids
-            rows.append(compare(f"chat turn {turn + 1}", ids, result))
-        batch = [chat_ids(q) for q in BATCH_QUESTIONS]
-        for i, (ids, result) in enumerate(zip(batch, engine.generate(batch, params), strict=True)):
-            rows.append(compare(f"batch {i + 1}", ids, result))
+        rows = demo.chat(engine) + demo.batch(engine)
     if config.lmdb_dir or config.redis_url:  # closing flushed the writes: a fresh device pool
         with Engine(model, config) as engine:
-            results = engine.generate(batch, params)
-        for i, (ids, result) in enumerate(zip(batch, results, strict=True)):
-            rows.append(compare(f"pass 2, batch {i + 1}", ids, result))
+            rows += demo.batch(engine, "pass 2, ")
     return rows
 
 
@@ -136,34 +156,52 @@ def _tiers(config: CacheConfig) -> str:
     return " + ".join(names)
 
 
-def demo_header(config: CacheConfig, device: torch.device) -> str:
+def demo_header(model_name: str, config: CacheConfig, device: torch.device) -> str:
     """What the demo runs, on what: said before it starts."""
     return (
-        f"tiny model ({TINY_NOTE}) on {device_name(device)}, tiers {_tiers(config)}: "
+        f"{model_label(model_name)} on {device_name(device)}, tiers {_tiers(config)}: "
         f"{num_requests(config)} requests, each checked against a no-cache run"
     )
 
 
-def print_demo_table(report: dict, config: CacheConfig, device: torch.device) -> None:
+NOTES = (
+    "speed-up = no-cache TTFT / TTFT. A first turn has nothing cached: its ratio is noise "
+    "around 1x. The questions arrive together and are prefilled in the same engine steps, "
+    "so several share one TTFT. Cached tokens are whole blocks (--block-size): the last "
+    "prompt token is always computed."
+)
+
+
+def _speedup(row: Row) -> str:
+    return f"{row['ttft_nocache_s'] / row['ttft_s']:.1f}x" if row["cached_tokens"] else "-"
+
+
+def print_demo_table(report: dict, model_name: str, config: CacheConfig, device: Any) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    title = f"kvstore demo: tiny model (random weights), {device_name(device)}, {_tiers(config)}"
+    title = f"kvstore demo: {model_label(model_name)}, {device_name(device)}, {_tiers(config)}"
     table = Table(title=title)
-    cols = ("request", "prompt", "cached", "from", "TTFT ms", "no-cache ms", "speedup", "same")
+    cols = ("request", "prompt", "cached", "from", "TTFT ms", "no-cache ms", "speed-up", "same")
     for col in cols:
         table.add_column(col, justify="right")
     for row in report["requests"]:
         table.add_row(
-            row["name"],
-            str(row["prompt_tokens"]),
-            str(row["cached_tokens"]),
+            row["name"], str(row["prompt_tokens"]), str(row["cached_tokens"]),
             " + ".join(f"{n} {tier}" for tier, n in row["cached_by_tier"].items()) or "-",
-            f"{row['ttft_s'] * 1e3:.1f}",
-            f"{row['ttft_nocache_s'] * 1e3:.1f}",
-            f"{row['ttft_nocache_s'] / row['ttft_s']:.1f}x",
+            f"{row['ttft_s'] * 1e3:.1f}", f"{row['ttft_nocache_s'] * 1e3:.1f}", _speedup(row),
             "yes" if row["identical"] else "NO",
-        )
+        )  # fmt: skip
     console = Console(width=max(Console().width, 110))
+    _print_chat(console, report["requests"])
     console.print(table)
+    console.print(NOTES, style="dim")
     console.print(f"all identical: {report['all_identical']}  runtime {report['runtime_s']:.1f} s")
+
+
+def _print_chat(console: Any, rows: list[Row]) -> None:
+    for row in rows:
+        if row["name"].startswith("chat"):
+            console.print(f"[bold]user:[/bold] {row['question']}")
+            console.print(f"[bold]assistant:[/bold] {row['answer'].strip()}", highlight=False)
+    console.print()

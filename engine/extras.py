@@ -9,6 +9,7 @@ error.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 
 # The distribution's name on the package index ("kvstore" there is an unrelated project).
 DISTRIBUTION = "kvstore-llm"
@@ -16,6 +17,7 @@ DISTRIBUTION = "kvstore-llm"
 # Top-level module -> the extra that installs it (README.md, "Commands").
 EXTRA_OF_MODULE = {
     "transformers": "engine",
+    "gguf": "engine",
     "fastapi": "serve",
     "uvicorn": "serve",
     "httpx": "serve",
@@ -39,12 +41,15 @@ class MissingExtraError(ImportError):
 
 
 def require(*modules: str, needed_by: str | None = None) -> None:
-    """Import each of `modules` now; `MissingExtraError` for the first one missing."""
+    """`MissingExtraError` for the first of `modules` that is not installed. Found, not
+    imported: flags are checked before torch and transformers take seconds to load."""
     for module in modules:
         try:
-            importlib.import_module(module)
-        except ImportError as e:
-            raise MissingExtraError(module, EXTRA_OF_MODULE[module], needed_by) from e
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise MissingExtraError(module, EXTRA_OF_MODULE[module], needed_by)
 
 
 def as_missing_extra(error: ImportError) -> MissingExtraError | None:

@@ -23,6 +23,7 @@ from transformers import (
 )
 from transformers.cache_utils import DynamicLayer
 
+from engine.gguf_models import BUILTINS, builtin_gguf, converted_dir
 from engine.model_files import ModelLoadError, attn_implementation, load_tokenizer, read_config
 from hashing import Namespace
 from kvstore.layout import DTYPES as KV_DTYPES
@@ -308,13 +309,23 @@ def load_model(
     device: str | torch.device = "cpu",
     model_revision: str | None = None,
 ) -> LoadedModel:
-    """`tiny` builds the pinned model from a fixed seed; anything else is a local model dir."""
+    """`tiny` builds the pinned model from a fixed seed; a built-in name (`smollm2`) or a
+    `.gguf` file is converted once into a cached directory (`engine.gguf_models`); anything
+    else is a local model directory."""
     torch_dtype = resolve_dtype(dtype)
     if name_or_path == TINY_NAME:
         model, tokenizer = random_model(tiny_config()), byte_tokenizer()
+    elif name_or_path in BUILTINS or name_or_path.endswith(".gguf"):
+        path = builtin_gguf(BUILTINS[name_or_path]) if name_or_path in BUILTINS else name_or_path
+        directory, sha = converted_dir(Path(path))
+        model, tokenizer = _load_local(directory, torch_dtype)
+        model_revision = model_revision or f"gguf-sha256:{sha}"  # weights pinned by the file
     elif Path(name_or_path).is_dir():
         model, tokenizer = _load_local(Path(name_or_path), torch_dtype)
     else:
-        raise ModelLoadError(f"{name_or_path!r} is neither 'tiny' nor a local model directory")
+        names = ", ".join([TINY_NAME, *BUILTINS])
+        raise ModelLoadError(
+            f"{name_or_path!r} is not a model: use {names}, a .gguf file or a model directory"
+        )
     model = model.to(device=device, dtype=torch_dtype)
     return wrap_model(model, tokenizer, name_or_path, model_revision)

@@ -121,6 +121,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench e2e", description=__doc__.split("\n")[0])
     p.add_argument("--workload", default=",".join(SCALES["default"]))
     p.add_argument("--scale", default="default", choices=sorted(SCALES))
+    p.add_argument("--model", default="tiny", help="tiny, smollm2, a .gguf file or a model "
+                   "directory; float32 on the CPU")  # fmt: skip
     p.add_argument("--new-tokens", type=int, default=4, help="generated tokens per request")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
@@ -328,7 +330,7 @@ def main(argv: list[str], model=None) -> int:
     torch.set_num_threads(args.threads)
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
-    lm = model or load_model("tiny", "float32", "cpu")
+    lm = model or load_model(args.model, "float32", "cpu")
     rows = [run_workload(lm, name, args) for name in args.workloads]
     if args.json:
         print(json.dumps({"workloads": rows}))

@@ -1,7 +1,7 @@
 """Serving under concurrent load: `kvstore serve` and `transformers serve --continuous-batching`.
 
     python -m bench load [--levels 1,2,4,8,16] [--sessions 8] [--turns 3] [--max-tokens 32]
-        [--system-prompt-bytes 1024] [--seed 0] [--model tiny|DIR] [--no-peer] [--url URL]
+        [--system-prompt-bytes 1024] [--seed 0] [--model tiny|smollm2|DIR] [--no-peer] [--url URL]
         [--pool-blocks N] [--keep-servers] [--timeout S] [--json] [--out DIR]
 
 Both servers serve one saved model directory (`tiny` is saved, model and tokenizer, to a
@@ -75,7 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max-tokens", type=int, default=32, help="generated tokens per turn")
     add("--system-prompt-bytes", type=int, default=1024, help="shared system prompt length")
     add("--seed", type=int, default=0, help="seed of the prompt texts")
-    add("--model", default="tiny", help="'tiny' or a local model directory (both servers)")
+    add(
+        "--model",
+        default="tiny",
+        help="tiny, smollm2, a .gguf file or a local model directory (both servers)",
+    )
     add("--no-peer", action="store_true", help="kvstore only")
     add("--url", default=None, help="an existing kvstore server (not started nor restarted)")
     add("--api-key", default=None, help="Bearer key for --url")

@@ -210,7 +210,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="10000,100000,1000000", help="cached blocks, comma list")
     parser.add_argument("--policy", default="lru", choices=POLICY_NAMES)
     args = parser.parse_args(argv)
-    sizes = [int(s) for s in args.sizes.split(",") if s]
+    try:
+        sizes = [int(s) for s in args.sizes.split(",") if s]
+    except ValueError:
+        parser.error(f"--sizes must be a comma list of ints, got {args.sizes!r}")
     if not sizes or min(sizes) < PROMPT_BLOCKS:
         parser.error(f"--sizes must list sizes >= {PROMPT_BLOCKS}")
     results = measure(sizes, args.policy)

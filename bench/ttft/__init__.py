@@ -8,7 +8,8 @@ For each point (prompt of N tokens, P of them cached) three variants run interle
   token, through a PrefixCache holding exactly that prefix in the given tier.
 Times are medians over `--runs` rounds after one warm-up round; ratio_to_ideal is the median
 of the per-round kvstore/ideal ratios (the two run back to back, so load from other
-processes on the machine cancels). The pinned `tiny` model in fp32.
+processes on the machine cancels). The pinned `tiny` model in fp32 by default (the yardstick
+of docs/BENCHMARKS.md: nobody shrinks KV to pass), `--model smollm2` for the real one.
 
 `--sweep` measures a grid of prompt lengths x cached fractions, with HF `generate` and
 transformers continuous batching as peers, and plots it: see `bench.ttft.sweep`.
@@ -29,6 +30,8 @@ from engine.extras import require
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench ttft", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="tiny", help="tiny (the pinned yardstick), smollm2, "
+                   "a .gguf file or a model directory; float32 on the CPU")  # fmt: skip
     p.add_argument("--tier", default=None, help="comma-separated: device,memory,lmdb,redis")
     p.add_argument("--prompt-tokens", type=int, default=2048)
     p.add_argument("--cached", default="1792,2032", help="comma-separated cached-token points")
@@ -70,7 +73,7 @@ def main(argv: list[str], model=None) -> int:
         require("matplotlib", needed_by="--out")
     torch.set_num_threads(args.threads)
     hf_logging.disable_progress_bar()
-    lm = model or load_model("tiny", "float32", "cpu")
+    lm = model or load_model(args.model, "float32", "cpu")
     if args.sweep:
         from bench.ttft.sweep import run_sweep
 

@@ -17,11 +17,12 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from engine.engine import Engine
-from engine.server.config import ServerConfig, server_config_from_args
+from engine.server.config import ServerConfig, check_port_free, server_config_from_args
 from engine.server.protocol import ApiError, now
 from engine.server.service import Service
 from kvstore.stores.redis import redact_url
@@ -48,6 +49,13 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
             reason = REJECT_REASONS.get(error.status, "invalid")
             service.metrics.reject(reason)
         return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        """Routing errors (an unknown path, a wrong method) in OpenAI's error shape too."""
+        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+        message = f"{request.method} {request.url.path}: {error.detail}"
+        return await api_error(request, ApiError(error.status_code, message, type=kind))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -121,6 +129,7 @@ def run_server(args: argparse.Namespace) -> int:
     from engine.commands import load_engine
 
     config = server_config_from_args(args)  # invalid flags fail before the model loads
+    check_port_free(config.host, config.port)
     if not config.auth_enabled and not _is_loopback(config.host):
         print(
             f"kvstore serve: warning: no API key and bound to {config.host}: anyone who can "

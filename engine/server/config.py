@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +38,18 @@ def check_tenant(tenant: object) -> str:
     if not tenant.isprintable():
         raise ConfigError("api_keys", f"a tenant must be printable text: {tenant!r}")
     return tenant
+
+
+def check_port_free(host: str, port: int) -> None:
+    """ConfigError now if the port is taken: not after the model loaded and the server
+    said it started."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            raise ConfigError("port", f"cannot listen on {host}:{port}: {e.strerror}") from None
 
 
 @dataclass(frozen=True)

@@ -4,12 +4,15 @@ fix, exit status 2, no traceback, and nothing written."""
 from __future__ import annotations
 
 import json
+import socket
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from cli_helpers import kvstore, only_error_line, run_module
 from engine_helpers import micro_config
+from gguf_helpers import write_tiny_llama_gguf
 
 from engine.model import byte_tokenizer
 
@@ -115,3 +118,26 @@ def test_bench_hitrate_out_without_matplotlib_writes_nothing(tmp_path: Path) -> 
         "pip install -e '.[bench]' in a checkout, or pip install 'kvstore-llm[bench]'"
     )
     assert not out.exists()
+
+
+def test_serve_on_a_port_in_use_fails_at_once_naming_it() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        start = time.monotonic()
+        proc = kvstore("serve", "--port", str(port))
+        elapsed = time.monotonic() - start
+    assert only_error_line(proc, "kvstore serve") == (
+        f"port: cannot listen on 127.0.0.1:{port}: Address already in use"
+    )
+    assert elapsed < 3  # before torch and the model load (about 5 s on this machine)
+
+
+def test_a_gguf_model_without_the_gguf_package_names_the_extra(tmp_path: Path) -> None:
+    model = write_tiny_llama_gguf(tmp_path / "tiny.gguf")
+    proc = kvstore(*PROMPT, "--model", str(model), blocked=("gguf",))
+    assert only_error_line(proc, "kvstore generate") == (
+        "module 'gguf' is not installed; install the 'engine' extra: pip install -e '.[engine]' "
+        "in a checkout, or pip install 'kvstore-llm[engine]'"
+    )

@@ -64,8 +64,7 @@ def test_secret_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> N
         (["generate", "--prompt-ids", "1,x"], "--prompt-ids must be comma-separated ints"),
         (["generate", "--prompt-ids", "1,2", "--block-size", "0"], "block_size"),
         (["generate", "--prompt-ids", "1,999"], r"\[0, 260\)"),
-        (["generate", "--prompt", "hi", "--max-tokens", "0"], "max_new_tokens"),
-        (["generate", "--prompt", "hi", "--model", "no/such/dir"], "local model directory"),
+        (["generate", "--prompt", "hi", "--model", "no/such/dir"], "is not a model: use tiny"),
     ],
 )
 def test_user_errors_exit_2_with_a_message(argv: list[str], message: str, capsys) -> None:
@@ -73,6 +72,26 @@ def test_user_errors_exit_2_with_a_message(argv: list[str], message: str, capsys
     err = capsys.readouterr().err
     assert err.startswith(f"kvstore {argv[0]}: error:")
     assert re.search(message, err)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["generate", "--prompt", "hi", "--max-tokens", "0"],
+         "argument --max-tokens: must be a positive integer, got 0"),
+        (["generate", "--prompt", "hi", "--max-num-seqs", "-3"],
+         "argument --max-num-seqs: must be a positive integer, got -3"),
+        (["serve", "--max-num-batched-tokens", "-1"],
+         "argument --max-num-batched-tokens: must be a positive integer, got -1"),
+        (["generate", "--promt", "hi"], "unknown flag --promt; did you mean --prompt?"),
+    ],
+)  # fmt: skip
+def test_flag_errors_are_one_line_before_anything_loads(argv, message, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()  # the message, not 20 lines of usage
+    assert line == f"kvstore {argv[0]}: error: {message} (see kvstore {argv[0]} --help)"
 
 
 def test_subcommands_are_registered_in_one_table() -> None:
@@ -97,4 +116,4 @@ def test_every_flag_says_what_it_does() -> None:
         for action in subparsers[name]._actions:
             assert action.help and not action.help.startswith("default:"), (name, action.dest)
     assert "random weights" in subparsers["generate"].description
-    assert "random weights" in subparsers["demo"].description
+    assert "SmolLM2-135M-Instruct" in subparsers["demo"].description

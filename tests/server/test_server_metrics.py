@@ -47,6 +47,14 @@ def test_metrics_count_exactly_the_requests_sent(tmp_path):
         unknown = client.post("/v1/completions", json={"prompt": "x", "model": "nope"})
         assert unknown.status_code == 404
         samples = scrape(client)
+        for method, path, status in (("GET", "/v1/nowhere", 404), ("GET", "/v1/completions", 405)):
+            error = client.request(method, path).json()["error"]  # OpenAI's shape, not FastAPI's
+            assert error["message"] == f"{method} {path}: " + (
+                "Not Found" if status == 404 else "Method Not Allowed"
+            )
+            assert error["type"] == (
+                "not_found_error" if status == 404 else "invalid_request_error"
+            )
     n, cached = len(usages), sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
     assert cached > 0
     assert value(samples, "kvstore_requests_total", outcome="ok") == n
