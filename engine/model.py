@@ -83,7 +83,7 @@ def tiny_config() -> LlamaConfig:
     )
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """The GPT-2 byte -> printable character table that the ByteLevel pre-tokenizer uses."""
     printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
     table, extra = {b: chr(b) for b in printable}, 0
@@ -98,7 +98,7 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     """Byte-level tokenizer: token id = byte value; specials 256..259; a plain chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
-    vocab = {char: byte for byte, char in _bytes_to_unicode().items()}
+    vocab = {char: byte for byte, char in bytes_to_unicode().items()}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()

@@ -53,7 +53,10 @@ def cache_config_for(tier: str, args: argparse.Namespace, num_blocks: int, tmp: 
     elif tier == "redis":
         if not args.redis_url:
             raise SystemExit("tier 'redis' needs --redis-url (e.g. redis://127.0.0.1:6379/0)")
-        base.update(redis_url=args.redis_url, redis_write_policy="write-through")
+        # a deadline that times the load, not a timeout: SmolLM2's 1792 cached tokens are
+        # 82 MB, and torch's threads still spin for a while after a prefill on 2 cores
+        base.update(redis_url=args.redis_url, redis_write_policy="write-through",
+                    lookup_deadline_ms=2000.0)  # fmt: skip
     return CacheConfig(**base)
 
 
@@ -146,7 +149,7 @@ def print_table(
     from rich.console import Console
     from rich.table import Table
 
-    title = f"TTFT, tiny model fp32, {args.threads} threads, median of {args.runs}"
+    title = f"TTFT, {args.model} model fp32, {args.threads} threads, median of {args.runs}"
     table = Table(title=title)
     cols = ("tier", "prompt", "cached", "no cache ms", "ideal ms", "kvstore ms", "ratio")
     for col in cols + tuple(name for name, _ in extra):

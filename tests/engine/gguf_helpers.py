@@ -9,6 +9,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from engine.model import bytes_to_unicode
+
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 64, 128, 2, 4, 2
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHAT_TEMPLATE = (
@@ -18,20 +20,10 @@ CHAT_TEMPLATE = (
 MERGES = ("Ġ t", "h e", "Ġt he")
 
 
-def _byte_chars() -> list[str]:
-    """GPT-2's byte -> printable character table (what a byte-level BPE vocab holds)."""
-    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    table, extra = {b: chr(b) for b in printable}, 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return [table[b] for b in range(256)]
-
-
 def vocabulary() -> tuple[list[str], list[int]]:
     merged = [m.replace(" ", "") for m in MERGES]
-    tokens = [*SPECIALS, *_byte_chars(), *merged]
+    table = bytes_to_unicode()  # what a byte-level BPE vocabulary holds
+    tokens = [*SPECIALS, *(table[b] for b in range(256)), *merged]
     types = [gguf.TokenType.CONTROL] * len(SPECIALS) + [gguf.TokenType.NORMAL] * (
         len(tokens) - len(SPECIALS)
     )
