@@ -6,6 +6,8 @@ anything else raises `UnsupportedModelError` naming the layer type, never silent
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -166,13 +168,27 @@ class KVShape:
     head_dim: int
 
 
+@functools.cache
+def _cache_keyword(model_cls: type) -> str:
+    params = inspect.signature(model_cls.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def with_cache(model: torch.nn.Module, past: DynamicCache) -> dict[str, DynamicCache]:
+    """The forward keyword that takes a KV cache: `cache` from transformers 5.24 on (which
+    deprecates `past_key_values`), `past_key_values` before."""
+    return {_cache_keyword(type(model)): past}
+
+
 def probe_kv_layout(model: PreTrainedModel) -> KVShape:
     """Run one token and read the KV shapes the model really writes (per layer [1, H, 1, D])."""
     cfg, model_type = model.config, getattr(model.config, "model_type", "unknown")
     device = next(model.parameters()).device
     past = DynamicCache(config=cfg)
     with torch.inference_mode():
-        model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), past_key_values=past)
+        model(
+            input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), **with_cache(model, past)
+        )
     shapes = set()
     for layer in past.layers:
         if type(layer) is not DynamicLayer or layer.keys is None:

@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 from transformers import DynamicCache
 
-from engine.model import LoadedModel
+from engine.model import LoadedModel, with_cache
 from engine.request import GenerateResult, Sampler, SamplingParams, StopChecker, TokenCallback
 from kvstore.cache import KVPrefix, PrefixCache
 
@@ -44,8 +44,8 @@ def forward_on(model: torch.nn.Module, ids: Sequence[int], past: DynamicCache) -
     out = model(
         input_ids=torch.tensor([list(ids)], dtype=torch.long, device=device),
         position_ids=torch.arange(start, start + len(ids), device=device).unsqueeze(0),
-        past_key_values=past,
         use_cache=True,
+        **with_cache(model, past),
         **_last_logits_only(type(model)),
     )
     return out.logits[0, -1].float()
@@ -153,10 +153,10 @@ def reference_generate(
     with torch.inference_mode():
         start = time.perf_counter()
         past = DynamicCache(config=lm.config)
-        out = lm(input_ids=torch.tensor([list(token_ids)], device=device), past_key_values=past)
+        out = lm(input_ids=torch.tensor([list(token_ids)], device=device), **with_cache(lm, past))
         tokens = [int(torch.argmax(out.logits[0, -1]))]
         ttft = time.perf_counter() - start
         while len(tokens) < max_new_tokens and tokens[-1] not in stop_ids:
-            out = lm(input_ids=torch.tensor([tokens[-1:]], device=device), past_key_values=past)
+            out = lm(input_ids=torch.tensor([tokens[-1:]], device=device), **with_cache(lm, past))
             tokens.append(int(torch.argmax(out.logits[0, -1])))
     return tokens, ttft

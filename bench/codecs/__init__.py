@@ -35,13 +35,16 @@ def _median_s(fn, rounds: int) -> float:
 
 def real_kv(num_tokens: int, block_size: int):
     """The tiny model, a prompt, its prefill KV as blocks [n, layers, 2, heads, bs, dim]."""
-    from engine.model import load_model
+    from transformers import DynamicCache
+
+    from engine.model import load_model, with_cache
 
     model = load_model("tiny")
     ids = torch.tensor([list(range(num_tokens))]) % model.vocab_size
+    past = DynamicCache(config=model.model.config)
     with torch.inference_mode():
-        out = model.model(input_ids=ids, use_cache=True)
-    layers = [(layer.keys[0], layer.values[0]) for layer in out.past_key_values.layers]
+        model.model(input_ids=ids, use_cache=True, **with_cache(model.model, past))
+    layers = [(layer.keys[0], layer.values[0]) for layer in past.layers]
     kv = torch.stack([torch.stack(pair) for pair in layers])  # [layers, 2, heads, T, dim]
     n = num_tokens // block_size
     kv = kv[:, :, :, : n * block_size].unflatten(3, (n, block_size)).permute(3, 0, 1, 2, 4, 5)
@@ -51,6 +54,8 @@ def real_kv(num_tokens: int, block_size: int):
 def _next_logits(model, token_ids: np.ndarray, blocks: torch.Tensor, probe: int) -> torch.Tensor:
     """Logits after `probe` on top of the prefix KV held in `blocks` (a DynamicCache)."""
     from transformers import DynamicCache
+
+    from engine.model import with_cache
 
     past = DynamicCache(config=model.model.config)
     seq = blocks.permute(1, 2, 3, 0, 4, 5).flatten(3, 4)  # [layers, 2, heads, T, dim]
@@ -63,8 +68,8 @@ def _next_logits(model, token_ids: np.ndarray, blocks: torch.Tensor, probe: int)
         out = model.model(
             input_ids=torch.tensor([[probe]]),
             position_ids=torch.tensor([[n]]),
-            past_key_values=past,
             use_cache=True,
+            **with_cache(model.model, past),
         )
     return out.logits[0, -1].float()
 

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers import DynamicCache
 
+from engine.model import with_cache
 from engine.sequential import forward_on
 
 TIERS = ("device", "memory", "lmdb", "redis")
@@ -22,7 +23,7 @@ def full_kv(model, ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per-layer (K, V) of a full prefill: [1, kv_heads, len(ids), head_dim]."""
     past = DynamicCache(config=model.config)
     with torch.inference_mode():
-        model(input_ids=torch.tensor([ids]), past_key_values=past)
+        model(input_ids=torch.tensor([ids]), **with_cache(model, past))
     return [(layer.keys, layer.values) for layer in past.layers]
 
 
