@@ -19,6 +19,7 @@ from engine.commands import (  # noqa: F401  (re-exported for callers of the CLI
     ENGINE_MODULES,
     Command,
     add_model_arguments,
+    add_model_flag,
     check_cache_config,
     command,
     load_engine,
@@ -128,12 +129,7 @@ def _short_prompt_note(prompt_tokens: int, block_size: int) -> str | None:
 
 def _demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument(
-        "--model",
-        default="smollm2",
-        help="smollm2 (SmolLM2-135M-Instruct, fetched and converted once), tiny (random "
-        "weights), a .gguf file or a model directory",
-    )
+    add_model_flag(parser, default="smollm2")
     parser.add_argument(
         "--max-tokens", type=positive_int, default=24, help="most tokens each answer generates"
     )

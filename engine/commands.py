@@ -58,13 +58,17 @@ def positive_int(text: str) -> int:
     return value
 
 
-def add_model_arguments(parser: argparse.ArgumentParser, default: str = "tiny") -> None:
+def add_model_flag(parser: argparse.ArgumentParser, default: str) -> None:
     parser.add_argument(
         "--model",
         default=default,
         help="smollm2 (SmolLM2-135M-Instruct, fetched and converted once), tiny (random "
         "weights: its text is noise), a .gguf file or a local model directory",
     )
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_flag(parser, default="tiny")
     parser.add_argument("--dtype", default="float32", help="float32, float16 or bfloat16")
     parser.add_argument(
         "--model-revision",

@@ -29,6 +29,7 @@ import zipfile
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 from engine.model_files import ModelLoadError
 
@@ -162,13 +163,24 @@ def gguf_architecture(path: Path) -> str:
     return arch
 
 
-def converted_dir(path: Path) -> tuple[Path, str]:
+def gguf_model_dir(name: str) -> tuple[Path, str] | None:
+    """The cached HF directory (converted now if needed) and the GGUF's SHA-256 of a
+    built-in name or a `.gguf` path; None for any other name."""
+    if name in BUILTINS:
+        builtin = BUILTINS[name]
+        return converted_dir(builtin_gguf(builtin), builtin.sha256)  # checked: not hashed again
+    if name.endswith(".gguf"):
+        return converted_dir(Path(name))
+    return None
+
+
+def converted_dir(path: Path, sha: str | None = None) -> tuple[Path, str]:
     """The cached HF directory of a GGUF file (converted now if it is not there yet), and
-    the file's SHA-256."""
+    the file's SHA-256 (`sha` when the caller has checked it already)."""
     path = path.expanduser().resolve()
     if not path.is_file():
         raise ModelLoadError(f"{path}: no such GGUF file")
-    sha = file_sha256(path)
+    sha = sha or file_sha256(path)
     dest = cache_root() / "models" / f"{path.stem}-{sha[:16]}"
     if _source_of(dest) is None:
         gguf_architecture(path)
@@ -206,15 +218,13 @@ def _convert(path: Path, sha: str, dest: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _detach_quantizer(model: object) -> None:
-    """The weights are dequantized; transformers refuses to save a "gguf-quantized" model."""
-    for obj in (model, getattr(model, "config", None)):
-        for attr in ("hf_quantizer", "quantization_config", "is_quantized"):
-            if hasattr(obj, attr):
-                try:
-                    delattr(obj, attr)
-                except AttributeError:
-                    setattr(obj, attr, None)
+def _detach_quantizer(model: Any) -> None:
+    """The weights are dequantized float32 by now. Drop the GGUF quantizer (transformers
+    refuses to save a "gguf-quantized" model) and its config entry (so that the saved
+    config.json loads as a plain model)."""
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
 
 
 def _publish(tmp: Path, dest: Path) -> None:

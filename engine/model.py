@@ -25,7 +25,7 @@ from transformers import (
 )
 from transformers.cache_utils import DynamicLayer
 
-from engine.gguf_models import BUILTINS, builtin_gguf, converted_dir
+from engine.gguf_models import BUILTINS, gguf_model_dir
 from engine.model_files import ModelLoadError, attn_implementation, load_tokenizer, read_config
 from hashing import Namespace
 from kvstore.layout import DTYPES as KV_DTYPES
@@ -331,9 +331,8 @@ def load_model(
     torch_dtype = resolve_dtype(dtype)
     if name_or_path == TINY_NAME:
         model, tokenizer = random_model(tiny_config()), byte_tokenizer()
-    elif name_or_path in BUILTINS or name_or_path.endswith(".gguf"):
-        path = builtin_gguf(BUILTINS[name_or_path]) if name_or_path in BUILTINS else name_or_path
-        directory, sha = converted_dir(Path(path))
+    elif (converted := gguf_model_dir(name_or_path)) is not None:
+        directory, sha = converted
         model, tokenizer = _load_local(directory, torch_dtype)
         model_revision = model_revision or f"gguf-sha256:{sha}"  # weights pinned by the file
     elif Path(name_or_path).is_dir():

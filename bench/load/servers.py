@@ -30,11 +30,12 @@ def prepare_model(name: str, workdir: Path) -> Path:
         return path.resolve()
     from transformers.utils import logging as hf_logging
 
-    from engine.gguf_models import BUILTINS, builtin_gguf, converted_dir
+    from engine.gguf_models import gguf_model_dir
     from engine.model import load_model
 
-    if name in BUILTINS or name.endswith(".gguf"):  # the converted directory, as it is
-        return converted_dir(builtin_gguf(BUILTINS[name]) if name in BUILTINS else path)[0]
+    converted = gguf_model_dir(name)
+    if converted is not None:  # smollm2 or a .gguf file: the converted directory, as it is
+        return converted[0]
 
     hf_logging.disable_progress_bar()  # "Writing model shards" on stderr
     loaded = load_model(name)

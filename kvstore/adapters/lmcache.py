@@ -12,10 +12,11 @@ round trip per store. A failing tier reads as a miss; a put no tier took raises
 `WriteDropped`, which LMCache counts; `ping` tells LMCache's health check whether every tier
 answers.
 
-Enable it (docs/ADAPTERS.md): `remote_url: plugin://kvstore`, `remote_storage_plugins:
-[kvstore]`, and in `extra_config`: `remote_storage_plugin.kvstore.module_path:
-kvstore.adapters.lmcache`, `remote_storage_plugin.kvstore.class_name: KvstoreConnector`,
-`kvstore: {redis_url: ...}` (KVSTORE_* variables fill the rest, KVSTORE_SECRET included).
+Enable it (docs/ADAPTERS.md, docs/lmcache.yaml): `remote_storage_plugins: [kvstore]` (not
+`remote_url` too: LMCache would build a second backend), and in `extra_config`:
+`remote_storage_plugin.kvstore.module_path: kvstore.adapters.lmcache`,
+`remote_storage_plugin.kvstore.class_name: KvstoreConnector`, `kvstore: {redis_url: ...}`
+(KVSTORE_* variables fill the rest, KVSTORE_SECRET included).
 """
 
 from __future__ import annotations

@@ -73,6 +73,11 @@ def sglang_namespace(config: HiCacheStorageConfig, pool: Any, tenant: str) -> St
     return StackNamespace(STACK, model, text, str(pool.dtype), tenant)
 
 
+def _none_done(transfers: list[PoolTransfer]) -> dict[str, list[bool]]:
+    """A v2 call's answer for pools it never stores: False for every page of each."""
+    return {t.name: [False] * len(t.keys or ()) for t in transfers}
+
+
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.detach().contiguous().view(torch.uint8).numpy()).cast("B")
 
@@ -134,12 +139,12 @@ class KvstoreHiCache(HiCacheStorage):
     def batch_get_v2(
         self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> dict[str, list[bool]]:
-        return {t.name: [False] * len(t.keys or ()) for t in transfers}
+        return _none_done(transfers)
 
     def batch_set_v2(
         self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> dict[str, list[bool]]:
-        return {t.name: [False] * len(t.keys or ()) for t in transfers}
+        return _none_done(transfers)
 
     # --- keys -------------------------------------------------------------------------------
 

@@ -33,14 +33,16 @@ _CONNECTION_FAILURES = (redis.ConnectionError, redis.TimeoutError, OSError)
 _GLOB_CHARS = "*?[]\\"
 
 
-def _clear_frames(error: BaseException | None) -> None:
+def _clear_frames(error: BaseException) -> None:
     """Clear the locals of the finished frames of `error` and of the errors it chains."""
+    todo: list[BaseException | None] = [error]
     seen: set[int] = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        traceback.clear_frames(error.__traceback__)
-        _clear_frames(error.__cause__)
-        error = error.__context__
+    while todo:
+        e = todo.pop()
+        if e is not None and id(e) not in seen:
+            seen.add(id(e))
+            traceback.clear_frames(e.__traceback__)
+            todo += [e.__cause__, e.__context__]
 
 
 class _Failed(Exception):
