@@ -23,7 +23,7 @@ EXTRA_OF_MODULE = {
     "httpx": "serve",
     "matplotlib": "bench",
     "hypothesis": "bench",
-    "accelerate": "bench",
+    "accelerate": "engine",  # GGUF loading; bench's transformers serve peer needs it too
 }
 
 

@@ -205,8 +205,12 @@ def _convert(path: Path, sha: str, dest: Path) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
     try:
         kwargs = {"gguf_file": path.name, "local_files_only": True}
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(path.parent, **kwargs)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path.parent, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(path.parent, **kwargs)
+        except (ValueError, OSError) as e:  # transformers says what it lacks in one line
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ModelLoadError(f"cannot convert {path}: {first}") from None
         _detach_quantizer(model)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)

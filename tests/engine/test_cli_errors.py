@@ -4,6 +4,7 @@ fix, exit status 2, no traceback, and nothing written."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 from pathlib import Path
 
@@ -90,11 +91,17 @@ def test_serve_without_the_serve_extra_names_it() -> None:
     )
 
 
-def test_the_quickstart_install_is_enough_for_generate() -> None:
+def test_the_quickstart_install_is_enough_for_generate(tmp_path: Path, monkeypatch) -> None:
     # pip install -e '.[engine]': none of the other extras' own modules (httpx comes with
     # transformers, through huggingface_hub)
-    others = ("fastapi", "uvicorn", "matplotlib", "hypothesis", "accelerate")
+    others = ("fastapi", "uvicorn", "matplotlib", "hypothesis")
     proc = kvstore(*PROMPT, "--ignore-eos", "--json", blocked=others)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(json.loads(proc.stdout)["output_token_ids"]) == 2
+    # and a GGUF model, converted on the way, as the README's demo does with smollm2
+    monkeypatch.setenv("KVSTORE_CACHE_DIR", str(tmp_path / "cache"))
+    model = write_tiny_llama_gguf(tmp_path / "tiny.gguf")
+    proc = kvstore(*PROMPT, "--ignore-eos", "--json", "--model", str(model), blocked=others)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(json.loads(proc.stdout)["output_token_ids"]) == 2
 
@@ -138,3 +145,15 @@ def test_a_gguf_model_without_the_gguf_package_names_the_extra(tmp_path: Path) -
         "module 'gguf' is not installed; install the 'engine' extra: pip install -e '.[engine]' "
         "in a checkout, or pip install 'kvstore-llm[engine]'"
     )
+
+
+def test_a_gguf_model_that_cannot_be_converted_is_one_line(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("KVSTORE_CACHE_DIR", str(tmp_path / "cache"))
+    model = write_tiny_llama_gguf(tmp_path / "tiny.gguf")
+    proc = kvstore(*PROMPT, "--model", str(model), blocked=("accelerate",))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    progress, line = proc.stderr.strip().splitlines()  # "converting ... (once)", then why not
+    assert progress.startswith("kvstore: converting tiny.gguf into ")
+    assert line.startswith(f"kvstore generate: error: cannot convert {model}: ")
+    assert "accelerate is required" in line
+    assert os.listdir(tmp_path / "cache" / "models") == []  # no half-converted directory
