@@ -20,6 +20,7 @@ import torch
 
 from hashing import BlockHash, Namespace, as_token_array
 from kvstore.config import CacheConfig
+from kvstore.events import BlockStored, EventSink
 from kvstore.index import MatchResult, RadixIndex, TreeNode
 from kvstore.layout import LayerKV
 from kvstore.metrics import DEVICE_TIER, CacheMetrics
@@ -65,15 +66,19 @@ class PrefixCache:
         config: CacheConfig,
         namespace: Namespace,
         stores: Sequence[SpillStore] | None = None,
+        events: EventSink | None = None,
     ):
-        """`stores` overrides the spill tiers the config names (fastest first)."""
+        """`stores` overrides the spill tiers the config names (fastest first); `events` gets
+        the device index's block events (kvstore/events.py), under the cache's lock."""
         namespace = config.bind(namespace)
         self.config = config
         self.namespace = namespace
         self.block_size = config.block_size
         self.pool = BlockPool.from_config(config, namespace)
         self.index = RadixIndex(
-            config.block_size, make_policy(config.eviction_policy, self.pool.num_blocks)
+            config.block_size,
+            make_policy(config.eviction_policy, self.pool.num_blocks),
+            events,
         )
         self.metrics = CacheMetrics()
         if stores is None and config.has_tiers:
@@ -345,6 +350,11 @@ class PrefixCache:
         while node.parent is not self.index.root:
             node = node.parent
         return node.key(0)
+
+    def snapshot_events(self) -> list[BlockStored]:
+        """The device index now, as stored events (for a consumer that starts late)."""
+        with self._lock:
+            return self.index.snapshot()
 
     def evict_device(self) -> int:
         """Evict every unlocked block from the device pool (write-back tiers get them)."""

@@ -26,7 +26,16 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from hashing import HASH_BYTES, as_token_array
-from kvstore.index.tree import MatchResult, TreeNode, num_equal, run_tag
+from kvstore.events import BlockStored, EventSink
+from kvstore.index.tree import (
+    MatchResult,
+    TreeNode,
+    num_equal,
+    removed_event,
+    run_tag,
+    snapshot_events,
+    stored_event,
+)
 from kvstore.policies import IntegrityError, Policy, make_policy
 
 __all__ = ["IntegrityError", "MatchResult", "RadixIndex", "TreeNode"]
@@ -42,7 +51,10 @@ class RadixIndex:
     splits runs where prompts diverge.
     """
 
-    def __init__(self, block_size: int, policy: Policy | str = "lru"):
+    def __init__(
+        self, block_size: int, policy: Policy | str = "lru", events: EventSink | None = None
+    ):
+        """`events` gets every block stored and removed (kvstore.events), in order."""
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         if isinstance(policy, str):
@@ -53,6 +65,7 @@ class RadixIndex:
             )
         self.block_size = block_size
         self.policy = policy
+        self.events = events
         self.root = TreeNode(0, None, 0, b"", b"", array("q"))
         self._nodes: dict[int, TreeNode] = {}  # node id -> node, root excluded
         self._next_id = itertools.count(1)
@@ -186,6 +199,8 @@ class RadixIndex:
         self._num_evictable += n - pos
         self._sync(parent)
         self._sync(leaf)
+        if self.events is not None:
+            self.events.emit(stored_event(leaf, self.block_size))
 
     def _split(self, node: TreeNode, k: int) -> TreeNode:
         """Cut `node` after k blocks; a new parent takes blocks [:k] and node keeps the rest
@@ -270,6 +285,8 @@ class RadixIndex:
             ids = node.block_ids[start:].tolist()
             if on_evict is not None:
                 on_evict(node, start, ids)
+            if self.events is not None:
+                self.events.emit(removed_event(node, start))
             freed += ids
             if start == 0:
                 self._remove_leaf(node)
@@ -337,6 +354,11 @@ class RadixIndex:
         for node in self._nodes.values():
             ids += node.block_ids.tolist()
         return ids
+
+    def snapshot(self) -> list[BlockStored]:
+        """Every cached run as a stored event, parents before children (a consumer that
+        starts late, or lost events, rebuilds the index's block set from it)."""
+        return snapshot_events(self.root, self.block_size)
 
     # --- integrity ---------------------------------------------------------------------------
     def check_integrity(self) -> None:

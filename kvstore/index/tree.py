@@ -8,8 +8,17 @@ from typing import NamedTuple
 import numpy as np
 
 from hashing import HASH_BYTES
+from kvstore.events import BlockRemoved, BlockStored
 
-__all__ = ["MatchResult", "TreeNode", "num_equal", "run_tag"]
+__all__ = [
+    "MatchResult",
+    "TreeNode",
+    "num_equal",
+    "removed_event",
+    "run_tag",
+    "snapshot_events",
+    "stored_event",
+]
 
 
 class TreeNode:
@@ -76,3 +85,30 @@ def num_equal(a: bytes, b: bytes, width: int) -> int:
         return len(a) // width
     diff = np.flatnonzero(np.frombuffer(a, np.uint8) != np.frombuffer(b, np.uint8))
     return int(diff[0]) // width
+
+
+def _split_keys(keys: bytes) -> list[bytes]:
+    return [keys[i : i + HASH_BYTES] for i in range(0, len(keys), HASH_BYTES)]
+
+
+def stored_event(node: TreeNode, block_size: int) -> BlockStored:
+    """The event of `node`'s whole run entering the index (its parent is already there)."""
+    parent = node.parent
+    parent_key = parent.key(parent.num_blocks - 1) if parent and parent.num_blocks else None
+    tokens = np.frombuffer(node.tokens, dtype="<u4").tolist()
+    return BlockStored(_split_keys(node.keys), parent_key, tokens, block_size)
+
+
+def removed_event(node: TreeNode, start: int) -> BlockRemoved:
+    """The event of blocks [start:] of `node`'s run leaving the index."""
+    return BlockRemoved(_split_keys(node.keys[start * HASH_BYTES :]))
+
+
+def snapshot_events(root: TreeNode, block_size: int) -> list[BlockStored]:
+    """Every run under `root` as a stored event, parents before children."""
+    out, stack = [], list(root.children.values())
+    while stack:
+        node = stack.pop()
+        out.append(stored_event(node, block_size))
+        stack += node.children.values()
+    return out

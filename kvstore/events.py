@@ -1,0 +1,93 @@
+"""Index events: what the device index stored and removed, for routers that index a fleet.
+
+The shapes are those of vLLM's KV events (`BlockStored`, `BlockRemoved`, `AllBlocksCleared`),
+so a replica can be indexed as vLLM replicas are; the wire format (ZMQ, msgpack) is the
+transport's (`engine/kv_events.py`), never this layer's. Block hashes are the 16-byte lookup
+keys; the first block of a chain has no parent (`None`), as in vLLM.
+
+Invariant a consumer can rely on: applying every event of one index in order, as set
+operations on block hashes, gives exactly the index's cached blocks. Each event is idempotent
+as a set operation, so a snapshot (`RadixIndex.snapshot`) followed by any suffix of events
+that includes everything after it converges to the same set.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from typing import NamedTuple
+
+from hashing import BlockHash
+
+__all__ = [
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockSet",
+    "BlockStored",
+    "EventSink",
+    "KVEvent",
+]
+
+
+class BlockStored(NamedTuple):
+    """Consecutive blocks of one chain entered the index."""
+
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None  # the block before the first; None at a chain's start
+    token_ids: list[int]  # block_size per block, in order
+    block_size: int
+
+
+class BlockRemoved(NamedTuple):
+    """Blocks left the index (evicted)."""
+
+    block_hashes: list[BlockHash]
+
+
+class AllBlocksCleared(NamedTuple):
+    """Every block left the index (or a publisher started: consumers drop what they had)."""
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class EventSink(ABC):
+    """Receives an index's events in order. `emit` is called under the cache's lock, so it
+    must be quick (append to a queue) and must not call back into the cache."""
+
+    @abstractmethod
+    def emit(self, event: KVEvent) -> None:
+        """Take one event."""
+
+
+class BlockSet:
+    """The blocks of one index as its events describe them (a consumer's view)."""
+
+    def __init__(self) -> None:
+        self.blocks: set[BlockHash] = set()
+
+    def apply(self, event: KVEvent) -> None:
+        if isinstance(event, BlockStored):
+            self.blocks.update(event.block_hashes)
+        elif isinstance(event, BlockRemoved):
+            self.blocks.difference_update(event.block_hashes)
+        elif isinstance(event, AllBlocksCleared):
+            self.blocks.clear()
+        else:
+            raise TypeError(f"not a KV event: {type(event).__name__}")
+
+    def apply_all(self, events: Iterable[KVEvent]) -> None:
+        for event in events:
+            self.apply(event)
+
+    def num_prefix_blocks(self, keys: list[BlockHash]) -> int:
+        """Leading `keys` held: blocks a request with those keys would find cached here."""
+        n = 0
+        for key in keys:
+            if key not in self.blocks:
+                break
+            n += 1
+        return n
+
+    def __len__(self) -> int:
+        return len(self.blocks)

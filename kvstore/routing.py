@@ -1,0 +1,97 @@
+"""Cache-aware routing: pick the replica where a request's first token comes soonest.
+
+One implementation for the live router (`kvstore router`, engine/router/) and the capacity
+replay's `kv` route (bench/hitrate/fleet.py). Each replica is known by
+
+- its blocks, a `BlockSet` rebuilt from the replica's own index events (kvstore/events.py),
+  never guessed from the requests routed to it;
+- its load, as the replica reports it: tokens waiting for prefill and tokens held by
+  running requests.
+
+The cost of sending a request to replica r is the work ahead of its first token there:
+
+    cost(r) = prefill_weight * (uncached_tokens(r) + queued_tokens(r))
+              + decode_weight * running_tokens(r)
+
+and the cheapest replica wins (ties: the fewer requests routed, then the lower index). Cache
+overlap alone would pile every request onto the replica that holds the most (every prompt
+shares its first block with it); the load terms move work away from a busy replica once
+its queue costs more than the prefill the cache saves. A replica whose events are stale
+(`None` for its blocks) makes the decision fall back to least loaded: an overlap that may be
+wrong must not outweigh load.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from hashing import BlockHash
+from kvstore.events import BlockSet
+
+__all__ = ["ReplicaLoad", "RouteChoice", "RoutingConfig", "choose_replica"]
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """Weights of the routing cost, in prefill-token units (module docstring)."""
+
+    prefill_weight: float = 1.0  # per token to prefill: this request's uncached + queued
+    decode_weight: float = 0.1  # per token of KV held by running requests
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_weight", "decode_weight"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+
+
+class ReplicaLoad(NamedTuple):
+    """A replica's work in flight, in tokens, as it reports it."""
+
+    queued_tokens: int = 0  # prompt tokens admitted and not yet prefilled
+    running_tokens: int = 0  # KV tokens (prompt + generated) of running requests
+    routed: int = 0  # requests routed to it so far (the tie-break)
+
+
+class RouteChoice(NamedTuple):
+    replica: int
+    num_cached_tokens: int  # the chosen replica's cached prefix, by its events
+    costs: list[float]  # per replica (inf: not a candidate)
+    fallback: bool  # True: chosen by load alone (some replica's events were stale)
+
+
+def _cost(uncached: int, load: ReplicaLoad, config: RoutingConfig) -> float:
+    prefill = config.prefill_weight * (uncached + load.queued_tokens)
+    return prefill + config.decode_weight * load.running_tokens
+
+
+def choose_replica(
+    keys: Sequence[BlockHash],
+    num_prompt_tokens: int,
+    block_size: int,
+    blocks: Sequence[BlockSet | None],
+    loads: Sequence[ReplicaLoad],
+    config: RoutingConfig,
+    candidates: Sequence[int] | None = None,
+) -> RouteChoice:
+    """The replica among `candidates` (default all) with the cheapest cost for a prompt of
+    `num_prompt_tokens` whose whole blocks have the lookup keys `keys`. A replica holding
+    every block still computes the last token (it runs it again for its logits)."""
+    pool = range(len(loads)) if candidates is None else candidates
+    if not pool:
+        raise ValueError("no replica to route to")
+    fallback = any(blocks[i] is None for i in pool)
+    costs, cached = [math.inf] * len(loads), [0] * len(loads)
+    for i in pool:
+        held = blocks[i]
+        if not fallback and held is not None:
+            cached[i] = held.num_prefix_blocks(list(keys)) * block_size
+        cached[i] = min(cached[i], max(num_prompt_tokens - 1, 0))  # the last token is computed
+        costs[i] = _cost(num_prompt_tokens - cached[i], loads[i], config)
+    best = min(pool, key=lambda i: (costs[i], loads[i].routed, i))
+    return RouteChoice(best, cached[best], costs, fallback)

@@ -1,0 +1,131 @@
+"""The index's block events and the routing cost built on them (kvstore/events.py,
+kvstore/routing.py): one implementation for `kvstore router` and the replay's kv route."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvstore.events import AllBlocksCleared, BlockRemoved, BlockSet, BlockStored, EventSink
+from kvstore.index import RadixIndex
+from kvstore.routing import ReplicaLoad, RoutingConfig, choose_replica
+
+BS = 16
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+class Recorder(EventSink):
+    def __init__(self) -> None:
+        self.events: list = []
+
+    def emit(self, event) -> None:
+        self.events.append(event)
+
+
+def index_keys(index: RadixIndex) -> set[bytes]:
+    return {e for s in index.snapshot() for e in s.block_hashes}
+
+
+def held(*ids: int) -> BlockSet:
+    blocks = BlockSet()
+    blocks.apply(BlockStored([key(i) for i in ids], None, [0] * BS * len(ids), BS))
+    return blocks
+
+
+def test_events_rebuild_the_index_exactly_through_splits_and_evictions():
+    sink = Recorder()
+    index = RadixIndex(2, "lru", sink)
+    index.insert([key(i) for i in range(4)], np.arange(8), [0, 1, 2, 3])
+    index.insert([key(0), key(1), key(9)], np.array([0, 1, 2, 3, 7, 7]), [0, 1, 5])  # split
+    index.evict(3)
+    consumer = BlockSet()
+    consumer.apply_all(sink.events)
+    assert consumer.blocks == index_keys(index)
+    assert len(consumer) == index.num_cached_blocks == 2
+    stored = [e for e in sink.events if isinstance(e, BlockStored)]
+    assert [len(e.block_hashes) for e in stored] == [4, 1]
+    assert stored[1].parent_block_hash == key(1)  # the split point, not the root
+    assert stored[0].parent_block_hash is None
+    assert stored[1].token_ids == [7, 7]
+
+
+def test_a_lost_removal_breaks_the_rebuilt_set():
+    """The control: the comparison above can fail."""
+    sink = Recorder()
+    index = RadixIndex(2, "lru", sink)
+    index.insert([key(i) for i in range(4)], np.arange(8), [0, 1, 2, 3])
+    index.evict(2)
+    consumer = BlockSet()
+    consumer.apply_all(e for e in sink.events if not isinstance(e, BlockRemoved))
+    assert consumer.blocks != index_keys(index)
+    assert len(consumer) - index.num_cached_blocks == 2
+
+
+def test_snapshot_then_replayed_events_converge():
+    sink = Recorder()
+    index = RadixIndex(1, "lru", sink)
+    index.insert([key(1), key(2)], np.array([1, 2]), [0, 1])
+    snap = index.snapshot()
+    index.evict(1)
+    index.insert([key(1), key(3)], np.array([1, 3]), [0, 2])
+    consumer = BlockSet()
+    consumer.apply_all([AllBlocksCleared(), *snap, *sink.events])  # events before it too
+    assert consumer.blocks == index_keys(index) == {key(1), key(3)}
+
+
+def test_the_replica_holding_the_prefix_wins_at_equal_load():
+    keys = [key(i) for i in range(4)]
+    choice = choose_replica(
+        keys, 4 * BS + 1, BS, [held(0), held(0, 1, 2)], [ReplicaLoad()] * 2, RoutingConfig()
+    )
+    assert (choice.replica, choice.num_cached_tokens) == (1, 3 * BS)
+    assert choice.costs == [4 * BS + 1 - BS, 4 * BS + 1 - 3 * BS]
+    assert not choice.fallback
+
+
+def test_a_shared_first_block_does_not_pile_requests_onto_one_replica():
+    """Replica 0 holds every prompt's first block; its queue outweighs that overlap."""
+    keys = [key(0), key(5)]
+    loads = [ReplicaLoad(queued_tokens=BS + 1), ReplicaLoad()]
+    choice = choose_replica(keys, 3 * BS, BS, [held(0), BlockSet()], loads, RoutingConfig())
+    assert choice.replica == 1
+    assert choice.costs == [2 * BS + BS + 1, 3 * BS]
+
+
+def test_running_tokens_weigh_by_the_decode_weight():
+    loads = [ReplicaLoad(running_tokens=1000), ReplicaLoad(running_tokens=0)]
+    config = RoutingConfig(prefill_weight=1.0, decode_weight=0.1)
+    choice = choose_replica([key(0)], 2 * BS, BS, [held(0), BlockSet()], loads, config)
+    assert choice.costs == [BS + 100.0, 2 * BS]
+    assert choice.replica == 1
+
+
+def test_stale_events_fall_back_to_least_loaded():
+    loads = [ReplicaLoad(queued_tokens=50), ReplicaLoad(queued_tokens=10)]
+    choice = choose_replica([key(0)], 2 * BS, BS, [held(0), None], loads, RoutingConfig())
+    assert choice.fallback and choice.replica == 1 and choice.num_cached_tokens == 0
+
+
+def test_ties_go_to_fewer_routed_then_lower_index():
+    loads = [ReplicaLoad(routed=3), ReplicaLoad(routed=1), ReplicaLoad(routed=1)]
+    sets = [BlockSet(), BlockSet(), BlockSet()]
+    assert choose_replica([], 10, BS, sets, loads, RoutingConfig()).replica == 1
+
+
+def test_only_candidates_are_chosen_and_never_the_last_token():
+    keys = [key(0)]
+    sets = [held(0), held(0)]
+    choice = choose_replica(keys, BS, BS, sets, [ReplicaLoad()] * 2, RoutingConfig(), [1])
+    assert choice.replica == 1
+    assert choice.num_cached_tokens == BS - 1  # all held: the last token is computed again
+    with pytest.raises(ValueError, match="no replica"):
+        choose_replica(keys, BS, BS, sets, [ReplicaLoad()] * 2, RoutingConfig(), [])
+
+
+@pytest.mark.parametrize("weights", [(-1.0, 0.1), (1.0, float("nan")), (True, 0.1)])
+def test_bad_weights_are_refused(weights):
+    with pytest.raises(ValueError, match="weight"):
+        RoutingConfig(*weights)
