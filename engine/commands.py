@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     import torch
 
     from engine.model import LoadedModel
+    from kvstore.events import EventSink
 
 
 class Command(NamedTuple):
@@ -110,8 +111,11 @@ def quiet_load_model(
     return load_model(name, dtype, device, revision)
 
 
-def load_engine(args: argparse.Namespace, **cache_defaults: object):
-    """(LoadedModel, Engine) from model and cache flags; the model goes on the cache device."""
+def load_engine(
+    args: argparse.Namespace, events: EventSink | None = None, **cache_defaults: object
+):
+    """(LoadedModel, Engine) from model and cache flags; the model goes on the cache device;
+    `events` gets the cache's block events."""
     from engine.engine import Engine
     from engine.scheduler import SchedulerConfig
 
@@ -119,4 +123,4 @@ def load_engine(args: argparse.Namespace, **cache_defaults: object):
     device = check_cache_config(config)
     model = quiet_load_model(args.model, device, args.dtype, args.model_revision)
     steps = SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs)
-    return model, Engine(model, config, scheduler_config=steps)
+    return model, Engine(model, config, scheduler_config=steps, events=events)

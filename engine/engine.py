@@ -40,6 +40,7 @@ from engine.sequential import SequentialPath
 from hashing import validate_salt
 from kvstore.cache import PrefixCache
 from kvstore.config import CacheConfig
+from kvstore.events import EventSink
 from kvstore.sequences import BlockTables
 
 log = logging.getLogger("kvstore.engine")
@@ -64,12 +65,15 @@ class Engine:
         cache_config: CacheConfig,
         cache_generated: bool = True,
         scheduler_config: SchedulerConfig | None = None,
+        events: EventSink | None = None,
     ):
+        """`events` gets the device index's block events (kvstore/events.py)."""
         self.model = model
         self.cache_config = cache_config
         self.cache_generated = cache_generated
         # the cache binds the config's codec and tenant salt into the namespace
-        self.cache = PrefixCache(cache_config, model.namespace(cache_config.block_size))
+        namespace = model.namespace(cache_config.block_size)
+        self.cache = PrefixCache(cache_config, namespace, events=events)
         self.tables = BlockTables(self.cache)
         self.scheduler = Scheduler(scheduler_config or SchedulerConfig(), self.tables)
         self.sequential = SequentialPath(model, self.cache, cache_generated)
@@ -167,6 +171,7 @@ class Engine:
                 validate_salt(request.cache_salt)
             except ValueError as e:
                 raise InvalidRequestError(f"cache_salt: {e}") from None
+            request.expected_cached_tokens = self.cache.peek(request.token_ids, request.cache_salt)
         with self._cond:
             if self._closed:
                 raise EngineClosedError("engine is closed")

@@ -21,6 +21,8 @@ EXTRA_OF_MODULE = {
     "fastapi": "serve",
     "uvicorn": "serve",
     "httpx": "serve",
+    "zmq": "serve",  # KV events (kvstore serve --kv-events-port, kvstore router)
+    "msgspec": "serve",
     "matplotlib": "bench",
     "hypothesis": "bench",
     "accelerate": "engine",  # GGUF loading; bench's transformers serve peer needs it too

@@ -149,6 +149,7 @@ class Request:
     cancelled: bool = False
     output: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the cache (first admission)
+    expected_cached_tokens: int = 0  # the device pool's prefix when queued (the load it reports)
     cached_by_tier: dict[str, int] = field(default_factory=dict)
     num_preemptions: int = 0
     sampler: Sampler | None = None

@@ -86,6 +86,8 @@ class QueueStats(NamedTuple):
     waiting: int
     running: int
     waiting_by_tenant: dict[str | None, int]
+    queued_tokens: int = 0  # prompt tokens to prefill (waiting: past its prefix when queued)
+    running_tokens: int = 0  # K/V tokens held by running requests
 
 
 def all_tokens(request: Request) -> list[int]:
@@ -178,7 +180,17 @@ class Scheduler:
         self.waiting.push(request, bound)
 
     def stats(self) -> QueueStats:
-        return QueueStats(self.waiting.size, len(self.running), self.waiting.by_tenant())
+        """Queue sizes and the work in them (read from any thread: lists are copied)."""
+        waiting = self.waiting.candidates()
+        queued = sum(len(r.token_ids) - r.expected_cached_tokens for r in waiting)
+        held = 0
+        for request in list(self.running):
+            state = request.state
+            if state is not None:
+                held += state.num_computed
+                queued += max(0, len(request.token_ids) - state.num_computed)
+        by_tenant = self.waiting.by_tenant()
+        return QueueStats(len(waiting), len(self.running), by_tenant, queued, held)
 
     def schedule(self, reject: Callable[[Request, BaseException], None]) -> list[Scheduled]:
         """The next step's rows: running requests first (oldest first), then admissions.

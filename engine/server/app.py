@@ -11,7 +11,7 @@ import argparse
 import ipaddress
 import logging
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -25,6 +25,7 @@ from engine.engine import Engine
 from engine.server.config import ServerConfig, check_port_free, server_config_from_args
 from engine.server.protocol import ApiError, now
 from engine.server.service import Service
+from kvstore.events import EventSink
 from kvstore.stores.redis import redact_url
 
 REJECT_REASONS = {401: "unauthorized", 404: "not_found", 413: "too_large", 429: "queue_full"}
@@ -77,6 +78,8 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         ok = engine.alive
         body = {"status": "ok" if ok else "unavailable", "model": config.served_model_name}
         body |= {"waiting": queue.waiting, "running": queue.running}
+        body |= {"queued_tokens": queue.queued_tokens, "running_tokens": queue.running_tokens}
+        body["cache"] = service.cache_info  # what a router needs to hash like this replica
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
@@ -126,7 +129,8 @@ def run_server(args: argparse.Namespace) -> int:
     """`kvstore serve`: load the model and cache, then serve until SIGINT/SIGTERM."""
     import uvicorn
 
-    from engine.commands import load_engine
+    from engine.commands import check_cache_config, load_engine
+    from kvstore.settings import config_from_args
 
     config = server_config_from_args(args)  # invalid flags fail before the model loads
     check_port_free(config.host, config.port)
@@ -136,11 +140,42 @@ def run_server(args: argparse.Namespace) -> int:
             "reach it can use it (set --api-key or --api-keys-file)",
             file=sys.stderr,
         )
-    _, engine = load_engine(args)
-    log.info("%s", describe_engine(engine))
-    app = create_app(engine, config)
+    engines: list[Engine] = []  # the snapshot callback reads the engine made below
+    device = check_cache_config(config_from_args(args))
+    publisher = start_publisher(config, device, lambda: engines[0].cache.snapshot_events())
     try:
-        uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level)
+        _, engine = load_engine(args, events=publisher)
+        engines.append(engine)
+        log.info("%s", describe_engine(engine))
+        app = create_app(engine, config)
+        try:
+            uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level)
+        finally:
+            app.state.service.close()
     finally:
-        app.state.service.close()
+        if publisher is not None:
+            publisher.close()
     return 0
+
+
+def start_publisher(
+    config: ServerConfig, device: object, snapshot: Callable[[], list]
+) -> EventSink | None:
+    """The ZMQ publisher of the cache's block events, when --kv-events-port is set."""
+    if config.kv_events_port is None:
+        return None
+    from engine.kv_events import EventsConfig, ZmqEventPublisher
+    from engine.kv_events_wire import medium_for
+
+    for port in (config.kv_events_port, config.kv_events_replay_port):
+        check_port_free(config.host, port)
+    events = EventsConfig(
+        endpoint=f"tcp://{_zmq_host(config.host)}:{config.kv_events_port}",
+        replay_endpoint=f"tcp://{_zmq_host(config.host)}:{config.kv_events_replay_port}",
+        medium=medium_for(device),
+    )
+    return ZmqEventPublisher(events, snapshot=snapshot)
+
+
+def _zmq_host(host: str) -> str:
+    return "*" if host in ("0.0.0.0", "::") else host

@@ -67,6 +67,8 @@ class ServerConfig:
     max_tokens_limit: int = 2048  # largest max_tokens a request may ask for
     retry_after_s: int = 1  # Retry-After of a 429
     log_level: str = "info"
+    kv_events_port: int | None = None  # ZMQ PUB of the index's events (None: not published)
+    kv_events_replay_port: int | None = None  # ZMQ ROUTER for replay (default port + 1)
 
     def __post_init__(self) -> None:
         _check_int("port", self.port, 0)
@@ -87,6 +89,20 @@ class ServerConfig:
         _check_int("retry_after_s", self.retry_after_s, 1)
         if self.log_level not in ("critical", "error", "warning", "info", "debug"):
             raise ConfigError("log_level", f"unknown level {self.log_level!r}")
+        self._check_events()
+
+    def _check_events(self) -> None:
+        if self.kv_events_port is None:
+            if self.kv_events_replay_port is not None:
+                raise ConfigError("kv_events_replay_port", "needs --kv-events-port")
+            return
+        for name in ("kv_events_port", "kv_events_replay_port"):
+            _check_int(name, getattr(self, name), 1)
+            if getattr(self, name) > 65535:
+                raise ConfigError(name, f"must be <= 65535, got {getattr(self, name)}")
+        ports = {self.port, self.kv_events_port, self.kv_events_replay_port}
+        if len(ports) < 3:
+            raise ConfigError("kv_events_port", "the HTTP, events and replay ports must differ")
 
     @property
     def auth_enabled(self) -> bool:
@@ -133,6 +149,18 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-tokens-limit", type=int, default=2048, help="largest max_tokens")
     group.add_argument("--retry-after-s", type=int, default=1, help="Retry-After of a 429")
     group.add_argument(
+        "--kv-events-port",
+        type=int,
+        default=None,
+        help="publish the cache's block events (vLLM's KV event format, ZMQ PUB) on this port",
+    )
+    group.add_argument(
+        "--kv-events-replay-port",
+        type=int,
+        default=None,
+        help="ZMQ replay port for late subscribers (default: --kv-events-port + 1)",
+    )
+    group.add_argument(
         "--log-level",
         default="info",
         help="critical, error, warning, info or debug: uvicorn's and kvstore's messages",
@@ -162,4 +190,12 @@ def server_config_from_args(
         max_tokens_limit=args.max_tokens_limit,
         retry_after_s=args.retry_after_s,
         log_level=args.log_level,
+        kv_events_port=args.kv_events_port,
+        kv_events_replay_port=_replay_port(args),
     )
+
+
+def _replay_port(args: argparse.Namespace) -> int | None:
+    if args.kv_events_replay_port is not None or args.kv_events_port is None:
+        return args.kv_events_replay_port
+    return args.kv_events_port + 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -27,16 +28,11 @@ from engine.server import protocol as p
 from engine.server.auth import Authenticator, AuthError, CacheSaltError, request_salt
 from engine.server.config import ServerConfig
 from engine.server.metrics import ServerMetrics
+from engine.server.prompts import prompt_ids
 from engine.server.streaming import DONE, TextStreamer, TokenBridge, sse
 
 log = logging.getLogger("kvstore.server")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-def simple_chat_prompt(messages: list[p.ChatMessage]) -> str:
-    """The template for tokenizers without one: "<role>: <content>\\n" per message, then
-    "assistant: " (the tokenizer adds its own special tokens, such as BOS)."""
-    return "".join(f"{m.role}: {m.text()}\n" for m in messages) + "assistant: "
 
 
 async def read_json(request: HTTPRequest, limit: int) -> object:
@@ -67,6 +63,16 @@ def _not_json(name: str) -> object:
     raise ValueError(f"{name} is not a JSON value")
 
 
+def cache_info(engine: Engine, config: ServerConfig) -> dict:
+    """What a router needs to hash prompts as this replica does and to read its events
+    (no secret: tenant salts stay on the server)."""
+    events = None
+    if config.kv_events_port is not None:
+        events = {"port": config.kv_events_port, "replay_port": config.kv_events_replay_port}
+    namespace = dataclasses.asdict(engine.cache.namespace)
+    return {"block_size": engine.cache.block_size, "namespace": namespace, "kv_events": events}
+
+
 class Service:
     """Engine, auth and metrics of one server."""
 
@@ -75,6 +81,7 @@ class Service:
         self.tokenizer = engine.model.tokenizer
         self.auth = Authenticator(config.api_keys, engine.cache_config.secret_bytes)
         self.metrics = ServerMetrics(engine.stats, engine.queue_stats)
+        self.cache_info = cache_info(engine, config)
 
     def authenticate(self, request: HTTPRequest) -> str | None:
         try:
@@ -116,29 +123,12 @@ class Service:
         return JSONResponse(self.response(kind, req, result))
 
     def prompt_ids(self, req: p.CompletionRequest | p.ChatRequest) -> list[int]:
-        if isinstance(req, p.ChatRequest):
-            ids = self.chat_ids(req.messages)
-        else:
-            prompt = req.single_prompt()
-            ids = self.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else prompt
+        ids = prompt_ids(self.tokenizer, req)
         limit = self.config.max_prompt_tokens
         if limit is not None and len(ids) > limit:
             message = f"the prompt has {len(ids)} tokens; this server takes at most {limit}"
             raise p.bad_request(message, "prompt", "context_length_exceeded")
-        return list(ids)
-
-    def chat_ids(self, messages: list[p.ChatMessage]) -> list[int]:
-        if not getattr(self.tokenizer, "chat_template", None):
-            return self.tokenizer(simple_chat_prompt(messages))["input_ids"]
-        plain = [{"role": m.role, "content": m.text()} for m in messages]
-        try:
-            text = self.tokenizer.apply_chat_template(
-                plain, tokenize=False, add_generation_prompt=True
-            )
-        except Exception as e:  # the template's own checks (role order, ...)
-            message = f"the chat template refused the messages: {e}"
-            raise p.bad_request(message, "messages") from None
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return ids
 
     def sampling_params(self, req: p.CompletionRequest | p.ChatRequest, num_prompt: int) -> Any:
         limit = self.config.max_tokens_limit

@@ -10,7 +10,11 @@ import json
 import os
 import time
 
+import msgspec
+import numpy as np
 import pytest
+import torch
+import zmq
 from adapter_helpers import (
     compose_redis,
     compose_service,
@@ -23,6 +27,7 @@ from adapter_helpers import (
 
 import_stack("vllm", "vllm.v1.kv_offload.tiering.spec")
 
+from vllm.distributed import kv_events as vllm_events
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key
 from vllm.v1.kv_offload.config import (
     OffloadingCacheConfig,
@@ -34,8 +39,18 @@ from vllm.v1.kv_offload.config import (
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
+from engine.kv_events import (
+    EventsConfig,
+    EventSubscriber,
+    ZmqEventPublisher,
+    decode_batch,
+    encode_batch,
+)
+from hashing import Namespace
 from kvstore.adapters.vllm import KvstoreTier
-from kvstore.config import ConfigError
+from kvstore.cache import PrefixCache
+from kvstore.config import CacheConfig, ConfigError
+from kvstore.events import AllBlocksCleared, BlockRemoved, BlockStored, EventSink, KVEvent
 
 BLOCK_BYTES = 2 * 2 * 2 * 16 * 8 * 2  # layers x K/V x heads x 16 tokens x head_dim x bf16
 STEP = ScheduleEndContext((), ())
@@ -291,3 +306,160 @@ def test_a_failed_store_leaves_no_view_of_the_primary_buffer(tier, engines, capl
         engine.close()
     assert not [r for r in caplog.records if "Keeping" in r.message]
     assert region.mmap_obj is None  # unmapped
+
+
+# --- kvstore's KV events, read by vLLM's own event classes -----------------------------------
+
+
+class CountingSink(EventSink):
+    def __init__(self, sink: EventSink):
+        self.sink, self.count = sink, 0
+
+    def emit(self, event: KVEvent) -> None:
+        self.count += 1
+        self.sink.emit(event)
+
+
+def _events_workload(cache: PrefixCache, block_size: int) -> None:
+    """Prompts on shared prefixes through a 16-block pool: stores, hits and evictions."""
+    rng = np.random.default_rng(3)
+    prefixes = [rng.integers(0, 1000, 3 * block_size) for _ in range(3)]
+    for i in range(40):
+        tail = rng.integers(0, 1000, block_size * int(rng.integers(1, 5)) + 1)
+        prompt = np.concatenate([prefixes[i % 3], tail]).astype(np.uint32)
+        hit = cache.lookup(prompt)
+        kv = torch.zeros(1, 2, len(prompt), 8)
+        cache.store(prompt, [(kv, kv)] * 2, keys=hit.keys)
+        cache.release(hit)
+
+
+def _vllm_block_set(batches: list) -> set:
+    blocks: set = set()
+    for batch in batches:
+        for event in batch.events:
+            if isinstance(event, vllm_events.BlockStored):
+                blocks.update(event.block_hashes)
+            elif isinstance(event, vllm_events.BlockRemoved):
+                blocks.difference_update(event.block_hashes)
+            else:
+                assert isinstance(event, vllm_events.AllBlocksCleared)
+                blocks.clear()
+    return blocks
+
+
+def test_kv_events_of_a_cache_decode_with_vllms_classes_into_its_exact_blocks():
+    """kvstore's publisher over a PrefixCache run with evictions; a plain SUB socket reads it
+    as vLLM's consumers do, and vLLM's KVEventBatch decodes every payload."""
+    bs, local = 4, "tcp://127.0.0.1:*"
+    config = EventsConfig(endpoint=local, replay_endpoint=local, heartbeat_s=0.05)
+    pub = ZmqEventPublisher(config)
+    sink = CountingSink(pub)
+    namespace = Namespace("fp", "float32", 2, 2, 8, bs)
+    cache = PrefixCache(CacheConfig(block_size=bs, device_blocks=16, device="cpu"), namespace,
+                        events=sink)  # fmt: skip
+    decoder = msgspec.msgpack.Decoder(vllm_events.KVEventBatch)
+    with zmq.Context() as ctx, ctx.socket(zmq.SUB) as sub:
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, config.topic.encode())
+        sub.connect(pub.endpoint)
+        assert sub.poll(5000), "no heartbeat"  # subscribed: nothing after this is missed
+        frames = [sub.recv_multipart()]
+        _events_workload(cache, bs)
+        deadline = time.monotonic() + 10
+        while pub.published_events < sink.count and time.monotonic() < deadline:
+            time.sleep(0.01)
+        last = pub.last_seq
+        while int.from_bytes(frames[-1][1], "big") < last:
+            assert sub.poll(5000), "a batch is missing"
+            frames.append(sub.recv_multipart())
+        pub.close()
+    seqs = [int.from_bytes(seq, "big") for _, seq, _ in frames]
+    assert seqs == list(range(seqs[0], seqs[-1] + 1))  # none lost
+    batches = [decoder.decode(payload) for _, _, payload in frames]
+    evicted = cache.metrics.get("evicted_blocks_total")
+    assert evicted > 0
+    truth = {key for event in cache.snapshot_events() for key in event.block_hashes}
+    assert len(truth) == len(cache.index.all_block_ids())
+    assert _vllm_block_set(batches) == truth
+    events = [event for batch in batches for event in batch.events]
+    stored = [e for e in events if isinstance(e, vllm_events.BlockStored)]
+    removed = [e for e in events if isinstance(e, vllm_events.BlockRemoved)]
+    assert len(stored) + len(removed) == sink.count
+    assert sum(len(e.block_hashes) for e in removed) == evicted
+    assert {b.data_parallel_rank for b in batches} == {0}
+    assert {e.medium for e in stored + removed} == {"CPU"}
+    assert {e.block_size for e in stored} == {bs}
+    for e in stored:
+        assert len(e.token_ids) == bs * len(e.block_hashes)
+        assert all(isinstance(h, bytes) and len(h) == 16 for h in e.block_hashes)
+        assert (e.lora_id, e.lora_name, e.extra_keys, e.group_idx) == (None, None, None, None)
+
+
+def test_kv_events_encode_byte_for_byte_as_vllm_and_decode_vllms_batches():
+    h = [bytes([i]) * 16 for i in range(3)]
+    ours = [
+        AllBlocksCleared(),
+        BlockStored(h[:2], None, list(range(8)), 4),
+        BlockStored(h[2:], h[1], list(range(4)), 4),
+        BlockRemoved(h[1:]),
+    ]
+    theirs = vllm_events.KVEventBatch(
+        ts=12.5,
+        events=[
+            vllm_events.AllBlocksCleared(),
+            vllm_events.BlockStored(block_hashes=h[:2], parent_block_hash=None,
+                                    token_ids=list(range(8)), block_size=4, lora_id=None,
+                                    medium="GPU", lora_name=None),
+            vllm_events.BlockStored(block_hashes=h[2:], parent_block_hash=h[1],
+                                    token_ids=list(range(4)), block_size=4, lora_id=None,
+                                    medium="GPU", lora_name=None),
+            vllm_events.BlockRemoved(block_hashes=h[1:], medium="GPU"),
+        ],
+        data_parallel_rank=0,
+    )  # fmt: skip
+    payload = msgspec.msgpack.encode(theirs)
+    assert encode_batch(12.5, ours, "GPU") == payload
+    assert decode_batch(payload) == (12.5, ours)
+    assert msgspec.msgpack.Decoder(vllm_events.KVEventBatch).decode(payload) == theirs
+
+
+def test_kv_events_subscriber_follows_vllms_own_publisher():
+    """The other way round: kvstore's EventSubscriber indexes a vLLM replica (its replay
+    socket's framing, its batches), started late, through replay and then the stream."""
+    ports = []
+    for _ in range(2):
+        with zmq.Context() as ctx, ctx.socket(zmq.PUB) as probe:
+            ports.append(probe.bind_to_random_port("tcp://127.0.0.1"))
+    publisher = vllm_events.ZmqEventPublisher(
+        0, endpoint=f"tcp://*:{ports[0]}", replay_endpoint=f"tcp://*:{ports[1]}", topic="kv"
+    )
+    h = [bytes([i]) * 32 for i in range(4)]  # vLLM's block hashes are sha256-sized
+
+    def publish(*events) -> None:
+        publisher.publish(vllm_events.KVEventBatch(ts=time.time(), events=list(events)))
+
+    def stored(hashes, parent):
+        return vllm_events.BlockStored(block_hashes=hashes, parent_block_hash=parent,
+                                       token_ids=[1] * 16 * len(hashes), block_size=16,
+                                       lora_id=None, medium="GPU", lora_name=None)  # fmt: skip
+
+    publish(stored(h[:2], None))
+    publish(stored(h[2:], h[1]))
+    publish(vllm_events.BlockRemoved(block_hashes=[h[3]], medium="GPU"))
+    time.sleep(0.3)  # its thread sends them: the subscriber comes after, and replays them
+    sub = EventSubscriber(f"tcp://127.0.0.1:{ports[0]}", f"tcp://127.0.0.1:{ports[1]}",
+                          topic="kv", replay_timeout_s=0.5, retry_s=0.05).start()  # fmt: skip
+    try:
+        deadline = time.monotonic() + 10
+        while not (sub.synced and sub.last_seq == 2) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sub.blocks.blocks == set(h[:3]) and sub.replays == 1
+        time.sleep(0.2)  # the SUB connection is up: what follows comes by the stream
+        publish(vllm_events.BlockRemoved(block_hashes=[h[2]], medium="GPU"))
+        while sub.last_seq < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sub.blocks.blocks == set(h[:2])
+        assert (sub.gaps, sub.restarts, sub.bad_batches, sub.replays) == (0, 0, 0, 1)
+    finally:
+        sub.close()
+        publisher.shutdown()

@@ -133,7 +133,24 @@ def test_a_full_queue_refuses_and_cancel_frees_a_slot(engine):
     with pytest.raises(RequestCancelled):
         gate.job.future.result(30)
     assert late.future.result(30).prompt_tokens == 2
-    assert engine.queue_stats() == (0, 0, {})
+    assert engine.queue_stats() == (0, 0, {}, 0, 0)
+
+
+def test_the_queue_reports_the_tokens_it_must_prefill_beyond_cached_prefixes(engine):
+    """What a router weighs: a waiting prompt counts only past the prefix its replica held
+    when it was queued; a running request counts the K/V it holds."""
+    from engine_helpers import BLOCK_SIZE
+
+    prompt = [(7 * i + 3) % 256 for i in range(4 * BLOCK_SIZE + 2)]
+    engine.generate([prompt], SamplingParams(max_new_tokens=1))  # its 4 whole blocks cached
+    gate = Gate(engine)
+    engine.add_request(Request(prompt, one_token(), tenant="x"))
+    engine.add_request(Request([9] * 10, one_token(), tenant="x"))
+    stats = engine.queue_stats()
+    assert stats.queued_tokens == (len(prompt) - 4 * BLOCK_SIZE) + 10
+    assert stats.running_tokens == gate.job.state.num_computed > 0
+    gate.open()
+    gate.job.future.result(30)
 
 
 def test_server_metrics_observe_finished_requests(engine):
