@@ -293,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _register_more() -> None:
     """Commands defined in their own modules register on import."""
-    import engine.admin  # noqa: F401
+    import engine.admin
+    import engine.router.command  # noqa: F401
 
 
 _register_more()

@@ -319,6 +319,21 @@ def _load_local(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, Any]:
     return model, tokenizer
 
 
+def load_tokenizer_of(name_or_path: str) -> Any:
+    """The tokenizer `load_model(name_or_path)` would load, without the weights (a router
+    renders prompts as its replicas do)."""
+    if name_or_path == TINY_NAME:
+        return byte_tokenizer()
+    if (converted := gguf_model_dir(name_or_path)) is not None:
+        return load_tokenizer(converted[0])
+    if Path(name_or_path).is_dir():
+        return load_tokenizer(Path(name_or_path))
+    names = ", ".join([TINY_NAME, *BUILTINS])
+    raise ModelLoadError(
+        f"{name_or_path!r} is not a model: use {names}, a .gguf file or a model directory"
+    )
+
+
 def load_model(
     name_or_path: str,
     dtype: str | torch.dtype = torch.float32,

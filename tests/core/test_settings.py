@@ -109,5 +109,16 @@ def test_every_flag_deploy_md_documents_is_a_flag_of_kvstore_serve():
     flags = {o for a in serve._actions for o in a.option_strings}
     deploy = (ROOT / "docs" / "DEPLOY.md").read_text()
     section = deploy.split("## `kvstore serve`")[1].split("\n## ")[0]
-    assert len(documented_flags(section)) == 17  # model flags and the server's own
+    assert len(documented_flags(section)) == 19  # model flags and the server's own
     assert documented_flags(section) - flags == set()
+
+
+def test_every_flag_deploy_md_documents_is_a_flag_of_kvstore_router():
+    from engine.cli import build_parser
+
+    router = build_parser()._subparsers._group_actions[0].choices["router"]
+    flags = {o for a in router._actions for o in a.option_strings} - {"-h", "--help"}
+    deploy = (ROOT / "docs" / "DEPLOY.md").read_text()
+    section = deploy.split("## A fleet behind `kvstore router`")[1].split("\n## ")[0]
+    cells = [line.split("|")[1] for line in section.splitlines() if line.startswith("| `--")]
+    assert documented_flags(" ".join(cells)) == flags  # its table: every flag, nothing else

@@ -29,6 +29,7 @@ from server_helpers import (
 
 from bench.__main__ import BENCHMARKS
 from engine.cli import build_parser, config_from_args
+from engine.router.config import router_config_from_args
 from engine.server.config import server_config_from_args
 from kvstore.adapters.blocks import config_from_settings
 
@@ -57,7 +58,10 @@ def test_every_compose_command_and_flag_parses(compose, monkeypatch):
     seen = set()
     for name, service in compose.services.items():
         command = compose.command(name)
-        if command[0] == "kvstore":
+        if command[:2] == ["kvstore", "router"]:
+            config = router_config_from_args(parse_kvstore(command), compose.environment(name))
+            assert config.replicas == tuple(f"http://{e}:8000" for e in ENGINES)
+        elif command[0] == "kvstore":
             kvstore_config(command, compose.environment(name), monkeypatch)  # values valid too
             server_config_from_args(parse_kvstore(command), compose.environment(name))
         elif command[:3] == ["python", "-m", "bench"]:
@@ -72,8 +76,8 @@ def test_every_compose_command_and_flag_parses(compose, monkeypatch):
             assert "healthcheck" in service
         seen.add(" ".join(command[:2] if command[0] != "python" else command[:4]))
     conf = "/usr/local/etc/redis/auth.conf"
-    assert seen == {"kvstore serve", "python -m bench serve", f"redis-server {conf}",
-                    "vllm", "lmcache", "sglang"}  # fmt: skip
+    assert seen == {"kvstore serve", "kvstore router", "python -m bench serve",
+                    f"redis-server {conf}", "vllm", "lmcache", "sglang"}  # fmt: skip
     assert compose.services["redis"]["configs"] == [{"source": "redis-auth", "target": conf}]
     assert compose.services["bench"]["profiles"] == ["bench"]
 
@@ -164,14 +168,24 @@ def test_no_secret_is_on_a_command_line(monkeypatch):
         assert (config.redis_url, config.secret) == ("redis://:redis-pw-1@redis:6379/0", "secret-2")
         assert compose.environment(name)["KVSTORE_API_KEY"] == "sk-key-3"
     assert compose.environment("bench")["KVSTORE_API_KEY"] == "sk-key-3"
+    router = router_config_from_args(parse_kvstore(compose.command("router")),
+                                     compose.environment("router"))  # fmt: skip
+    assert dict(router.api_keys) == {"sk-key-3": "default"} and router.secret == "secret-2"
 
 
 def test_the_image_is_built_once_and_reused(compose):
     services = compose.services
     built = [name for name, s in services.items() if "build" in s and name not in STACKS]
     assert built == ["engine-a"]  # the stacks build their own images (Dockerfile.stack)
-    assert {services[name]["image"] for name in (*ENGINES, "bench")} == {"kvstore:latest"}
-    assert [services[name].get("pull_policy") for name in ("engine-b", "bench")] == ["never"] * 2
+    reusing = ("engine-b", "router", "bench")
+    assert {services[name]["image"] for name in (*ENGINES, *reusing)} == {"kvstore:latest"}
+    assert [services[name].get("pull_policy") for name in reusing] == ["never"] * 3
+
+
+def test_only_the_router_is_published(compose):
+    published = {name: s["ports"] for name, s in compose.services.items()
+                 if "ports" in s and name not in STACKS}  # fmt: skip
+    assert published == {"router": ["127.0.0.1:8000:8000"]}
 
 
 def loopback_engine(compose, name, model_dir, redis_port, log_dir) -> ServerProcess:
@@ -179,7 +193,8 @@ def loopback_engine(compose, name, model_dir, redis_port, log_dir) -> ServerProc
     command = compose.command(name)
     port = free_port()
     for flag, value in [("--host", "127.0.0.1"), ("--port", str(port)),
-                        ("--model", str(model_dir))]:  # fmt: skip
+                        ("--model", str(model_dir)), ("--kv-events-port", str(free_port())),
+                        ("--kv-events-replay-port", str(free_port()))]:  # fmt: skip
         command = replace_flag(command, flag, value)
     env = compose.environment(name)
     env["KVSTORE_REDIS_URL"] = env["KVSTORE_REDIS_URL"].replace(
@@ -217,7 +232,8 @@ def completion(server, key: str, prompt: list[int]) -> dict:
 
 
 @pytest.mark.integration
-def test_replica_b_hits_what_replica_a_wrote_through_to_redis(compose, replicas):
+def test_replica_b_hits_what_replica_a_wrote_through_to_redis(compose, replicas, model_dir,
+                                                              tmp_path):  # fmt: skip
     _, a, b = replicas
     key = compose.environment("engine-a")["KVSTORE_API_KEY"]
     block = int(flag_value(compose.command("engine-a"), "--block-size"))
@@ -236,16 +252,36 @@ def test_replica_b_hits_what_replica_a_wrote_through_to_redis(compose, replicas)
     assert metrics['kvstore_store_hits_total{tier="redis"}'] == 6
     assert metrics["kvstore_promoted_blocks_total"] == 6
     assert metrics['kvstore_tier_breaker_state{state="closed",tier="redis"}'] == 1
-    run_compose_bench(compose, a, b, key)
+    router = loopback_router(compose, model_dir, a, b, tmp_path)
+    try:
+        run_compose_bench(compose, router, key)
+        rows = httpx.get(f"{router.url}/health", timeout=10).json()["replicas"]
+        assert sum(r["routed"] for r in rows) == 8
+        assert [r["events"] for r in rows] == ["fresh", "fresh"]  # both publish their events
+    finally:
+        router.stop()
 
 
-def run_compose_bench(compose, a, b, key) -> None:
-    """The compose bench command against both replicas, shortened to 8 requests."""
+def loopback_router(compose, model_dir, a, b, log_dir) -> ServerProcess:
+    """The compose router command on loopback, in front of the two loopback engines."""
+    command, port = compose.command("router"), free_port()
+    for flag, value in [("--host", "127.0.0.1"), ("--port", str(port)),
+                        ("--model", str(model_dir))]:  # fmt: skip
+        command = replace_flag(command, flag, value)
+    urls = iter([a.url, b.url])
+    command = [next(urls) if c.startswith("http://engine-") else c for c in command]
+    env = clean_env(**compose.environment("router"))
+    proc = ServerProcess([kvstore_script(), *command[1:]], port, log_dir / "router.log", env,
+                         "kvstore router")  # fmt: skip
+    return proc.start().wait_ready()
+
+
+def run_compose_bench(compose, router, key) -> None:
+    """The compose bench command through the router, shortened to 8 requests."""
     command = compose.command("bench")
     command = replace_flag(command, "--requests", "8")
     command = replace_flag(command, "--concurrency", "2")
-    urls = iter([a.url, b.url])
-    command = [next(urls) if c.startswith("http://engine-") else c for c in command]
+    command = [router.url if c == "http://router:8000" else c for c in command]
     env = compose.environment("bench")
     assert env["KVSTORE_API_KEY"] == key
     out = subprocess.run([sys.executable, *command[1:], "--json"], capture_output=True,
@@ -255,4 +291,4 @@ def run_compose_bench(compose, a, b, key) -> None:
     workload = importlib.import_module("bench.serve").build_workload("multiturn", [], 8)
     assert (report["requests"], report["errors"]) == (8, 0)
     assert report["prompt_tokens"] == sum(len(r.token_ids) for r in workload)
-    assert report["per_url"][a.url]["requests"] == report["per_url"][b.url]["requests"] == 4
+    assert report["per_url"][router.url]["requests"] == 8

@@ -1,0 +1,1 @@
+"""`kvstore router`: the fleet's one endpoint, routing by the replicas' own KV events."""

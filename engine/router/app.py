@@ -1,0 +1,261 @@
+"""`kvstore router`: one OpenAI-compatible endpoint in front of `kvstore serve` replicas.
+
+Routes: POST /v1/completions and /v1/chat/completions (forwarded; streams pass through as
+they arrive), GET /v1/models, GET /health, GET /metrics. A request is authenticated and
+validated here (a bad one never reaches a replica), rendered to token ids as the replicas
+render it, and sent to the replica `Fleet.choose` picks. Until the client has its first
+byte, a replica that fails is dropped and the request goes to the next one, so a dying
+replica loses no request; a stream it breaks later ends with an error event.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import httpx
+from fastapi import FastAPI
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from engine.router.config import SESSION_HEADER, RouterConfig
+from engine.router.fleet import Fleet, NoReplicaError, Replica
+from engine.router.metrics import RouterMetrics
+from engine.server import protocol as p
+from engine.server.auth import Authenticator, AuthError, CacheSaltError, request_salt
+from engine.server.prompts import prompt_ids
+from engine.server.service import SSE_HEADERS, read_json
+
+MAX_SESSIONS = 100_000  # session ids whose replica is remembered
+FORWARDED = ("authorization", "content-type", "accept")
+REPLICA_HEADER = "x-kvstore-replica"  # on every forwarded answer: the replica that served it
+
+
+class Retry(Exception):
+    """The replica failed before the client got a byte: try another."""
+
+
+class Busy(Exception):
+    """The replica's queue is full (429): try another; `response` if none can take it."""
+
+    def __init__(self, response: Response):
+        super().__init__("queue full")
+        self.response = response
+
+
+class ClosingStream(StreamingResponse):
+    """A relayed stream whose upstream is closed however it ends, a client that went away
+    included (the replica then cancels the request)."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()
+
+
+class Router:
+    """Auth, tokenization, replica choice and forwarding."""
+
+    def __init__(self, config: RouterConfig, tokenizer: Any):
+        self.config, self.tokenizer = config, tokenizer
+        self.fleet = Fleet(config)
+        self.auth = Authenticator(config.api_keys, config.secret_bytes)
+        self.metrics = RouterMetrics(self.fleet)
+        self.sessions: OrderedDict[str, Replica] = OrderedDict()
+        timeout = httpx.Timeout(config.connect_timeout_s, read=None, write=30.0, pool=None)
+        # idle connections close before the replicas' own 5 s keep-alive could close them
+        # under a request (which would read as a failed replica)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64,
+                              keepalive_expiry=2.0)  # fmt: skip
+        self.client = httpx.AsyncClient(timeout=timeout, limits=limits)
+
+    def authenticate(self, request: Request) -> str | None:
+        try:
+            return self.auth.tenant(request.headers.get("authorization"))
+        except AuthError as e:
+            error = p.ApiError(401, str(e), type="authentication_error", code="invalid_api_key")
+            raise error from None
+
+    async def handle(self, request: Request, kind: str) -> Response:
+        tenant = self.authenticate(request)
+        data = await read_json(request, self.config.max_body_bytes)
+        req = p.parse_body(p.CompletionRequest if kind == "completion" else p.ChatRequest, data)
+        try:
+            salt = request_salt(self.auth.salt(tenant), req.cache_salt)
+        except CacheSaltError as e:
+            raise p.bad_request(str(e), "cache_salt") from None
+        ids = await run_in_threadpool(prompt_ids, self.tokenizer, req)
+        path = "/v1/completions" if kind == "completion" else "/v1/chat/completions"
+        body = json.dumps(data).encode()
+        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED}
+        session = request.headers.get(SESSION_HEADER)
+        tried: list[Replica] = []
+        busy: Response | None = None  # the last 429: answered if every replica is full
+        while True:
+            try:
+                replica = self._pick(ids, salt, session, tried)
+            except p.ApiError:
+                if busy is None:
+                    raise
+                return busy
+            try:
+                return await self._send(replica, path, body, headers, bool(req.stream))
+            except Retry as e:
+                self.fleet.dead(replica, str(e))
+                self.metrics.retries.inc()
+                tried.append(replica)
+            except Busy as e:
+                busy = e.response
+                tried.append(replica)
+
+    def _pick(self, ids: list[int], salt: str, session: str | None, tried: list) -> Replica:
+        pinned = self.sessions.get(session) if session else None
+        if pinned is not None and pinned.alive and pinned not in tried:
+            self.sessions.move_to_end(session)
+            self.fleet.counts["session"] += 1
+            self.fleet.sent(pinned, len(ids))
+            return pinned
+        try:
+            replica, choice = self.fleet.choose(ids, salt, tried)
+        except NoReplicaError as e:
+            raise p.ApiError(503, f"{e}: retry later", type="server_error") from None
+        except ValueError as e:  # token ids out of range: the replica would say the same
+            raise p.bad_request(str(e), "prompt") from None
+        cached = choice.num_cached_tokens if choice is not None else 0
+        self.metrics.predicted_cached.inc(cached)
+        self.fleet.sent(replica, len(ids) - cached)
+        if session:
+            self.sessions[session] = replica
+            if len(self.sessions) > MAX_SESSIONS:
+                self.sessions.popitem(last=False)
+        return replica
+
+    async def _send(
+        self, replica: Replica, path: str, body: bytes, headers: dict, stream: bool
+    ) -> Response:
+        request = self.client.build_request("POST", replica.url + path, content=body,
+                                            headers=headers)  # fmt: skip
+        try:
+            upstream = await self.client.send(request, stream=True)
+        except httpx.HTTPError as e:
+            raise Retry(f"{type(e).__name__} on connect") from None
+        if upstream.status_code == 503:  # closing or its engine died: another may serve it
+            await upstream.aclose()
+            raise Retry("answered 503")
+        whole = not stream or upstream.status_code != 200  # read it all before answering
+        chunks = upstream.aiter_raw()
+        try:
+            first = await anext(chunks, b"")
+            if whole:
+                first += b"".join([c async for c in chunks])
+        except BaseException as e:  # cancelled too: the connection is closed either way
+            with anyio.CancelScope(shield=True):
+                await upstream.aclose()
+            if isinstance(e, httpx.HTTPError):
+                raise Retry(f"{type(e).__name__} before the first byte") from None
+            raise
+        if whole:
+            await upstream.aclose()
+        where = {REPLICA_HEADER: replica.url}
+        media = upstream.headers.get("content-type", "application/json")
+        if upstream.status_code == 429:  # its queue is full: another replica may take it
+            retry_after = upstream.headers.get("retry-after", "1")
+            headers = where | {"Retry-After": retry_after}
+            raise Busy(Response(first, 429, headers=headers, media_type=media))
+        if whole:
+            return Response(first, upstream.status_code, headers=where, media_type=media)
+        relay = self._relay(replica, upstream, first, chunks)
+        return ClosingStream(relay, media_type=media, headers=SSE_HEADERS | where)
+
+    async def _relay(
+        self, replica: Replica, upstream: httpx.Response, first: bytes, chunks: AsyncIterator
+    ) -> AsyncIterator[bytes]:
+        """The stream as it arrives; a replica that breaks it mid-way ends it with an error
+        event (the client has part of an answer: it cannot be retried transparently)."""
+        try:
+            yield first
+            async for chunk in chunks:
+                yield chunk
+        except httpx.HTTPError as e:
+            self.fleet.dead(replica, f"{type(e).__name__} mid-stream")
+            self.metrics.broken_streams.inc()
+            message = f"replica {replica.url} failed mid-answer ({type(e).__name__}); retry"
+            error = {"error": {"message": message, "type": "server_error", "code": None}}
+            yield f"data: {json.dumps(error)}\n\n".encode()
+        finally:
+            await upstream.aclose()
+
+    async def models(self, request: Request) -> Response:
+        self.authenticate(request)
+        for replica in self.fleet.replicas:
+            if replica.alive:
+                headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED}
+                try:
+                    answer = await self.client.get(replica.url + "/v1/models", headers=headers)
+                except httpx.HTTPError:
+                    continue
+                return Response(answer.content, answer.status_code, media_type="application/json")
+        raise p.ApiError(503, "no replica is up: retry later", type="server_error")
+
+    def health(self) -> JSONResponse:
+        replicas = [self.metrics.describe(r) for r in self.fleet.replicas]
+        ok = any(r.alive for r in self.fleet.replicas)
+        body = {"status": "ok" if ok else "unavailable", "policy": self.config.policy}
+        return JSONResponse(body | {"replicas": replicas}, status_code=200 if ok else 503)
+
+    async def close(self) -> None:
+        await self.fleet.close()
+        await self.client.aclose()
+
+
+def create_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
+    router = Router(config, tokenizer)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await router.fleet.start()
+        yield
+        await router.close()
+
+    app = FastAPI(title="kvstore router", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.router = router
+
+    @app.exception_handler(p.ApiError)
+    async def api_error(request: Request, error: p.ApiError) -> JSONResponse:
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+        message = f"{request.method} {request.url.path}: {error.detail}"
+        return await api_error(request, p.ApiError(error.status_code, message, type=kind))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await router.handle(request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await router.handle(request, "chat")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await router.models(request)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        return router.health()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(router.metrics.render(), media_type=router.metrics.content_type)
+
+    return app

@@ -1,0 +1,147 @@
+"""RouterConfig: `kvstore router`'s settings, and its flags (standard library only, so a flag
+error is reported before anything heavy loads)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from engine.server.config import (
+    API_KEY_ENV,
+    DEFAULT_TENANT,
+    check_api_key,
+    load_api_keys,
+)
+from hashing import DEFAULT_SECRET
+from kvstore.config import ConfigError
+from kvstore.routing import RoutingConfig
+
+POLICIES = ("kv", "round-robin")
+SESSION_HEADER = "x-session-id"
+SECRET_ENV = "KVSTORE_SECRET"  # the replicas' secret: the router derives tenant salts as they do
+
+
+def _check_positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(name, f"must be a number > 0, got {value!r}")
+
+
+def check_replica_url(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
+        raise ConfigError("replica", f"expected http://HOST:PORT, got {url!r}")
+    return url.rstrip("/")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Settings of `kvstore router`: the replicas it fronts and how it picks one."""
+
+    replicas: tuple[str, ...]
+    host: str = "127.0.0.1"
+    port: int = 8000
+    policy: str = "kv"  # "round-robin": the baseline bench fleet compares against
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    api_keys: Mapping[str, str] = field(default_factory=dict, repr=False)  # key -> tenant
+    health_interval_s: float = 0.1  # how often each replica's load and liveness are read
+    stale_after_s: float = 3.0  # events older than this: route by load alone
+    connect_timeout_s: float = 2.0
+    max_body_bytes: int = 4 << 20
+    log_level: str = "info"
+    secret: str = field(default="", repr=False)  # KVSTORE_SECRET: derives tenants' salts
+
+    def __post_init__(self) -> None:
+        if not self.replicas:
+            raise ConfigError("replica", "give at least one --replica http://HOST:PORT")
+        if len(set(self.replicas)) != len(self.replicas):
+            raise ConfigError("replica", "each replica once")
+        for url in self.replicas:
+            check_replica_url(url)
+        if self.policy not in POLICIES:
+            raise ConfigError("policy", f"choose from {POLICIES}, got {self.policy!r}")
+        if isinstance(self.port, bool) or not isinstance(self.port, int):
+            raise ConfigError("port", f"must be an int, got {self.port!r}")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError("port", f"must be 0..65535, got {self.port}")
+        for name in ("health_interval_s", "stale_after_s", "connect_timeout_s"):
+            _check_positive(name, getattr(self, name))
+        for key in self.api_keys:
+            check_api_key(key)
+
+    @property
+    def auth_enabled(self) -> bool:
+        return bool(self.api_keys)
+
+    @property
+    def secret_bytes(self) -> bytes:
+        return self.secret.encode() if self.secret else DEFAULT_SECRET
+
+
+def add_router_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = RoutingConfig()
+    parser.add_argument(
+        "--replica",
+        action="append",
+        required=True,
+        metavar="URL",
+        help="a `kvstore serve` replica, http://HOST:PORT (repeat for each); replicas that "
+        "publish KV events (--kv-events-port) are routed by their cache",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0: all)")
+    parser.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    parser.add_argument(
+        "--policy", default="kv", choices=POLICIES, help="kv (default) or round-robin"
+    )
+    parser.add_argument(
+        "--prefill-weight",
+        type=float,
+        default=defaults.prefill_weight,
+        help="cost per token to prefill there: the request's uncached tokens and the "
+        f"replica's queued ones (default {defaults.prefill_weight})",
+    )
+    parser.add_argument(
+        "--decode-weight",
+        type=float,
+        default=defaults.decode_weight,
+        help="cost per token of KV held by the replica's running requests "
+        f"(default {defaults.decode_weight})",
+    )
+    parser.add_argument(
+        "--stale-after-s",
+        type=float,
+        default=3.0,
+        help="a replica's events older than this: route by load alone (default 3)",
+    )
+    parser.add_argument("--api-key", default=None, help=f"API key (default: ${API_KEY_ENV})")
+    parser.add_argument("--api-keys-file", default=None, help='JSON {"key": "tenant", ...}')
+    parser.add_argument("--log-level", default="info", help="uvicorn's and kvstore's level")
+
+
+def router_config_from_args(
+    args: argparse.Namespace, env: Mapping[str, str] | None = None
+) -> RouterConfig:
+    env = os.environ if env is None else env
+    keys: dict[str, str] = {}
+    if args.api_keys_file:
+        keys.update(load_api_keys(args.api_keys_file))
+    single = args.api_key if args.api_key is not None else env.get(API_KEY_ENV)
+    if single:
+        keys[check_api_key(single)] = DEFAULT_TENANT
+    try:
+        routing = RoutingConfig(args.prefill_weight, args.decode_weight)
+    except ValueError as e:
+        raise ConfigError("routing", str(e)) from None
+    return RouterConfig(
+        replicas=tuple(check_replica_url(u) for u in args.replica),
+        host=args.host,
+        port=args.port,
+        policy=args.policy,
+        routing=routing,
+        api_keys=keys,
+        stale_after_s=args.stale_after_s,
+        log_level=args.log_level,
+        secret=env.get(SECRET_ENV, ""),
+    )

@@ -1,0 +1,215 @@
+"""The router's view of its replicas: liveness and load from each one's /health, blocks from
+each one's KV events, and the choice of a replica for a request (kvstore/routing.py).
+
+A replica's load is what it last reported plus the prompt tokens the router sent it since
+that report was asked for (so a burst of requests between two reports does not all land on
+the replica that looked idle).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import httpx
+
+from engine.router.config import RouterConfig
+from hashing import BlockHash, BlockHasher, Namespace, as_token_array, combine_salts
+from kvstore.events import BlockSet
+from kvstore.routing import ReplicaLoad, RouteChoice, choose_replica
+
+log = logging.getLogger("kvstore.router")
+MAX_HASHERS = 1024  # salts whose hashers are kept
+DOWN_AFTER_FAILURES = 2  # failed health reads in a row before a replica is dropped
+
+
+@dataclass(eq=False)
+class Replica:
+    """One replica as the router knows it."""
+
+    url: str
+    alive: bool = False
+    reported: ReplicaLoad = field(default_factory=ReplicaLoad)
+    sent: list[tuple[float, int]] = field(default_factory=list)  # (monotonic, tokens) unseen
+    routed: int = 0
+    failures: int = 0
+    info: dict | None = None  # /health's "cache": block size, namespace, events ports
+    events: object | None = None  # its EventSubscriber, when it publishes events
+
+    @property
+    def host(self) -> str:
+        return urlsplit(self.url).hostname or "127.0.0.1"
+
+    def load(self) -> ReplicaLoad:
+        extra = sum(tokens for _, tokens in self.sent)
+        queued = self.reported.queued_tokens + extra
+        return ReplicaLoad(queued, self.reported.running_tokens, self.routed)
+
+    def report(self, asked_at: float, body: dict) -> None:
+        """A /health answer to a read sent at `asked_at` (monotonic); TypeError or ValueError
+        for a body that is not one."""
+        if not isinstance(body, dict):
+            raise TypeError(f"/health answered {type(body).__name__}, not an object")
+        queued, running = body.get("queued_tokens", 0), body.get("running_tokens", 0)
+        self.reported = ReplicaLoad(int(queued), int(running), self.routed)
+        self.sent = [(t, n) for t, n in self.sent if t >= asked_at]
+        self.alive, self.failures = body.get("status") == "ok", 0
+
+
+class Fleet:
+    """Replicas, their health loop, their events, and the routing decision."""
+
+    def __init__(self, config: RouterConfig):
+        self.config = config
+        self.replicas = [Replica(url) for url in config.replicas]
+        self._hashers: dict[str, BlockHasher] = {}
+        self._namespace: Namespace | None = None
+        self._next = 0  # round-robin position
+        self._client: httpx.AsyncClient | None = None
+        self._task: asyncio.Task | None = None
+        self.counts = {"fallback": 0, "kv": 0, "round_robin": 0, "session": 0}
+
+    # --- health ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        timeout = httpx.Timeout(self.config.connect_timeout_s)
+        self._client = httpx.AsyncClient(timeout=timeout)
+        await asyncio.gather(*(self._poll(r) for r in self.replicas))
+        self._task = asyncio.create_task(self._health_loop())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        for replica in self.replicas:
+            if replica.events is not None:
+                replica.events.close()
+        if self._client is not None:
+            await self._client.aclose()
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_interval_s)
+            await asyncio.gather(*(self._poll(r) for r in self.replicas))
+
+    async def _poll(self, replica: Replica) -> None:
+        asked_at = time.monotonic()
+        try:
+            response = await self._client.get(f"{replica.url}/health")
+            body = response.json()
+            replica.report(asked_at, body)
+        except Exception as e:  # whatever a replica answers, the loop goes on
+            self.failed(replica, f"health: {type(e).__name__}")
+            return
+        if replica.info is None and isinstance(body.get("cache"), dict):
+            self._attach(replica, body["cache"])
+
+    def failed(self, replica: Replica, why: str) -> None:
+        """A failed health read or request: dropped after DOWN_AFTER_FAILURES in a row."""
+        replica.failures += 1
+        if replica.alive and replica.failures >= DOWN_AFTER_FAILURES:
+            log.warning("replica %s is down (%s): dropped until it answers again", replica.url, why)
+            replica.alive = False
+
+    def dead(self, replica: Replica, why: str) -> None:
+        """A replica that refused a connection or broke one: dropped now."""
+        if replica.alive:
+            log.warning("replica %s is down (%s): dropped until it answers again", replica.url, why)
+        replica.alive, replica.failures = False, DOWN_AFTER_FAILURES
+
+    def _attach(self, replica: Replica, info: dict) -> None:
+        """Its namespace (all replicas must share one) and its event stream."""
+        replica.info = info  # read once: a mismatch below is logged once
+        try:
+            namespace = Namespace(**info["namespace"])
+        except (KeyError, TypeError, ValueError) as e:
+            log.error("replica %s: unreadable namespace (%s): while it is up, the fleet is "
+                      "routed by load only", replica.url, e)  # fmt: skip
+            return
+        if self._namespace is None:
+            self._namespace = namespace
+        elif namespace != self._namespace:
+            log.error("replica %s caches another namespace (model, dtype or block size) than "
+                      "the others: while it is up, the fleet is routed by load only",
+                      replica.url)  # fmt: skip
+            return
+        events = info.get("kv_events")
+        if events and self.config.policy == "kv":
+            replica.events = _subscribe(replica.host, events)
+
+    # --- routing -------------------------------------------------------------------------------
+
+    def hasher(self, salt: str) -> BlockHasher | None:
+        if self._namespace is None:
+            return None
+        hasher = self._hashers.get(salt)
+        if hasher is None:
+            ns = self._namespace
+            hasher = BlockHasher(ns.with_salt(combine_salts(ns.salt, salt)) if salt else ns)
+            if len(self._hashers) >= MAX_HASHERS:
+                self._hashers.pop(next(iter(self._hashers)))
+            self._hashers[salt] = hasher
+        return hasher
+
+    def keys(self, token_ids: list[int], salt: str) -> list[BlockHash]:
+        """Lookup keys of the prompt's whole blocks (a replica may use them all: it runs the
+        last token again for its logits). ValueError for ids that are not token ids."""
+        hasher = self.hasher(salt)
+        if hasher is None:
+            return []
+        return hasher.hash_blocks(as_token_array(token_ids))
+
+    def blocks(self, replica: Replica) -> BlockSet | None:
+        """Its blocks by its events; None (stale) when they cannot be trusted now."""
+        sub = replica.events
+        if sub is None or sub.stale(time.monotonic(), self.config.stale_after_s):
+            return None
+        return sub.blocks
+
+    def choose(
+        self, token_ids: list[int], salt: str, exclude: Sequence[Replica] = ()
+    ) -> tuple[Replica, RouteChoice | None]:
+        """The replica for a prompt among the live ones not in `exclude`."""
+        live = [i for i, r in enumerate(self.replicas) if r.alive and r not in exclude]
+        if not live:
+            raise NoReplicaError("no replica is up")
+        if self.config.policy == "round-robin":
+            self.counts["round_robin"] += 1
+            return self._round_robin(live), None
+        keys = self.keys(token_ids, salt)
+        blocks = [self.blocks(r) for r in self.replicas]
+        loads = [r.load() for r in self.replicas]
+        bs = self._namespace.block_size if self._namespace else 1
+        choice = choose_replica(keys, len(token_ids), bs, blocks, loads, self.config.routing, live)
+        self.counts["fallback" if choice.fallback else "kv"] += 1
+        return self.replicas[choice.replica], choice
+
+    def _round_robin(self, live: list[int]) -> Replica:
+        n = len(self.replicas)
+        for step in range(n):
+            i = (self._next + step) % n
+            if i in live:
+                self._next = i + 1
+                return self.replicas[i]
+        return self.replicas[live[0]]
+
+    def sent(self, replica: Replica, num_tokens: int) -> None:
+        replica.routed += 1
+        replica.sent.append((time.monotonic(), num_tokens))
+
+
+class NoReplicaError(RuntimeError):
+    """No live replica can take the request (answered with 503)."""
+
+
+def _subscribe(host: str, events: dict) -> object:
+    from engine.kv_events import EventSubscriber
+
+    endpoint = f"tcp://{host}:{events['port']}"
+    replay = f"tcp://{host}:{events['replay_port']}"
+    subscriber = EventSubscriber(endpoint, replay)
+    subscriber.start()
+    return subscriber

@@ -1,0 +1,262 @@
+"""`kvstore router` in front of real `kvstore serve` replicas that publish their KV events:
+it routes by the blocks the events say each replica holds, passes streams through, checks
+keys and bodies itself, and loses no request when a replica is SIGKILLed."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from server_helpers import (
+    ServerProcess,
+    clean_env,
+    free_port,
+    kvstore_script,
+    parse_metrics,
+    wait_for,
+)
+
+BLOCK = 4
+KEY = "sk-router-test"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+REPLICA = "x-kvstore-replica"
+
+
+def start_replica(model_dir: Path, log_dir: Path, name: str) -> ServerProcess:
+    port = free_port()
+    args = [kvstore_script(), "serve", "--model", str(model_dir), "--port", str(port),
+            "--block-size", str(BLOCK), "--device-blocks", "512", "--device", "cpu",
+            "--log-level", "warning", "--kv-events-port", str(free_port()),
+            "--kv-events-replay-port", str(free_port())]  # fmt: skip
+    env = clean_env(KVSTORE_API_KEY=KEY, OMP_NUM_THREADS="1")
+    return ServerProcess(args, port, log_dir / f"{name}.log", env)
+
+
+def start_router(model_dir: Path, log_dir: Path, urls: list[str], *extra: str) -> ServerProcess:
+    port = free_port()
+    replicas = [arg for url in urls for arg in ("--replica", url)]
+    args = [kvstore_script(), "router", "--model", str(model_dir), "--port", str(port),
+            "--log-level", "warning", *replicas, *extra]  # fmt: skip
+    env = clean_env(KVSTORE_API_KEY=KEY)
+    return ServerProcess(args, port, log_dir / "router.log", env, "kvstore router")
+
+
+@pytest.fixture(scope="module")
+def fleet(model_dir: Path, tmp_path_factory) -> Iterator[tuple[ServerProcess, list]]:
+    """Two replicas with events behind a kv router: (router, [replica 0, replica 1])."""
+    log_dir = tmp_path_factory.mktemp("router")
+    replicas = [start_replica(model_dir, log_dir, f"r{i}") for i in range(2)]
+    router = None
+    try:
+        for r in replicas:
+            r.start()
+        for r in replicas:
+            r.wait_ready()
+        router = start_router(model_dir, log_dir, [r.url for r in replicas]).start().wait_ready()
+        wait_for(lambda: all(r["events"] == "fresh" for r in health(router)["replicas"]))
+        yield router, replicas
+    finally:
+        for proc in [router, *replicas]:
+            if proc is not None:
+                proc.stop()
+
+
+def health(server: ServerProcess) -> dict:
+    return httpx.get(f"{server.url}/health", timeout=10).json()
+
+
+def chat(router: ServerProcess, messages: list[dict], **extra) -> httpx.Response:
+    body = {"messages": messages, "max_tokens": 6, "temperature": 0, "ignore_eos": True} | extra
+    return httpx.post(f"{router.url}/v1/chat/completions", json=body, headers=AUTH, timeout=120)
+
+
+def conversation(
+    seed: str, turns: int, router: ServerProcess, first: httpx.Response | None = None
+) -> list[httpx.Response]:
+    """A chat's turns in order, each with the history and the model's answers; after
+    `first` (the answer to a first user turn of `seed * 60`) when given."""
+    messages, out = [{"role": "system", "content": f"{seed} " * 40}], []
+    if first is not None:
+        answer = first.json()["choices"][0]["message"]["content"]
+        messages = [{"role": "user", "content": f"{seed} " * 60},
+                    {"role": "assistant", "content": answer}]  # fmt: skip
+    for t in range(turns):
+        messages.append({"role": "user", "content": f"question {t} about {seed}"})
+        response = chat(router, messages)
+        assert response.status_code == 200, response.text
+        out.append(response)
+        answer = response.json()["choices"][0]["message"]["content"]
+        messages.append({"role": "assistant", "content": answer})
+    return out
+
+
+def cached(response: httpx.Response) -> int:
+    return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def cached_blocks(replica: ServerProcess) -> float:
+    return replica.metrics()['kvstore_device_blocks{state="cached"}']
+
+
+@pytest.mark.integration
+def test_each_conversation_stays_where_its_history_is_cached(fleet):
+    router, replicas = fleet
+    alpha = conversation("alpha", 3, router)
+    (home,) = {r.headers[REPLICA] for r in alpha}  # every turn where its history is
+    other = next(r for r in replicas if r.url != home)
+    with busy(next(r for r in replicas if r.url == home), router):
+        beta = [chat(router, [{"role": "user", "content": "beta " * 60}])]
+    assert beta[0].headers[REPLICA] == other.url  # the busy replica's load outweighed overlap
+    beta += conversation("beta", 2, router, first=beta[0])
+    assert {r.headers[REPLICA] for r in beta} == {other.url}
+    for turns in (alpha, beta):
+        assert cached(turns[0]) == 0
+        for prev, resp in itertools.pairwise(turns):
+            # the previous prompt is a prefix of this one (the micro model's answers are
+            # random bytes, which need not survive re-encoding: past them nothing matches)
+            whole = prev.json()["usage"]["prompt_tokens"] // BLOCK * BLOCK
+            assert cached(resp) >= whole
+    # the router's index of each replica is the replica's own device index, block for block
+    for replica in replicas:
+        wait_for(lambda r=replica: indexed(router, r) == cached_blocks(r))
+        assert indexed(router, replica) > 0
+
+
+@contextlib.contextmanager
+def busy(replica: ServerProcess, router: ServerProcess) -> Iterator[None]:
+    """A long generation on `replica` (sent to it directly), until the router sees it."""
+    body = {"prompt": "x" * 200, "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{replica.url}/v1/completions", json=body, headers=AUTH,
+                      timeout=120) as response:  # fmt: skip
+        assert response.status_code == 200
+        rows = lambda: {r["url"]: r for r in health(router)["replicas"]}  # noqa: E731
+        wait_for(lambda: rows()[replica.url]["running_tokens"] > 1000)
+        yield  # leaving closes the stream: the replica cancels the request
+
+
+def indexed(router: ServerProcess, replica: ServerProcess) -> int:
+    rows = {r["url"]: r for r in health(router)["replicas"]}
+    return rows[replica.url]["indexed_blocks"]
+
+
+@pytest.mark.integration
+def test_streams_pass_through_chunk_by_chunk(fleet):
+    router, _ = fleet
+    body = {"messages": [{"role": "user", "content": "stream me"}], "max_tokens": 5,
+            "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    with httpx.stream("POST", f"{router.url}/v1/chat/completions", json=body, headers=AUTH,
+                      timeout=60) as response:  # fmt: skip
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    usage = json.loads(events[-2][len("data: ") :])["usage"]
+    assert usage["completion_tokens"] == 5
+    assert len(events) >= 5 + 2  # a chunk per token, the usage and [DONE]
+
+
+@pytest.mark.integration
+def test_keys_and_bodies_are_checked_at_the_router(fleet):
+    router, replicas = fleet
+    before = [r.metrics() for r in replicas]
+    no_key = httpx.post(f"{router.url}/v1/chat/completions", json={"messages": []}, timeout=30)
+    assert no_key.status_code == 401
+    assert no_key.json()["error"]["code"] == "invalid_api_key"
+    bad = httpx.post(f"{router.url}/v1/chat/completions", json={"messages": "hi"},
+                     headers=AUTH, timeout=30)  # fmt: skip
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+    salt = chat(router, [{"role": "user", "content": "x"}], cache_salt=7)
+    assert salt.status_code == 400 and salt.json()["error"]["param"] == "cache_salt"
+    assert [r.metrics() for r in replicas] == before  # none of them reached a replica
+    missing = httpx.get(f"{router.url}/v2/nothing", timeout=30)
+    assert missing.status_code == 404 and "error" in missing.json()
+
+
+@pytest.mark.integration
+def test_the_session_header_pins_a_conversation(fleet):
+    router, _ = fleet
+    homes = set()
+    headers = AUTH | {"X-Session-ID": "pinned"}
+    for i in range(4):  # unrelated prompts: without the header they would spread by load
+        body = {"messages": [{"role": "user", "content": f"unrelated prompt {i} " * 5}],
+                "max_tokens": 2, "temperature": 0}  # fmt: skip
+        response = httpx.post(f"{router.url}/v1/chat/completions", headers=headers, json=body,
+                              timeout=60)  # fmt: skip
+        assert response.status_code == 200
+        homes.add(response.headers[REPLICA])
+    assert len(homes) == 1
+
+
+@pytest.mark.integration
+def test_router_metrics_count_decisions_per_replica(fleet):
+    router, replicas = fleet
+    page = parse_metrics(httpx.get(f"{router.url}/metrics", timeout=10).text)
+    routed = sum(page[f'kvstore_router_routed_total{{replica="{r.url}"}}'] for r in replicas)
+    decisions = sum(v for k, v in page.items() if k.startswith("kvstore_router_decisions_total"))
+    assert routed == decisions > 0
+    assert page['kvstore_router_decisions_total{how="fallback"}'] == 0  # events were fresh
+    for r in replicas:
+        assert page[f'kvstore_router_replica_up{{replica="{r.url}"}}'] == 1.0
+
+
+@pytest.mark.integration
+def test_stale_events_make_the_router_route_by_load(fleet, model_dir, tmp_path):
+    """A second router that trusts no event older than 1 ms: every decision is by load."""
+    _, replicas = fleet
+    urls = [r.url for r in replicas]
+    router = start_router(model_dir, tmp_path, urls, "--stale-after-s", "0.001")
+    try:
+        router.start().wait_ready()
+        served = [chat(router, [{"role": "user", "content": "same prompt " * 8}]) for _ in range(4)]
+        assert [s.status_code for s in served] == [200] * 4
+        page = parse_metrics(httpx.get(f"{router.url}/metrics", timeout=10).text)
+        assert page['kvstore_router_decisions_total{how="fallback"}'] == 4
+        assert page['kvstore_router_decisions_total{how="kv"}'] == 0
+        assert {r["events"] for r in health(router)["replicas"]} == {"stale"}
+    finally:
+        router.stop()
+
+
+@pytest.mark.integration
+def test_a_killed_replica_loses_no_request(fleet):
+    """Last in this module (it kills a replica of the shared fleet): replica 0 is SIGKILLed;
+    every later request is answered by the other one, which the router keeps, and its
+    health shows the dead one down."""
+    router, replicas = fleet
+    first = chat(router, [{"role": "user", "content": "before the kill " * 4}])
+    victim = next(r for r in replicas if r.url == first.headers[REPLICA])
+    survivor = next(r for r in replicas if r is not victim)
+    victim.proc.kill()
+    victim.proc.wait()
+    for i in range(4):  # the first may try the dead one, and is retried
+        response = chat(router, [{"role": "user", "content": f"before the kill {i} " * 4}])
+        assert response.status_code == 200, response.text
+        assert response.headers[REPLICA] == survivor.url
+    rows = {r["url"]: r for r in health(router)["replicas"]}
+    assert rows[victim.url]["alive"] is False and rows[survivor.url]["alive"] is True
+    page = parse_metrics(httpx.get(f"{router.url}/metrics", timeout=10).text)
+    assert page["kvstore_router_retries_total"] <= 1  # at most the one that found it dead
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ([], "the following arguments are required: --replica"),
+        (["--replica", "engine-a:8000"], "replica: expected http://HOST:PORT"),
+        (["--replica", "http://a:1", "--replica", "http://a:1"], "replica: each replica once"),
+        (["--replica", "http://a:1", "--decode-weight", "-1"], "decode_weight must be"),
+        (["--replica", "http://a:1", "--policy", "random"], "invalid choice: 'random'"),
+    ],
+)
+def test_bad_router_flags_fail_in_one_line(args, message):
+    out = subprocess.run([kvstore_script(), "router", *args], capture_output=True, text=True,
+                         timeout=60, env=clean_env())  # fmt: skip
+    assert out.returncode == 2
+    assert message in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
