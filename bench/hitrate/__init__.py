@@ -17,8 +17,8 @@ Each capacity also gets the offline figures of `bench.hitrate.offline`:
 `offline_block_hit_rate` (Belady on the radix tree's leaves, an achievable reference), and each
 policy its ratio to both.
 
-`--tiers`, `--replicas`, `--route`, `--write-policy` and the cost flags plan capacity instead:
-tier hierarchies and replica fleets (`bench.hitrate.plan`).
+`--tiers`, `--replicas`, `--route`, `--write-policy`, the routing and the cost flags plan
+capacity instead: tier hierarchies and replica fleets (`bench.hitrate.plan`).
 """
 
 from __future__ import annotations

@@ -4,12 +4,16 @@
         --tiers device[:C],memory:C,lmdb:C,redis:C [--tiers ...]
         [--write-policy TIER=POLICY,...] [--replicas N,...] [--route ROUTE,...]
         [--prefill-ms-per-token MS --load-ms-per-block TIER=MS,...]
+        [--decode-ms-per-token MS] [--prefill-weight W] [--decode-weight W]
 
 Any of these flags switches `bench hitrate` to this mode (the policy then defaults to lru, the
 cache's default). Each `--tiers` is one hierarchy per replica, fastest first; a capacity is
 blocks or a percentage of the trace's unique blocks. A hierarchy without `device:C` takes
 each `--capacity-blocks` value as its device capacity. Every hierarchy runs with every
 policy, replica count and route (one replica: the first route only, all are the same).
+Every replica times its requests by the service model of `bench.hitrate.fleet` (prefill
+`--prefill-ms-per-token`, else its default, and `--decode-ms-per-token`); the `kv` route
+weighs that load against the cache with `--prefill-weight` and `--decode-weight`.
 
 Each result row keeps the plain mode's fields, with `capacity_blocks` the blocks of every
 tier of the fleet (a replica's private tiers times the replicas, plus the shared Redis) and
@@ -21,6 +25,7 @@ that many blocks and `optimal_block_hit_rate` still bounds the fleet's total hit
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -29,15 +34,36 @@ from tqdm import tqdm
 
 from bench.hitrate import parse_capacities, parse_policies, trace_summary
 from bench.hitrate.cost import CostModel, parse_assignments
-from bench.hitrate.fleet import ROUTES, FleetConfig, FleetResult, replay_fleet
+from bench.hitrate.fleet import (
+    ROUTES,
+    FleetConfig,
+    FleetResult,
+    ServiceModel,
+    check_route,
+    replay_fleet,
+)
 from bench.hitrate.keysets import LOWER_TIERS
 from bench.hitrate.offline import offline_leaf_hits, upper_bound_hits
 from bench.hitrate.tiers import TIERS, TierConfig
 from bench.traces import BlockTrace
+from kvstore.routing import RoutingConfig
 
 __all__ = ["add_arguments", "build_configs", "main", "requested", "run_plan"]
 
-FLAGS = ("tiers", "write_policy", "replicas", "route", "prefill_ms_per_token", "load_ms_per_block")
+FLAGS = (
+    "tiers",
+    "write_policy",
+    "replicas",
+    "route",
+    "prefill_ms_per_token",
+    "load_ms_per_block",
+    "decode_ms_per_token",
+    "prefill_weight",
+    "decode_weight",
+)
+KV_FLAGS = ("prefill_weight", "decode_weight")  # weights of the kv route only
+SERVICE = ServiceModel()
+ROUTING = RoutingConfig()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,6 +86,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--prefill-ms-per-token", type=float, metavar="MS", help="prefill cost")
     group.add_argument(
         "--load-ms-per-block", metavar="TIER=MS,...", help="load cost of a hit block per tier"
+    )
+    group.add_argument(
+        "--decode-ms-per-token",
+        type=float,
+        metavar="MS",
+        help="service time per output token (default "
+        f"{SERVICE.decode_ms_per_token:g}; traces carry no output lengths: outputs count 0)",
+    )
+    group.add_argument(
+        "--prefill-weight",
+        type=float,
+        metavar="W",
+        help=f"kv route: cost per token to prefill (default {ROUTING.prefill_weight:g})",
+    )
+    group.add_argument(
+        "--decode-weight",
+        type=float,
+        metavar="W",
+        help=f"kv route: cost per token of running requests (default {ROUTING.decode_weight:g})",
     )
 
 
@@ -107,8 +152,10 @@ def _int_list(text: str, flag: str) -> list[int]:
 def _routes(text: str | None) -> list[str]:
     routes = [s.strip() for s in (text or ROUTES[0]).split(",") if s.strip()]
     for route in routes:
-        if route not in ROUTES:
-            raise ValueError(f"--route: unknown route {route!r}; choose from {ROUTES}")
+        try:
+            check_route(route)
+        except ValueError as exc:
+            raise ValueError(f"--route: {exc}") from None
     if not routes:
         raise ValueError(f"--route expects routes among {ROUTES}")
     return list(dict.fromkeys(routes))
@@ -142,6 +189,33 @@ def _hierarchies(
     return out
 
 
+def _option(value: float | None, default: float) -> float:
+    return default if value is None else value
+
+
+def _service(args: argparse.Namespace) -> ServiceModel:
+    prefill = _option(args.prefill_ms_per_token, SERVICE.prefill_ms_per_token)
+    decode = _option(args.decode_ms_per_token, SERVICE.decode_ms_per_token)
+    try:
+        return ServiceModel(prefill, decode)
+    except ValueError as exc:
+        raise ValueError(f"--{str(exc).replace('_', '-')}") from None
+
+
+def _routing(args: argparse.Namespace, kv_used: bool) -> RoutingConfig:
+    given = [name for name in KV_FLAGS if getattr(args, name) is not None]
+    if given and not kv_used:
+        flag = "--" + given[0].replace("_", "-")
+        raise ValueError(f"{flag} weighs the kv route: add --route kv and --replicas N>1")
+    try:
+        return RoutingConfig(
+            _option(args.prefill_weight, ROUTING.prefill_weight),
+            _option(args.decode_weight, ROUTING.decode_weight),
+        )
+    except ValueError as exc:
+        raise ValueError(f"--{str(exc).replace('_', '-')}") from None
+
+
 def build_configs(
     args: argparse.Namespace, trace: BlockTrace, capacities: list[int]
 ) -> list[FleetConfig]:
@@ -152,6 +226,8 @@ def build_configs(
     policies = parse_policies(args.policy or "lru")
     replicas = _int_list(args.replicas or "1", "--replicas")
     routes = _routes(args.route)
+    routing = _routing(args, "kv" in routes and max(replicas) > 1)
+    service = _service(args)
     configs = []
     for device, spill in hierarchies:
         names = {name for name, _ in spill}
@@ -160,7 +236,8 @@ def build_configs(
         for policy in policies:
             for n in replicas:
                 configs += [
-                    FleetConfig(tiers, policy, n, r) for r in (routes if n > 1 else routes[:1])
+                    FleetConfig(tiers, policy, n, r, routing, service)
+                    for r in (routes if n > 1 else routes[:1])
                 ]
     return configs
 
@@ -187,6 +264,12 @@ def _rate(n: int, of: int) -> float:
 
 def _ratio(a: float, b: float) -> float | None:
     return round(a / b, 4) if b > 0 else None
+
+
+def _routed_max_to_mean(routed: list[int]) -> float | None:
+    """The busiest replica's requests over the mean (1.0: perfectly even)."""
+    total = sum(routed)
+    return round(max(routed) * len(routed) / total, 4) if total else None
 
 
 def result_row(
@@ -217,6 +300,10 @@ def result_row(
         "tier_block_hit_rate": {t: _rate(n, refs) for t, n in tier_hits.items()},
         "tier_token_hit_rate": {t: _rate(n * bt, tokens) for t, n in tier_hits.items()},
         "requests_per_replica": result.routed,
+        "routed_max_to_mean": _routed_max_to_mean(result.routed),
+        "est_queue_wait_s": round(result.mean_wait_ms / 1000.0, 4),
+        "service_model": dataclasses.asdict(config.service),
+        "routing": dataclasses.asdict(config.routing) if config.route == "kv" else None,
     }
     if cost is not None:
         r = trace.num_requests

@@ -30,11 +30,22 @@ def _has_cost(report: dict[str, Any]) -> bool:
     return "cost_model" in report
 
 
+def _has_fleet(report: dict[str, Any]) -> bool:
+    return any(r["replicas"] > 1 for r in report["results"])
+
+
 def columns(report: dict[str, Any]) -> list[str]:
     cols = ["tiers per replica (blocks)", "policy", "replicas", "route"]
     cols += [f"{t} hit" for t in _tiers_used(report)]
     cols += ["block hit", "token hit", "upper bound"]
-    return cols + (["est TTFT s", "no cache s"] if _has_cost(report) else [])
+    cols += ["est TTFT s", "no cache s"] if _has_cost(report) else []
+    return cols + (["requests per replica", "max/mean"] if _has_fleet(report) else [])
+
+
+def _routed(row: dict[str, Any]) -> list[str]:
+    ratio = row["routed_max_to_mean"]
+    per_replica = "/".join(f"{n:,}" for n in row["requests_per_replica"])
+    return [per_replica, "-" if ratio is None else f"{ratio:.2f}"]
 
 
 def rows(report: dict[str, Any]) -> list[list[str]]:
@@ -47,7 +58,7 @@ def rows(report: dict[str, Any]) -> list[list[str]]:
         cells.append(_pct(r["optimal_block_hit_rate"]))
         if _has_cost(report):
             cells += [f"{r['est_ttft_s']:.3f}", f"{r['est_ttft_nocache_s']:.3f}"]
-        out.append(cells)
+        out.append(cells + (_routed(r) if _has_fleet(report) else []))
     return out
 
 
@@ -61,6 +72,14 @@ def summary(report: dict[str, Any]) -> str:
         cost = report["cost_model"]
         loads = ", ".join(f"{t} {ms:g}" for t, ms in cost["load_ms_per_block"].items())
         text += f"; prefill {cost['prefill_ms_per_token']:g} ms/token, load ms/block: {loads}"
+    kv = next((r for r in report["results"] if r.get("routing")), None)
+    if kv is not None:
+        w, service = kv["routing"], kv["service_model"]
+        text += (
+            f"; kv route: prefill weight {w['prefill_weight']:g}, decode weight "
+            f"{w['decode_weight']:g}, service {service['prefill_ms_per_token']:g} ms per "
+            f"uncached prompt token + {service['decode_ms_per_token']:g} per output token"
+        )
     return text
 
 

@@ -36,6 +36,7 @@ import numpy as np
 from bench.hitrate.keysets import LOWER_TIERS, KeySet, make_keyset
 from bench.traces import BlockTrace
 from kvstore.config import WRITE_POLICIES, CacheConfig
+from kvstore.events import EventSink
 from kvstore.index import RadixIndex, TreeNode
 from kvstore.metrics import DEVICE_TIER
 from kvstore.policies import make_policy
@@ -143,7 +144,8 @@ def block_requests(trace: BlockTrace) -> Iterator[BlockRequest]:
 
 
 class Replica:
-    """One cache: a device index and its spill tiers (`shared` ones are other replicas' too)."""
+    """One cache: a device index and its spill tiers (`shared` ones are other replicas' too);
+    `events` gets the index's block events (kvstore.events), as a router would."""
 
     def __init__(
         self,
@@ -151,12 +153,13 @@ class Replica:
         policy: str | Policy,
         num_unique: int,
         shared: dict[str, KeySet] | None = None,
+        events: EventSink | None = None,
     ):
         if not isinstance(policy, str) and policy.entries():
             raise ValueError("a replica needs a fresh policy instance; this one has entries")
         capacity = config.device_blocks
         self.index = RadixIndex(
-            1, make_policy(policy, capacity) if isinstance(policy, str) else policy
+            1, make_policy(policy, capacity) if isinstance(policy, str) else policy, events
         )
         self.capacity = capacity
         shared = shared or {}
