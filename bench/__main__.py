@@ -19,6 +19,7 @@ BENCHMARKS = {
     "faults": "fault injection: corruption, collisions, outages, full disks, tenants, leaks",
     "serve": "load on `kvstore serve` replicas: client-side TTFT p50/p99 and reported hit rate",
     "load": "multi-turn chat at rising concurrency: kvstore serve vs transformers serve (CB)",
+    "fleet": "replicas behind kvstore router vs round-robin: TTFT, tiers, a replica killed",
 }
 
 

@@ -1,0 +1,166 @@
+"""A fleet live on loopback: `kvstore router` against round-robin in front of the same
+replicas, on a multi-session chat workload.
+
+    python -m bench fleet [--model tiny] [--replicas 3] [--sessions 12] [--turns 4]
+        [--scenarios private,shared,kill] [--out DIR] [--json]
+
+Scenarios (each route gets fresh replicas, caches and Redis; routes run one after another):
+- `private`: each replica has its own device pool and LMDB, no shared tier;
+- `shared`: the replicas share one Redis under their device pools;
+- `kill`: `shared` with the kv router, and replica 0 SIGKILLed once a third of the
+  requests finished: every request must be answered, or failed with an error only if it had
+  already streamed part of its answer.
+
+Each session is a chat: a shared system prompt, a long first message of its own (a document
+the session is about), then short follow-ups; every turn resends the whole history with the
+model's real answers. All sessions run at once (one closed-loop client each). Per route:
+TTFT p50/p90, output tok/s, the share of prompt tokens served from cache and by which tier
+(from the replicas' /metrics), and requests per replica (from the router's /health).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from tqdm import tqdm
+
+from bench.fleet.cluster import Fleet, FleetSpec
+from bench.fleet.report import print_report, summarize, write_plot
+from bench.load.runner import Request, run_level, warm_up
+from bench.load.servers import prepare_model
+from bench.load.workload import ChatSession, make_sessions, warmup_session, words
+
+SCENARIOS = ("private", "shared", "kill")
+ROUTES = ("kv", "round-robin")
+
+
+def fleet_sessions(args: argparse.Namespace) -> list[ChatSession]:
+    """Chats whose first message carries a document of their own (`--document-bytes`)."""
+    import numpy as np
+
+    sessions = make_sessions(args.sessions, args.turns, args.system_prompt_bytes, args.seed)
+    out = []
+    for s in sessions:
+        doc = words(np.random.default_rng([args.seed, 7, s.index]), args.document_bytes)
+        first = f"Here is a document: {doc}. {s.questions[0]}"
+        out.append(ChatSession(s.index, s.system, (first, *s.questions[1:])))
+    return out
+
+
+def run_route(
+    args: argparse.Namespace, model_dir: Path, base: Path, scenario: str, route: str
+) -> dict:
+    workdir = Path(tempfile.mkdtemp(prefix=f"{scenario}-{route}-", dir=base))
+    spec = FleetSpec(model_dir, args.replicas, args.device_blocks, scenario != "private",
+                     route, workdir, args.prefill_weight, args.decode_weight)  # fmt: skip
+    sessions = fleet_sessions(args)
+    with Fleet(spec) as fleet:
+        extra = {"ignore_eos": True, "stream_options": {"include_usage": True}}
+        request = Request(fleet.url, extra, args.max_tokens, args.timeout)
+        for proc in fleet.replicas:  # each replica's first forward, on a prompt of its own
+            warm_up(replace(request, url=proc.url), warmup_session(64, args.seed + proc.port))
+        total = len(sessions) * args.turns
+        killer = _Killer(fleet, total) if scenario == "kill" else None
+        desc = f"{scenario} {route}"
+        with tqdm(total=total, desc=desc, unit="req", leave=False,
+                  disable=args.json) as bar:  # fmt: skip
+            outcomes, wall = run_level(request, sessions, len(sessions), _Tick(bar, killer))
+        result = summarize(outcomes, wall, fleet.tier_hits(), fleet.routed())
+    result |= {"scenario": scenario, "route": route, "killed": list(fleet.killed)}
+    return result
+
+
+class _Tick:
+    """The progress bar's `update`, which also tells the killer a request finished."""
+
+    def __init__(self, bar: tqdm, killer: _Killer | None):
+        self.bar, self.killer = bar, killer
+
+    def update(self, n: int) -> None:
+        self.bar.update(n)
+        if self.killer is not None:
+            self.killer.done()
+
+
+class _Killer:
+    """SIGKILLs replica 0 once a third of the requests finished (in its own thread, so the
+    client thread that tripped it goes on at once)."""
+
+    def __init__(self, fleet: Fleet, total: int):
+        self.fleet, self.at, self.count = fleet, max(1, total // 3), 0
+        self.lock = threading.Lock()
+
+    def done(self) -> None:
+        with self.lock:
+            self.count += 1
+            if self.count != self.at:
+                return
+        threading.Thread(target=self.fleet.kill, args=(0,), daemon=True).start()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    raw = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(
+        "python -m bench fleet", description=__doc__, formatter_class=raw
+    )
+    parser.add_argument("--model", default="tiny", help="tiny, smollm2 or a model directory")
+    parser.add_argument("--replicas", type=int, default=3)
+    parser.add_argument("--sessions", type=int, default=12, help="chats, all at once")
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--system-prompt-bytes", type=int, default=256)
+    parser.add_argument("--document-bytes", type=int, default=1536,
+                        help="each session's own document, in its first message")  # fmt: skip
+    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--device-blocks", type=int, default=1024, help="per replica")
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    parser.add_argument("--prefill-weight", type=float, default=None)
+    parser.add_argument("--decode-weight", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("--workdir", default=None, help="replicas' logs and LMDBs (default tmp)")
+    parser.add_argument("--out", default=None, help="write fleet.json and fleet.png here")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    return parser
+
+
+def _check(args: argparse.Namespace) -> str | None:
+    """What is wrong with the arguments, or None."""
+    for name in args.scenarios.split(","):
+        if name.strip() not in SCENARIOS:
+            return f"unknown scenario {name.strip()!r}; choose from {SCENARIOS}"
+    if args.replicas < 2 or args.sessions < 1 or args.turns < 1:
+        return "needs --replicas >= 2, --sessions >= 1 and --turns >= 1"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    problem = _check(args)
+    if problem is not None:
+        print(f"python -m bench fleet: error: {problem}", file=sys.stderr)
+        return 2
+    scenarios = [s.strip() for s in args.scenarios.split(",")]
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="bench-fleet-") as tmp:
+        model_dir = prepare_model(args.model, Path(tmp))
+        base = Path(args.workdir or tmp)
+        base.mkdir(parents=True, exist_ok=True)
+        runs = []
+        for scenario in scenarios:
+            for route in ROUTES if scenario != "kill" else ("kv",):
+                runs.append(run_route(args, model_dir, base, scenario, route))
+    report = {"config": vars(args), "runs": runs, "wall_s": time.perf_counter() - start}
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "fleet.json").write_text(json.dumps(report, indent=2))
+        write_plot(report, out / "fleet.png")
+    print(json.dumps(report, indent=2) if args.json else print_report(report))
+    return 0

@@ -1,0 +1,142 @@
+"""A fleet on loopback for `bench fleet`: N `kvstore serve` replicas publishing KV events,
+optionally one shared redis-server, and `kvstore router` in front; all stopped on exit."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from bench.launch import RedisServer, ServerProcess, find_redis_server, free_port
+
+BLOCK_TOKENS = 16
+READY_TIMEOUT_S = 240.0  # several replicas load at once on 2 cores
+HITS = re.compile(r'^kvstore_prefix_cache_hits_tokens_total\{tier="(\w+)"\} ([0-9.e+]+)$', re.M)
+
+
+@dataclass(frozen=True)
+class FleetSpec:
+    """What one run of the fleet is made of."""
+
+    model_dir: Path
+    replicas: int
+    device_blocks: int
+    shared: bool  # one Redis for all replicas; else each replica has its own LMDB
+    route: str  # the router's --policy
+    workdir: Path
+    prefill_weight: float | None = None
+    decode_weight: float | None = None
+
+
+def _env() -> dict[str, str]:
+    """One thread per replica (N replicas share the cores); no KVSTORE_* of the caller's."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    return env | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "0"}
+
+
+def replica_command(spec: FleetSpec, i: int, port: int, events: int, tier: list[str]) -> list:
+    return [sys.executable, "-m", "engine.cli", "serve", "--model", str(spec.model_dir),
+            "--host", "127.0.0.1", "--port", str(port), "--kv-events-port", str(events),
+            "--kv-events-replay-port", str(free_port()), "--device", "cpu",
+            "--block-size", str(BLOCK_TOKENS), "--device-blocks", str(spec.device_blocks),
+            "--log-level", "warning", *tier]  # fmt: skip
+
+
+def router_command(spec: FleetSpec, port: int, replicas: list[str]) -> list:
+    weights = []
+    if spec.prefill_weight is not None:
+        weights += ["--prefill-weight", str(spec.prefill_weight)]
+    if spec.decode_weight is not None:
+        weights += ["--decode-weight", str(spec.decode_weight)]
+    urls = [arg for url in replicas for arg in ("--replica", url)]
+    return [sys.executable, "-m", "engine.cli", "router", "--model", str(spec.model_dir),
+            "--port", str(port), "--policy", spec.route, "--log-level", "warning",
+            *urls, *weights]  # fmt: skip
+
+
+class Fleet:
+    """The processes of one run; `with Fleet(spec) as fleet:` starts them and waits."""
+
+    def __init__(self, spec: FleetSpec):
+        self.spec = spec
+        self.redis: RedisServer | None = None
+        self.replicas: list[ServerProcess] = []
+        self.router: ServerProcess | None = None
+        self.killed: list[int] = []
+
+    def _tier(self, i: int) -> list[str]:
+        if self.redis is not None:
+            return ["--redis-url", self.redis.url]
+        return ["--lmdb-dir", str(self.spec.workdir / f"lmdb-{i}")]
+
+    def start(self) -> Fleet:
+        spec, env = self.spec, _env()
+        spec.workdir.mkdir(parents=True, exist_ok=True)
+        if spec.shared:
+            find_redis_server(" (bench fleet's shared tier needs it)")
+            self.redis = RedisServer(spec.workdir / "redis").start()
+        for i in range(spec.replicas):
+            port, events = free_port(), free_port()
+            args = replica_command(spec, i, port, events, self._tier(i))
+            log = spec.workdir / f"replica-{i}.log"
+            proc = ServerProcess(args, port, log, env, f"replica {i}", READY_TIMEOUT_S)
+            self.replicas.append(proc.start())
+        for proc in self.replicas:
+            proc.wait_ready()
+        port = free_port()
+        args = router_command(spec, port, [p.url for p in self.replicas])
+        log = spec.workdir / "router.log"
+        self.router = ServerProcess(args, port, log, env, "kvstore router", READY_TIMEOUT_S)
+        self.router.start().wait_ready()
+        return self
+
+    @property
+    def url(self) -> str:
+        assert self.router is not None
+        return self.router.url
+
+    def kill(self, i: int) -> None:
+        """SIGKILL replica i's process group (no clean shutdown)."""
+        proc = self.replicas[i].proc
+        if proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, 9)
+            proc.wait()
+        self.killed.append(i)
+
+    def tier_hits(self) -> dict[str, float]:
+        """Cached prompt tokens by tier, summed over the live replicas' /metrics."""
+        total: dict[str, float] = {}
+        for i, proc in enumerate(self.replicas):
+            if i in self.killed:
+                continue
+            page = httpx.get(f"{proc.url}/metrics", timeout=10.0).text
+            for tier, value in HITS.findall(page):
+                total[tier] = total.get(tier, 0.0) + float(value)
+        return total
+
+    def routed(self) -> list[int]:
+        body = httpx.get(f"{self.url}/health", timeout=10.0).json()
+        return [r["routed"] for r in body["replicas"]]
+
+    def stop(self) -> None:
+        for proc in [self.router, *self.replicas]:
+            if proc is not None:
+                proc.stop()
+        if self.redis is not None:
+            self.redis.stop()
+
+    def __enter__(self) -> Fleet:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
