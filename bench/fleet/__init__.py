@@ -2,7 +2,7 @@
 replicas, on a multi-session chat workload.
 
     python -m bench fleet [--model tiny] [--replicas 3] [--sessions 12] [--turns 4]
-        [--scenarios private,shared,kill] [--out DIR] [--json]
+        [--think-s 1.0] [--scenarios private,shared,kill] [--out DIR] [--json]
 
 Scenarios (each route gets fresh replicas, caches and Redis; routes run one after another):
 - `private`: each replica has its own device pool and LMDB, no shared tier;
@@ -13,7 +13,8 @@ Scenarios (each route gets fresh replicas, caches and Redis; routes run one afte
 
 Each session is a chat: a shared system prompt, a long first message of its own (a document
 the session is about), then short follow-ups; every turn resends the whole history with the
-model's real answers. All sessions run at once (one closed-loop client each). Per route:
+model's real answers, after a user's pause (`--think-s`, exponential, seeded: the same
+pauses on every route). All sessions run at once (one client each). Per route:
 TTFT p50/p90, output tok/s, the share of prompt tokens served from cache and by which tier
 (from the replicas' /metrics), and requests per replica (from the router's /health).
 """
@@ -71,10 +72,24 @@ def run_route(
         desc = f"{scenario} {route}"
         with tqdm(total=total, desc=desc, unit="req", leave=False,
                   disable=args.json) as bar:  # fmt: skip
-            outcomes, wall = run_level(request, sessions, len(sessions), _Tick(bar, killer))
+            tick, think = _Tick(bar, killer), _thinker(args.think_s, args.seed)
+            outcomes, wall = run_level(request, sessions, len(sessions), tick, think)
         result = summarize(outcomes, wall, fleet.tier_hits(), fleet.routed())
     result |= {"scenario": scenario, "route": route, "killed": list(fleet.killed)}
     return result
+
+
+def _thinker(mean_s: float, seed: int):
+    """A user's pause before each next turn: exponential, seeded by (session, turn). Without
+    it the chats run in lock step, and round-robin over 12 chats and 3 replicas would send
+    each chat's turns to one replica by accident (12 is a multiple of 3)."""
+    import numpy as np
+
+    def think(session: ChatSession, turn: int) -> None:
+        if mean_s > 0:
+            time.sleep(np.random.default_rng([seed, 13, session.index, turn]).exponential(mean_s))
+
+    return think
 
 
 class _Tick:
@@ -118,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--document-bytes", type=int, default=1536,
                         help="each session's own document, in its first message")  # fmt: skip
     parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--think-s", type=float, default=1.0,
+                        help="mean pause before a chat's next turn (exponential)")  # fmt: skip
     parser.add_argument("--device-blocks", type=int, default=1024, help="per replica")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
     parser.add_argument("--prefill-weight", type=float, default=None)

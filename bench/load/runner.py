@@ -32,11 +32,15 @@ class Request:
                 "stream": True, **self.extra}  # fmt: skip
 
 
+Think = Callable[[ChatSession, int], None]  # runs before each turn but the first
+
+
 def run_session(
     client: httpx.Client,
     request: Request,
     session: ChatSession,
     done: Callable[[ChatOutcome], None],
+    think: Think | None = None,
 ) -> None:
     """The session's turns in order; a failed turn ends the session (no answer to go on).
     Each answer goes back as the assistant's message without a trailing U+FFFD: an incomplete
@@ -44,6 +48,8 @@ def run_session(
     get the same history when they generated the same tokens."""
     answers: list[str] = []
     for turn in range(len(session.questions)):
+        if turn and think is not None:
+            think(session, turn)
         body = request.body(session.messages(answers))
         out = send_chat(client, request.url, body, request.api_key)
         out.session, out.turn = session.index, turn
@@ -54,9 +60,14 @@ def run_session(
 
 
 def run_level(
-    request: Request, sessions: list[ChatSession], concurrency: int, bar=None
+    request: Request,
+    sessions: list[ChatSession],
+    concurrency: int,
+    bar=None,
+    think: Think | None = None,
 ) -> tuple[list[ChatOutcome], float]:
-    """Every session through `concurrency` closed-loop workers: (outcomes, wall seconds)."""
+    """Every session through `concurrency` closed-loop workers: (outcomes, wall seconds);
+    `think(session, turn)` (a user's pause) runs before each turn but the first."""
     work: queue.Queue[ChatSession] = queue.Queue()
     for session in sessions:
         work.put(session)
@@ -76,7 +87,7 @@ def run_level(
                     session = work.get_nowait()
                 except queue.Empty:
                     return
-                run_session(client, request, session, done)
+                run_session(client, request, session, done, think)
 
     threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
     start = time.perf_counter()

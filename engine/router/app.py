@@ -28,9 +28,9 @@ from engine.router.config import SESSION_HEADER, RouterConfig
 from engine.router.fleet import Fleet, NoReplicaError, Replica
 from engine.router.metrics import RouterMetrics
 from engine.server import protocol as p
-from engine.server.auth import Authenticator, AuthError, CacheSaltError, request_salt
+from engine.server.auth import Authenticator, CacheSaltError, request_salt
 from engine.server.prompts import prompt_ids
-from engine.server.service import SSE_HEADERS, read_json
+from engine.server.service import SSE_HEADERS, authenticate, read_json
 
 MAX_SESSIONS = 100_000  # session ids whose replica is remembered
 FORWARDED = ("authorization", "content-type", "accept")
@@ -78,11 +78,7 @@ class Router:
         self.client = httpx.AsyncClient(timeout=timeout, limits=limits)
 
     def authenticate(self, request: Request) -> str | None:
-        try:
-            return self.auth.tenant(request.headers.get("authorization"))
-        except AuthError as e:
-            error = p.ApiError(401, str(e), type="authentication_error", code="invalid_api_key")
-            raise error from None
+        return authenticate(self.auth, request)
 
     async def handle(self, request: Request, kind: str) -> Response:
         tenant = self.authenticate(request)

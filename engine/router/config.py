@@ -9,12 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from engine.server.config import (
-    API_KEY_ENV,
-    DEFAULT_TENANT,
-    check_api_key,
-    load_api_keys,
-)
+from engine.server.config import API_KEY_ENV, api_keys_from_args, check_api_key
 from hashing import DEFAULT_SECRET
 from kvstore.config import ConfigError
 from kvstore.routing import RoutingConfig
@@ -124,12 +119,7 @@ def router_config_from_args(
     args: argparse.Namespace, env: Mapping[str, str] | None = None
 ) -> RouterConfig:
     env = os.environ if env is None else env
-    keys: dict[str, str] = {}
-    if args.api_keys_file:
-        keys.update(load_api_keys(args.api_keys_file))
-    single = args.api_key if args.api_key is not None else env.get(API_KEY_ENV)
-    if single:
-        keys[check_api_key(single)] = DEFAULT_TENANT
+    keys = api_keys_from_args(args, env)
     try:
         routing = RoutingConfig(args.prefill_weight, args.decode_weight)
     except ValueError as e:

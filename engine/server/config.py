@@ -167,16 +167,23 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def server_config_from_args(
-    args: argparse.Namespace, env: Mapping[str, str] | None = None
-) -> ServerConfig:
-    env = os.environ if env is None else env
+def api_keys_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str, str]:
+    """{key: tenant} of --api-keys-file and --api-key (else $KVSTORE_API_KEY, tenant
+    `default`)."""
     keys: dict[str, str] = {}
     if args.api_keys_file:
         keys.update(load_api_keys(args.api_keys_file))
     single = args.api_key if args.api_key is not None else env.get(API_KEY_ENV)
     if single:
         keys[check_api_key(single)] = DEFAULT_TENANT
+    return keys
+
+
+def server_config_from_args(
+    args: argparse.Namespace, env: Mapping[str, str] | None = None
+) -> ServerConfig:
+    env = os.environ if env is None else env
+    keys = api_keys_from_args(args, env)
     name = args.served_model_name or Path(args.model.rstrip("/")).name or args.model
     return ServerConfig(
         host=args.host,

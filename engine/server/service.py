@@ -63,6 +63,15 @@ def _not_json(name: str) -> object:
     raise ValueError(f"{name} is not a JSON value")
 
 
+def authenticate(auth: Authenticator, request: HTTPRequest) -> str | None:
+    """The request's tenant; a 401 ApiError without a valid key (when keys are set)."""
+    try:
+        return auth.tenant(request.headers.get("authorization"))
+    except AuthError as e:
+        error = p.ApiError(401, str(e), type="authentication_error", code="invalid_api_key")
+        raise error from None
+
+
 def cache_info(engine: Engine, config: ServerConfig) -> dict:
     """What a router needs to hash prompts as this replica does and to read its events
     (no secret: tenant salts stay on the server)."""
@@ -84,11 +93,7 @@ class Service:
         self.cache_info = cache_info(engine, config)
 
     def authenticate(self, request: HTTPRequest) -> str | None:
-        try:
-            return self.auth.tenant(request.headers.get("authorization"))
-        except AuthError as e:
-            error = p.ApiError(401, str(e), type="authentication_error", code="invalid_api_key")
-            raise error from None
+        return authenticate(self.auth, request)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.config.served_model_name:
