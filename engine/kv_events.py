@@ -34,6 +34,7 @@ from engine.kv_events_wire import (
     MEDIUM_GPU,
     decode_batch,
     encode_batch,
+    ipv6_socket,
     medium_for,
     seq_bytes,
 )
@@ -133,6 +134,7 @@ class ZmqEventPublisher(EventSink):
         sock = self._ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, hwm)
+        ipv6_socket(sock, endpoint)
         try:
             sock.bind(endpoint)
         except zmq.ZMQError as e:

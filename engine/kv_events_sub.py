@@ -23,7 +23,7 @@ import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from engine.kv_events_wire import decode_batch, seq_bytes, seq_of
+from engine.kv_events_wire import decode_batch, ipv6_socket, seq_bytes, seq_of
 from kvstore.events import AllBlocksCleared, BlockSet, KVEvent
 
 log = logging.getLogger("kvstore.events")
@@ -104,6 +104,7 @@ class EventSubscriber:
         poller.register(sub, zmq.POLLIN)
         dealer: zmq.Socket | None = None
         try:
+            ipv6_socket(sub, self.endpoint)
             sub.connect(self.endpoint)  # a bad endpoint is logged below, and stays stale
             while not self._stop.is_set():
                 if not self._synced and time.monotonic() >= self._retry_at:
@@ -140,6 +141,7 @@ class EventSubscriber:
     def _dealer(self, ctx: zmq.Context) -> zmq.Socket:
         dealer = ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        ipv6_socket(dealer, self.replay_endpoint)
         dealer.connect(self.replay_endpoint)
         return dealer
 

@@ -14,6 +14,7 @@ with seq >= start, then the end marker `(b"", b"", END_SEQ, b"")`.
 from __future__ import annotations
 
 import msgspec
+import zmq
 
 from kvstore.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
@@ -26,6 +27,20 @@ def medium_for(device: object) -> str:
     """vLLM's medium of a cache on `device` (a torch.device or its name)."""
     kind = getattr(device, "type", str(device).split(":")[0])
     return MEDIUM_GPU if kind == "cuda" else MEDIUM_CPU
+
+
+def zmq_host(host: str) -> str:
+    """A host as a ZMQ TCP endpoint names it: `*` for every IPv4 address, an IPv6 address in
+    brackets (sockets on such endpoints need `ipv6_socket`)."""
+    if host == "0.0.0.0":
+        return "*"
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def ipv6_socket(sock: object, endpoint: str) -> None:
+    """Let `sock` use IPv6 when `endpoint` names an IPv6 address."""
+    if "[" in endpoint:
+        sock.setsockopt(zmq.IPV6, 1)
 
 
 def seq_bytes(seq: int) -> bytes:

@@ -207,9 +207,10 @@ class NoReplicaError(RuntimeError):
 
 def _subscribe(host: str, events: dict) -> object:
     from engine.kv_events import EventSubscriber
+    from engine.kv_events_wire import zmq_host
 
-    endpoint = f"tcp://{host}:{events['port']}"
-    replay = f"tcp://{host}:{events['replay_port']}"
+    endpoint = f"tcp://{zmq_host(host)}:{events['port']}"
+    replay = f"tcp://{zmq_host(host)}:{events['replay_port']}"
     subscriber = EventSubscriber(endpoint, replay)
     subscriber.start()
     return subscriber

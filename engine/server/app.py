@@ -165,17 +165,13 @@ def start_publisher(
     if config.kv_events_port is None:
         return None
     from engine.kv_events import EventsConfig, ZmqEventPublisher
-    from engine.kv_events_wire import medium_for
+    from engine.kv_events_wire import medium_for, zmq_host
 
     for port in (config.kv_events_port, config.kv_events_replay_port):
         check_port_free(config.host, port)
     events = EventsConfig(
-        endpoint=f"tcp://{_zmq_host(config.host)}:{config.kv_events_port}",
-        replay_endpoint=f"tcp://{_zmq_host(config.host)}:{config.kv_events_replay_port}",
+        endpoint=f"tcp://{zmq_host(config.host)}:{config.kv_events_port}",
+        replay_endpoint=f"tcp://{zmq_host(config.host)}:{config.kv_events_replay_port}",
         medium=medium_for(device),
     )
     return ZmqEventPublisher(events, snapshot=snapshot)
-
-
-def _zmq_host(host: str) -> str:
-    return "*" if host in ("0.0.0.0", "::") else host

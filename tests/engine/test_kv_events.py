@@ -435,3 +435,16 @@ def test_close_is_prompt_and_publishes_what_is_queued():
     pub.close()
     assert time.monotonic() - started < 0.5
     assert (pub.last_seq, pub.published_events) == (1, len(tee.events))  # after the opening
+
+
+def test_a_replica_on_ipv6_loopback_is_followed(replicas, subscribers):
+    """`kvstore serve --host ::1`: both ends bracket the address and turn IPv6 on."""
+    from engine.kv_events_wire import zmq_host
+
+    endpoint = f"tcp://{zmq_host('::1')}:*"
+    replica = replicas(endpoint=endpoint, replay_endpoint=endpoint)
+    assert replica.pub.endpoint.startswith("tcp://[::1]:")
+    sub = subscribers(replica)
+    run_workload(replica.cache, 10)
+    wait_until(replica.caught_up(sub))
+    assert sub.blocks.blocks == replica.keys() != set()
