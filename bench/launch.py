@@ -116,6 +116,12 @@ class ServerProcess:
                 proc.wait()
         _signal_group(proc.pid, signal.SIGKILL)  # children that outlived the leader
 
+    def kill(self) -> None:
+        """SIGKILL the whole group, no clean shutdown (a fault to survive), and reap it."""
+        if self.proc is not None:
+            _signal_group(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
     def __enter__(self) -> ServerProcess:
         return self.start().wait_ready()
 

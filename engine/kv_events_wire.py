@@ -99,12 +99,12 @@ _decoder = msgspec.msgpack.Decoder(WireBatch)
 
 
 def _to_wire(event: KVEvent, medium: str) -> WireEvent:
-    if isinstance(event, BlockStored):
-        hashes, parent = list(event.block_hashes), event.parent_block_hash
-        tokens = [int(t) for t in event.token_ids]
+    if isinstance(event, BlockStored):  # lists of bytes and ints already: no copy
+        hashes, parent = event.block_hashes, event.parent_block_hash
+        tokens = event.token_ids
         return WireBlockStored(hashes, parent, tokens, event.block_size, None, medium, None)
     if isinstance(event, BlockRemoved):
-        return WireBlockRemoved(list(event.block_hashes), medium)
+        return WireBlockRemoved(event.block_hashes, medium)
     if isinstance(event, AllBlocksCleared):
         return WireAllBlocksCleared()
     raise TypeError(f"not a KV event: {type(event).__name__}")

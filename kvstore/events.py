@@ -14,7 +14,7 @@ that includes everything after it converges to the same set.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 from hashing import BlockHash
@@ -60,8 +60,9 @@ class EventSink(ABC):
         """Take one event."""
 
 
-class BlockSet:
-    """The blocks of one index as its events describe them (a consumer's view)."""
+class BlockSet(EventSink):
+    """The blocks of one index as its events describe them (a consumer's view); as a sink
+    it applies each event as it comes."""
 
     def __init__(self) -> None:
         self.blocks: set[BlockHash] = set()
@@ -76,11 +77,14 @@ class BlockSet:
         else:
             raise TypeError(f"not a KV event: {type(event).__name__}")
 
+    def emit(self, event: KVEvent) -> None:
+        self.apply(event)
+
     def apply_all(self, events: Iterable[KVEvent]) -> None:
         for event in events:
             self.apply(event)
 
-    def num_prefix_blocks(self, keys: list[BlockHash]) -> int:
+    def num_prefix_blocks(self, keys: Sequence[BlockHash]) -> int:
         """Leading `keys` held: blocks a request with those keys would find cached here."""
         n = 0
         for key in keys:

@@ -90,7 +90,7 @@ def choose_replica(
     for i in pool:
         held = blocks[i]
         if not fallback and held is not None:
-            cached[i] = held.num_prefix_blocks(list(keys)) * block_size
+            cached[i] = held.num_prefix_blocks(keys) * block_size
         cached[i] = min(cached[i], max(num_prompt_tokens - 1, 0))  # the last token is computed
         costs[i] = _cost(num_prompt_tokens - cached[i], loads[i], config)
     best = min(pool, key=lambda i: (costs[i], loads[i].routed, i))

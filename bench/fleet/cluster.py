@@ -3,8 +3,6 @@ optionally one shared redis-server, and `kvstore router` in front; all stopped o
 
 from __future__ import annotations
 
-import contextlib
-import os
 import re
 import sys
 from dataclasses import dataclass
@@ -13,8 +11,8 @@ from pathlib import Path
 import httpx
 
 from bench.launch import RedisServer, ServerProcess, find_redis_server, free_port
+from bench.load.servers import kvstore_command, kvstore_env
 
-BLOCK_TOKENS = 16
 READY_TIMEOUT_S = 240.0  # several replicas load at once on 2 cores
 HITS = re.compile(r'^kvstore_prefix_cache_hits_tokens_total\{tier="(\w+)"\} ([0-9.e+]+)$', re.M)
 
@@ -35,16 +33,14 @@ class FleetSpec:
 
 def _env() -> dict[str, str]:
     """One thread per replica (N replicas share the cores); no KVSTORE_* of the caller's."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
-    return env | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "0"}
+    threads = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "0"}
+    return kvstore_env() | threads
 
 
-def replica_command(spec: FleetSpec, i: int, port: int, events: int, tier: list[str]) -> list:
-    return [sys.executable, "-m", "engine.cli", "serve", "--model", str(spec.model_dir),
-            "--host", "127.0.0.1", "--port", str(port), "--kv-events-port", str(events),
-            "--kv-events-replay-port", str(free_port()), "--device", "cpu",
-            "--block-size", str(BLOCK_TOKENS), "--device-blocks", str(spec.device_blocks),
-            "--log-level", "warning", *tier]  # fmt: skip
+def replica_command(spec: FleetSpec, port: int, events: int, tier: list[str]) -> list:
+    """`bench load`'s kvstore command, publishing its KV events, over its tier."""
+    events_flags = ["--kv-events-port", str(events), "--kv-events-replay-port", str(free_port())]
+    return [*kvstore_command(spec.model_dir, port, spec.device_blocks), *events_flags, *tier]
 
 
 def router_command(spec: FleetSpec, port: int, replicas: list[str]) -> list:
@@ -82,7 +78,7 @@ class Fleet:
             self.redis = RedisServer(spec.workdir / "redis").start()
         for i in range(spec.replicas):
             port, events = free_port(), free_port()
-            args = replica_command(spec, i, port, events, self._tier(i))
+            args = replica_command(spec, port, events, self._tier(i))
             log = spec.workdir / f"replica-{i}.log"
             proc = ServerProcess(args, port, log, env, f"replica {i}", READY_TIMEOUT_S)
             self.replicas.append(proc.start())
@@ -102,11 +98,7 @@ class Fleet:
 
     def kill(self, i: int) -> None:
         """SIGKILL replica i's process group (no clean shutdown)."""
-        proc = self.replicas[i].proc
-        if proc is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, 9)
-            proc.wait()
+        self.replicas[i].kill()
         self.killed.append(i)
 
     def tier_hits(self) -> dict[str, float]:

@@ -7,11 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench.load.client import ChatOutcome
-from bench.load.report import percentile_ms
-
-
-def _share(part: float, whole: float) -> float | None:
-    return part / whole if whole else None
+from bench.load.report import percentile_ms, ratio
 
 
 def summarize(
@@ -36,9 +32,9 @@ def summarize(
         "ttft_p90_ms": percentile_ms(ttfts, 90),
         "output_tok_per_s": sum(o.completion_tokens for o in ok) / wall_s if wall_s else None,
         "prompt_tokens": prompt,
-        "cached_share": _share(sum(o.cached_tokens for o in ok), prompt),
+        "cached_share": ratio(sum(o.cached_tokens for o in ok), prompt),
         "tier_tokens": tier_hits,
-        "device_share": _share(tier_hits.get("device", 0.0), cached),
+        "device_share": ratio(tier_hits.get("device", 0.0), cached),
         "requests_per_replica": routed,
         "max_over_mean": max(routed) / mean if mean else None,
     }

@@ -55,7 +55,7 @@ import numpy as np
 from bench.hitrate.keysets import make_keyset
 from bench.hitrate.tiers import BlockRequest, Replica, TierConfig, block_requests
 from bench.traces import BlockTrace
-from kvstore.events import BlockSet, EventSink, KVEvent
+from kvstore.events import BlockSet
 from kvstore.policies import POLICIES
 from kvstore.routing import ReplicaLoad, RoutingConfig, choose_replica
 
@@ -232,16 +232,6 @@ class ServiceQueue:
 
 
 # --- routes --------------------------------------------------------------------------------
-class EventBlocks(EventSink):
-    """A replica's blocks as the router knows them: its index's events, applied in order."""
-
-    def __init__(self) -> None:
-        self.blocks = BlockSet()
-
-    def emit(self, event: KVEvent) -> None:
-        self.blocks.apply(event)
-
-
 def _least_loaded(replicas: list[Replica]) -> int:
     return min(range(len(replicas)), key=lambda i: (replicas[i].routed, i))
 
@@ -288,12 +278,12 @@ def make_fleet(config: FleetConfig, num_unique: int) -> Fleet:
     caps = config.tiers.capacities
     shared = {t: make_keyset(t, caps[t], num_unique) for t in SHARED_TIERS if t in caps}
     n = config.replicas
-    sinks = [EventBlocks() for _ in range(n)] if config.route == "kv" else []
+    sinks = [BlockSet() for _ in range(n)] if config.route == "kv" else []
     replicas = [
         Replica(config.tiers, config.policy, num_unique, shared, sinks[i] if sinks else None)
         for i in range(n)
     ]
-    return Fleet(replicas, [s.blocks for s in sinks], [ServiceQueue() for _ in range(n)])
+    return Fleet(replicas, sinks, [ServiceQueue() for _ in range(n)])
 
 
 def make_replicas(config: FleetConfig, num_unique: int) -> list[Replica]:

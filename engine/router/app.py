@@ -20,7 +20,6 @@ import anyio
 import httpx
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -28,9 +27,11 @@ from engine.router.config import SESSION_HEADER, RouterConfig
 from engine.router.fleet import Fleet, NoReplicaError, Replica
 from engine.router.metrics import RouterMetrics
 from engine.server import protocol as p
+from engine.server.app import add_openai_routes
 from engine.server.auth import Authenticator, CacheSaltError, request_salt
 from engine.server.prompts import prompt_ids
 from engine.server.service import SSE_HEADERS, authenticate, read_json
+from hashing import BlockHash
 
 MAX_SESSIONS = 100_000  # session ids whose replica is remembered
 FORWARDED = ("authorization", "content-type", "accept")
@@ -88,7 +89,7 @@ class Router:
             salt = request_salt(self.auth.salt(tenant), req.cache_salt)
         except CacheSaltError as e:
             raise p.bad_request(str(e), "cache_salt") from None
-        ids = await run_in_threadpool(prompt_ids, self.tokenizer, req)
+        ids, keys = await run_in_threadpool(self._tokens, req, salt)
         path = "/v1/completions" if kind == "completion" else "/v1/chat/completions"
         body = json.dumps(data).encode()
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED}
@@ -97,7 +98,7 @@ class Router:
         busy: Response | None = None  # the last 429: answered if every replica is full
         while True:
             try:
-                replica = self._pick(ids, salt, session, tried)
+                replica = self._pick(ids, keys, session, tried)
             except p.ApiError:
                 if busy is None:
                     raise
@@ -112,7 +113,17 @@ class Router:
                 busy = e.response
                 tried.append(replica)
 
-    def _pick(self, ids: list[int], salt: str, session: str | None, tried: list) -> Replica:
+    def _tokens(self, req: Any, salt: str) -> tuple[list[int], list[BlockHash]]:
+        """The prompt as the replicas render it, and its block keys (400 for bad ids)."""
+        ids = prompt_ids(self.tokenizer, req)
+        try:
+            return ids, self.fleet.keys(ids, salt)
+        except ValueError as e:  # token ids out of range: the replica would say the same
+            raise p.bad_request(str(e), "prompt") from None
+
+    def _pick(
+        self, ids: list[int], keys: list[BlockHash], session: str | None, tried: list
+    ) -> Replica:
         pinned = self.sessions.get(session) if session else None
         if pinned is not None and pinned.alive and pinned not in tried:
             self.sessions.move_to_end(session)
@@ -120,11 +131,9 @@ class Router:
             self.fleet.sent(pinned, len(ids))
             return pinned
         try:
-            replica, choice = self.fleet.choose(ids, salt, tried)
+            replica, choice = self.fleet.choose(len(ids), keys, tried)
         except NoReplicaError as e:
             raise p.ApiError(503, f"{e}: retry later", type="server_error") from None
-        except ValueError as e:  # token ids out of range: the replica would say the same
-            raise p.bad_request(str(e), "prompt") from None
         cached = choice.num_cached_tokens if choice is not None else 0
         self.metrics.predicted_cached.inc(cached)
         self.fleet.sent(replica, len(ids) - cached)
@@ -224,23 +233,7 @@ def create_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
     app = FastAPI(title="kvstore router", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.router = router
 
-    @app.exception_handler(p.ApiError)
-    async def api_error(request: Request, error: p.ApiError) -> JSONResponse:
-        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
-        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
-        message = f"{request.method} {request.url.path}: {error.detail}"
-        return await api_error(request, p.ApiError(error.status_code, message, type=kind))
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await router.handle(request, "completion")
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        return await router.handle(request, "chat")
+    add_openai_routes(app, router.handle)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

@@ -67,10 +67,6 @@ class RouterConfig:
             check_api_key(key)
 
     @property
-    def auth_enabled(self) -> bool:
-        return bool(self.api_keys)
-
-    @property
     def secret_bytes(self) -> bytes:
         return self.secret.encode() if self.secret else DEFAULT_SECRET
 

@@ -42,7 +42,7 @@ class Replica:
 
     @property
     def host(self) -> str:
-        return urlsplit(self.url).hostname or "127.0.0.1"
+        return urlsplit(self.url).hostname  # check_replica_url: there is one
 
     def load(self) -> ReplicaLoad:
         extra = sum(tokens for _, tokens in self.sent)
@@ -55,7 +55,7 @@ class Replica:
         if not isinstance(body, dict):
             raise TypeError(f"/health answered {type(body).__name__}, not an object")
         queued, running = body.get("queued_tokens", 0), body.get("running_tokens", 0)
-        self.reported = ReplicaLoad(int(queued), int(running), self.routed)
+        self.reported = ReplicaLoad(int(queued), int(running))
         self.sent = [(t, n) for t, n in self.sent if t >= asked_at]
         self.alive, self.failures = body.get("status") == "ok", 0
 
@@ -170,20 +170,20 @@ class Fleet:
         return sub.blocks
 
     def choose(
-        self, token_ids: list[int], salt: str, exclude: Sequence[Replica] = ()
+        self, num_tokens: int, keys: list[BlockHash], exclude: Sequence[Replica] = ()
     ) -> tuple[Replica, RouteChoice | None]:
-        """The replica for a prompt among the live ones not in `exclude`."""
+        """The replica for a prompt of `num_tokens` tokens whose whole blocks have the
+        lookup keys `keys` (`keys()`), among the live ones not in `exclude`."""
         live = [i for i, r in enumerate(self.replicas) if r.alive and r not in exclude]
         if not live:
             raise NoReplicaError("no replica is up")
         if self.config.policy == "round-robin":
             self.counts["round_robin"] += 1
             return self._round_robin(live), None
-        keys = self.keys(token_ids, salt)
         blocks = [self.blocks(r) for r in self.replicas]
         loads = [r.load() for r in self.replicas]
         bs = self._namespace.block_size if self._namespace else 1
-        choice = choose_replica(keys, len(token_ids), bs, blocks, loads, self.config.routing, live)
+        choice = choose_replica(keys, num_tokens, bs, blocks, loads, self.config.routing, live)
         self.counts["fallback" if choice.fallback else "kv"] += 1
         return self.replicas[choice.replica], choice
 
@@ -206,7 +206,7 @@ class NoReplicaError(RuntimeError):
 
 
 def _subscribe(host: str, events: dict) -> object:
-    from engine.kv_events import EventSubscriber
+    from engine.kv_events_sub import EventSubscriber
     from engine.kv_events_wire import zmq_host
 
     endpoint = f"tcp://{zmq_host(host)}:{events['port']}"

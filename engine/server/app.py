@@ -11,7 +11,7 @@ import argparse
 import ipaddress
 import logging
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -44,27 +44,11 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="kvstore", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.service = service
 
-    @app.exception_handler(ApiError)
-    async def api_error(request: Request, error: ApiError) -> JSONResponse:
+    def rejected(error: ApiError) -> None:
         if error.status != 500:
-            reason = REJECT_REASONS.get(error.status, "invalid")
-            service.metrics.reject(reason)
-        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+            service.metrics.reject(REJECT_REASONS.get(error.status, "invalid"))
 
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
-        """Routing errors (an unknown path, a wrong method) in OpenAI's error shape too."""
-        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
-        message = f"{request.method} {request.url.path}: {error.detail}"
-        return await api_error(request, ApiError(error.status_code, message, type=kind))
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await service.handle(request, "completion")
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await service.handle(request, "chat")
+    add_openai_routes(app, service.handle, on_error=rejected)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
@@ -91,6 +75,37 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         return Response(page, media_type=CONTENT_TYPE_PLAIN_0_0_4)
 
     return app
+
+
+Handle = Callable[[Request, str], Awaitable[Response]]
+
+
+def add_openai_routes(
+    app: FastAPI, handle: Handle, on_error: Callable[[ApiError], None] | None = None
+) -> None:
+    """POST /v1/completions and /v1/chat/completions through `handle(request, kind)`, and
+    every error (ours, an unknown path, a wrong method) in OpenAI's error shape;
+    `on_error` sees each ApiError first (the server counts refusals)."""
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, error: ApiError) -> JSONResponse:
+        if on_error is not None:
+            on_error(error)
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+        message = f"{request.method} {request.url.path}: {error.detail}"
+        return await api_error(request, ApiError(error.status_code, message, type=kind))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await handle(request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await handle(request, "chat")
 
 
 def _tier_names(engine: Engine) -> list[str]:

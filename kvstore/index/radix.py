@@ -120,7 +120,7 @@ class RadixIndex:
 
     def peek_prefix(self, keys: Sequence[bytes], token_ids: np.ndarray) -> MatchResult:
         """`match_prefix` that records nothing: no policy call, no change of any state (a
-        probe, e.g. to route a request to the replica holding its longest prefix)."""
+        probe, e.g. a scheduler asking what a waiting prompt would find cached)."""
         return self._match(keys, token_ids, record=False)
 
     def _match(self, keys: Sequence[bytes], token_ids: np.ndarray, record: bool) -> MatchResult:
