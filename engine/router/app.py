@@ -128,7 +128,7 @@ class Router:
         if pinned is not None and pinned.alive and pinned not in tried:
             self.sessions.move_to_end(session)
             self.fleet.counts["session"] += 1
-            self.fleet.sent(pinned, len(ids))
+            self.fleet.sent(pinned, len(ids), keys)
             return pinned
         try:
             replica, choice = self.fleet.choose(len(ids), keys, tried)
@@ -136,7 +136,7 @@ class Router:
             raise p.ApiError(503, f"{e}: retry later", type="server_error") from None
         cached = choice.num_cached_tokens if choice is not None else 0
         self.metrics.predicted_cached.inc(cached)
-        self.fleet.sent(replica, len(ids) - cached)
+        self.fleet.sent(replica, len(ids) - cached, keys)
         if session:
             self.sessions[session] = replica
             if len(self.sessions) > MAX_SESSIONS:

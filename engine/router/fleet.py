@@ -25,6 +25,7 @@ from kvstore.routing import ReplicaLoad, RouteChoice, choose_replica
 log = logging.getLogger("kvstore.router")
 MAX_HASHERS = 1024  # salts whose hashers are kept
 DOWN_AFTER_FAILURES = 2  # failed health reads in a row before a replica is dropped
+PENDING_S = 5.0  # how long a routed prompt's blocks count as held before its events say so
 
 
 @dataclass(eq=False)
@@ -37,6 +38,7 @@ class Replica:
     sent: list[tuple[float, int]] = field(default_factory=list)  # (monotonic, tokens) unseen
     routed: int = 0
     failures: int = 0
+    pending: tuple[float, frozenset] = (0.0, frozenset())  # (monotonic, keys) last routed
     info: dict | None = None  # /health's "cache": block size, namespace, events ports
     events: object | None = None  # its EventSubscriber, when it publishes events
 
@@ -164,10 +166,11 @@ class Fleet:
 
     def blocks(self, replica: Replica) -> BlockSet | None:
         """Its blocks by its events; None (stale) when they cannot be trusted now."""
-        sub = replica.events
-        if sub is None or sub.stale(time.monotonic(), self.config.stale_after_s):
+        sub, now = replica.events, time.monotonic()
+        if sub is None or sub.stale(now, self.config.stale_after_s):
             return None
-        return sub.blocks
+        since, keys = replica.pending
+        return _WithPending(sub.blocks, keys) if now - since < PENDING_S else sub.blocks
 
     def choose(
         self, num_tokens: int, keys: list[BlockHash], exclude: Sequence[Replica] = ()
@@ -196,9 +199,30 @@ class Fleet:
                 return self.replicas[i]
         return self.replicas[live[0]]
 
-    def sent(self, replica: Replica, num_tokens: int) -> None:
+    def sent(self, replica: Replica, num_tokens: int, keys: Sequence[BlockHash] = ()) -> None:
+        """A request went to `replica`: `num_tokens` to prefill there, and its prompt's
+        `keys` held there from now (its events follow within milliseconds)."""
         replica.routed += 1
-        replica.sent.append((time.monotonic(), num_tokens))
+        now = time.monotonic()
+        replica.sent.append((now, num_tokens))
+        replica.pending = (now, frozenset(keys))
+
+
+class _WithPending(BlockSet):
+    """A replica's blocks by its events, plus the prompt last routed to it: a chat's next
+    turn sent the moment its answer arrived can come before that turn's events do."""
+
+    def __init__(self, seen: BlockSet, pending: frozenset):
+        super().__init__()
+        self.blocks, self.pending = seen.blocks, pending
+
+    def num_prefix_blocks(self, keys: Sequence[BlockHash]) -> int:
+        n = 0
+        for key in keys:
+            if key not in self.blocks and key not in self.pending:
+                break
+            n += 1
+        return n
 
 
 class NoReplicaError(RuntimeError):

@@ -260,3 +260,26 @@ def test_bad_router_flags_fail_in_one_line(args, message):
                          timeout=60, env=clean_env())  # fmt: skip
     assert out.returncode == 2
     assert message in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_a_prompt_just_routed_counts_as_held_before_its_events_arrive():
+    """A chat's next turn, sent the moment its answer came, may beat that turn's events:
+    the replica it went to is still the cheapest for it."""
+    from engine.router.config import RouterConfig
+    from engine.router.fleet import Fleet
+    from kvstore.events import BlockSet
+
+    class Quiet:  # a subscriber whose events have not come yet
+        blocks = BlockSet()
+
+        def stale(self, now: float, after: float) -> bool:
+            return False
+
+    fleet = Fleet(RouterConfig(replicas=("http://a:1", "http://b:1")))
+    for replica in fleet.replicas:
+        replica.alive, replica.events = True, Quiet()
+    keys = [bytes([i]) * 16 for i in range(3)]
+    fleet.sent(fleet.replicas[1], 3, keys[:2])
+    fleet.replicas[1].sent.clear()  # its queue drained: only the held prefix differs
+    chosen, choice = fleet.choose(4, keys)  # no namespace read yet: blocks of 1 token
+    assert chosen is fleet.replicas[1] and choice.num_cached_tokens == 2
