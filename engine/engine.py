@@ -27,6 +27,7 @@ from engine.request import (
     GenerateResult,
     InvalidRequestError,
     Prompt,
+    QueueFullError,
     Request,
     RequestCancelled,
     Sampler,
@@ -172,12 +173,18 @@ class Engine:
             except ValueError as e:
                 raise InvalidRequestError(f"cache_salt: {e}") from None
             request.expected_cached_tokens = self.cache.peek(request.token_ids, request.cache_salt)
-        with self._cond:
-            if self._closed:
-                raise EngineClosedError("engine is closed")
-            for request in requests:
-                self.scheduler.add(request, max_waiting)
-            self._cond.notify()
+        displaced: list[Request | None] = []
+        try:
+            with self._cond:
+                if self._closed:
+                    raise EngineClosedError("engine is closed")
+                for request in requests:
+                    displaced.append(self.scheduler.add(request, max_waiting))
+                self._cond.notify()
+        finally:  # a tenant over its share gives way: its newest waiting request is refused
+            for request in filter(None, displaced):
+                busy = f"{max_waiting} requests are waiting, the most of them from its tenant"
+                self._fail(request, QueueFullError(busy))
         return requests
 
     def cancel(self, request: Request) -> None:

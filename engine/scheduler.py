@@ -104,15 +104,39 @@ class WaitQueue:
         self._lock = threading.Lock()
         self.size = 0
 
-    def push(self, request: Request, bound: int | None = None, front: bool = False) -> None:
+    def push(
+        self, request: Request, bound: int | None = None, front: bool = False
+    ) -> Request | None:
+        """Queue `request`. At the bound, a tenant holding at least two more waiting requests
+        than this one's tenant gives up its newest never-started one, which is returned (the
+        caller refuses it); otherwise QueueFullError. A flood thus fills its own share, and
+        a quiet tenant still gets in."""
         with self._lock:
+            displaced = None
             if bound is not None and self.size >= bound:
-                raise QueueFullError(f"{self.size} requests are waiting (the bound)")
+                displaced = self._displace(request.tenant)
+                if displaced is None:
+                    raise QueueFullError(f"{self.size} requests are waiting (the bound)")
             queue = self._queues.setdefault(request.tenant, deque())
             if not queue:
                 (self._turns.appendleft if front else self._turns.append)(request.tenant)
             (queue.appendleft if front else queue.append)(request)
             self.size += 1
+            return displaced
+
+    def _displace(self, tenant: str | None) -> Request | None:
+        """Take the newest never-started request of the tenant with the most waiting, if it
+        holds at least 2 more than `tenant` (under the lock)."""
+        mine = len(self._queues.get(tenant, ()))
+        other = max(self._turns, key=lambda t: len(self._queues[t]), default=None)
+        queue = self._queues.get(other)
+        if other == tenant or queue is None or len(queue) < mine + 2:
+            return None
+        victim = next((r for r in reversed(queue) if r.scheduled is None), None)
+        if victim is not None:
+            queue.remove(victim)
+            self.size -= 1
+        return victim
 
     def candidates(self) -> list[Request]:
         """Every waiting request in the order they would be popped (round-robin)."""
@@ -176,8 +200,9 @@ class Scheduler:
         self.waiting = WaitQueue()
         self.running: list[Request] = []
 
-    def add(self, request: Request, bound: int | None = None) -> None:
-        self.waiting.push(request, bound)
+    def add(self, request: Request, bound: int | None = None) -> Request | None:
+        """Queue `request`; returns a request displaced to make room (see WaitQueue.push)."""
+        return self.waiting.push(request, bound)
 
     def stats(self) -> QueueStats:
         """Queue sizes and the work in them (read from any thread: lists are copied)."""

@@ -34,6 +34,9 @@ def _positive(name: str, value: float | int | None, allow_none: bool = True) -> 
         raise ConfigError(name, f"must be a positive number, got {value!r}")
 
 
+LMDB_MIN_MAP_BYTES = 64 * 4096  # LMDB's map must hold its meta and a few pages
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Configuration of `PrefixCache` and its tiers. All sizes are per process."""
@@ -106,6 +109,9 @@ class CacheConfig:
             raise ConfigError("memory_cache_gb", "must be >= 0")
         for name in ("lmdb_map_size_gb", "lookup_deadline_ms", "breaker_cooldown_s"):
             _positive(name, getattr(self, name), allow_none=False)
+        if round(self.lmdb_map_size_gb * 2**30) < LMDB_MIN_MAP_BYTES:
+            message = f"must be at least {LMDB_MIN_MAP_BYTES / 2**30:.12g} (256 KiB)"
+            raise ConfigError("lmdb_map_size_gb", f"{message}, got {self.lmdb_map_size_gb!r}")
         for name in ("breaker_failures", "chunk_blocks", "selective_min_hits"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

@@ -98,7 +98,7 @@ class Router:
         busy: Response | None = None  # the last 429: answered if every replica is full
         while True:
             try:
-                replica = self._pick(ids, keys, session, tried)
+                replica, entry = self._pick(ids, keys, session, tried)
             except p.ApiError:
                 if busy is None:
                     raise
@@ -112,6 +112,8 @@ class Router:
             except Busy as e:
                 busy = e.response
                 tried.append(replica)
+            finally:
+                self.fleet.prefilled(replica, entry)
 
     def _tokens(self, req: Any, salt: str) -> tuple[list[int], list[BlockHash]]:
         """The prompt as the replicas render it, and its block keys (400 for bad ids)."""
@@ -123,25 +125,25 @@ class Router:
 
     def _pick(
         self, ids: list[int], keys: list[BlockHash], session: str | None, tried: list
-    ) -> Replica:
+    ) -> tuple[Replica, tuple[float, int]]:
+        """The replica for the request, and its entry in that replica's unseen load."""
         pinned = self.sessions.get(session) if session else None
         if pinned is not None and pinned.alive and pinned not in tried:
             self.sessions.move_to_end(session)
             self.fleet.counts["session"] += 1
-            self.fleet.sent(pinned, len(ids), keys)
-            return pinned
+            return pinned, self.fleet.sent(pinned, len(ids), keys)
         try:
             replica, choice = self.fleet.choose(len(ids), keys, tried)
         except NoReplicaError as e:
             raise p.ApiError(503, f"{e}: retry later", type="server_error") from None
         cached = choice.num_cached_tokens if choice is not None else 0
         self.metrics.predicted_cached.inc(cached)
-        self.fleet.sent(replica, len(ids) - cached, keys)
+        entry = self.fleet.sent(replica, len(ids) - cached, keys)
         if session:
             self.sessions[session] = replica
             if len(self.sessions) > MAX_SESSIONS:
                 self.sessions.popitem(last=False)
-        return replica
+        return replica, entry
 
     async def _send(
         self, replica: Replica, path: str, body: bytes, headers: dict, stream: bool
@@ -213,7 +215,9 @@ class Router:
     def health(self) -> JSONResponse:
         replicas = [self.metrics.describe(r) for r in self.fleet.replicas]
         ok = any(r.alive for r in self.fleet.replicas)
-        body = {"status": "ok" if ok else "unavailable", "policy": self.config.policy}
+        whole = all(r.alive and r.status == "ok" for r in self.fleet.replicas)
+        status = "ok" if whole else "degraded" if ok else "unavailable"
+        body = {"status": status, "policy": self.config.policy}
         return JSONResponse(body | {"replicas": replicas}, status_code=200 if ok else 503)
 
     async def close(self) -> None:

@@ -25,6 +25,7 @@ from kvstore.routing import ReplicaLoad, RouteChoice, choose_replica
 log = logging.getLogger("kvstore.router")
 MAX_HASHERS = 1024  # salts whose hashers are kept
 DOWN_AFTER_FAILURES = 2  # failed health reads in a row before a replica is dropped
+SERVING = ("ok", "degraded")  # /health statuses that take requests (degraded: a tier is down)
 PENDING_S = 5.0  # how long a routed prompt's blocks count as held before its events say so
 
 
@@ -34,8 +35,11 @@ class Replica:
 
     url: str
     alive: bool = False
+    status: str = "unknown"  # its /health status: ok, degraded (serves), draining, ...
     reported: ReplicaLoad = field(default_factory=ReplicaLoad)
     sent: list[tuple[float, int]] = field(default_factory=list)  # (monotonic, tokens) unseen
+    # (monotonic, sent entry) prefilled since the last /health read was asked: in its load
+    prefilled: list[tuple[float, tuple[float, int]]] = field(default_factory=list)
     routed: int = 0
     failures: int = 0
     pending: tuple[float, frozenset] = (0.0, frozenset())  # (monotonic, keys) last routed
@@ -47,8 +51,11 @@ class Replica:
         return urlsplit(self.url).hostname  # check_replica_url: there is one
 
     def load(self) -> ReplicaLoad:
-        extra = sum(tokens for _, tokens in self.sent)
-        queued = self.reported.queued_tokens + extra
+        """The last report, less what was prefilled since it was asked, plus what was sent
+        since (a chat's next turn, sent at once, must not see its own last turn as load)."""
+        done = sum(tokens for _, (_, tokens) in self.prefilled)
+        queued = max(0, self.reported.queued_tokens - done)
+        queued += sum(tokens for _, tokens in self.sent)
         return ReplicaLoad(queued, self.reported.running_tokens, self.routed)
 
     def report(self, asked_at: float, body: dict) -> None:
@@ -59,7 +66,9 @@ class Replica:
         queued, running = body.get("queued_tokens", 0), body.get("running_tokens", 0)
         self.reported = ReplicaLoad(int(queued), int(running))
         self.sent = [(t, n) for t, n in self.sent if t >= asked_at]
-        self.alive, self.failures = body.get("status") == "ok", 0
+        self.prefilled = [(t, e) for t, e in self.prefilled if t >= asked_at]
+        self.status = str(body.get("status"))
+        self.alive, self.failures = self.status in SERVING, 0
 
 
 class Fleet:
@@ -105,6 +114,7 @@ class Fleet:
             replica.report(asked_at, body)
         except Exception as e:  # whatever a replica answers, the loop goes on
             self.failed(replica, f"health: {type(e).__name__}")
+            replica.status = "unreachable"
             return
         if replica.info is None and isinstance(body.get("cache"), dict):
             self._attach(replica, body["cache"])
@@ -199,13 +209,26 @@ class Fleet:
                 return self.replicas[i]
         return self.replicas[live[0]]
 
-    def sent(self, replica: Replica, num_tokens: int, keys: Sequence[BlockHash] = ()) -> None:
+    def sent(
+        self, replica: Replica, num_tokens: int, keys: Sequence[BlockHash] = ()
+    ) -> tuple[float, int]:
         """A request went to `replica`: `num_tokens` to prefill there, and its prompt's
-        `keys` held there from now (its events follow within milliseconds)."""
+        `keys` held there from now (its events follow within milliseconds). Returns its
+        entry in the replica's unseen load, for `prefilled`."""
         replica.routed += 1
         now = time.monotonic()
-        replica.sent.append((now, num_tokens))
+        entry = (now, num_tokens)
+        replica.sent.append(entry)
         replica.pending = (now, frozenset(keys))
+        return entry
+
+    @staticmethod
+    def prefilled(replica: Replica, entry: tuple[float, int]) -> None:
+        """The request's first byte came back: its prompt is no longer queued there (a chat's
+        next turn, sent at once, must not see its own previous turn as load)."""
+        replica.sent = [item for item in replica.sent if item is not entry]
+        if all(item is not entry for _, item in replica.prefilled):
+            replica.prefilled.append((time.monotonic(), entry))
 
 
 class _WithPending(BlockSet):

@@ -89,6 +89,7 @@ class RouterMetrics:
         return {
             "url": replica.url,
             "alive": replica.alive,
+            "status": replica.status,
             "routed": replica.routed,
             "queued_tokens": load.queued_tokens,
             "running_tokens": load.running_tokens,

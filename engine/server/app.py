@@ -2,7 +2,8 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (all need a valid
 Bearer key when keys are configured), GET /health (never), GET /metrics (with
---metrics-require-key only).
+--metrics-require-key only). SIGTERM drains first: new requests get 503 while the admitted
+ones finish, up to --drain-timeout-s.
 """
 
 from __future__ import annotations
@@ -11,9 +12,13 @@ import argparse
 import ipaddress
 import logging
 import sys
+import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from types import FrameType
 
+import uvicorn
 from fastapi import FastAPI
 from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4
 from starlette.concurrency import run_in_threadpool
@@ -28,6 +33,7 @@ from engine.server.service import Service
 from kvstore.events import EventSink
 from kvstore.stores.redis import redact_url
 
+GRACEFUL_CLOSE_S = 5.0  # after the drain: how long uvicorn waits for open responses
 REJECT_REASONS = {401: "unauthorized", 404: "not_found", 413: "too_large", 429: "queue_full"}
 log = logging.getLogger("kvstore.server")
 
@@ -58,13 +64,13 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        queue = engine.queue_stats()
-        ok = engine.alive
-        body = {"status": "ok" if ok else "unavailable", "model": config.served_model_name}
+        queue, state = engine.queue_stats(), await run_in_threadpool(service.health)
+        body = {"status": state.status, "model": config.served_model_name}
         body |= {"waiting": queue.waiting, "running": queue.running}
         body |= {"queued_tokens": queue.queued_tokens, "running_tokens": queue.running_tokens}
+        body["tiers"] = state.tiers
         body["cache"] = service.cache_info  # what a router needs to hash like this replica
-        return JSONResponse(body, status_code=200 if ok else 503)
+        return JSONResponse(body, status_code=state.http_status)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
@@ -140,10 +146,34 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server with a drain first: the first SIGTERM (or SIGINT) makes new requests
+    503 and /health "draining" while the admitted ones finish (up to the drain timeout),
+    then uvicorn shuts down as usual; a second signal exits at once."""
+
+    def __init__(self, config: uvicorn.Config, service: Service, drain_timeout_s: float):
+        super().__init__(config)
+        self.service, self.drain_timeout_s = service, drain_timeout_s
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.service.draining.is_set() or self.drain_timeout_s == 0:
+            super().handle_exit(sig, frame)
+            return
+        threading.Thread(target=self._drain, args=(sig, frame), daemon=True).start()
+
+    def _drain(self, sig: int, frame: FrameType | None) -> None:
+        start = time.monotonic()
+        done = self.service.drain(self.drain_timeout_s)
+        took = time.monotonic() - start
+        if done:
+            log.info("drained in %.1f s: shutting down", took)
+        else:
+            log.error("drain timed out after %.1f s: the requests still running fail", took)
+        super().handle_exit(sig, frame)
+
+
 def run_server(args: argparse.Namespace) -> int:
     """`kvstore serve`: load the model and cache, then serve until SIGINT/SIGTERM."""
-    import uvicorn
-
     from engine.commands import check_cache_config, load_engine
     from kvstore.settings import config_from_args
 
@@ -164,7 +194,11 @@ def run_server(args: argparse.Namespace) -> int:
         log.info("%s", describe_engine(engine))
         app = create_app(engine, config)
         try:
-            uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level)
+            uv_config = uvicorn.Config(
+                app, host=config.host, port=config.port, log_level=config.log_level,
+                timeout_graceful_shutdown=GRACEFUL_CLOSE_S,
+            )  # fmt: skip
+            DrainingServer(uv_config, app.state.service, config.drain_timeout_s).run()
         finally:
             app.state.service.close()
     finally:

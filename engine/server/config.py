@@ -66,6 +66,7 @@ class ServerConfig:
     max_prompt_tokens: int | None = None  # None: only the model's positions bound it
     max_tokens_limit: int = 2048  # largest max_tokens a request may ask for
     retry_after_s: int = 1  # Retry-After of a 429
+    drain_timeout_s: float = 30.0  # SIGTERM: in-flight requests get this long to finish
     log_level: str = "info"
     kv_events_port: int | None = None  # ZMQ PUB of the index's events (None: not published)
     kv_events_replay_port: int | None = None  # ZMQ ROUTER for replay (default port + 1)
@@ -87,6 +88,9 @@ class ServerConfig:
             _check_int("max_prompt_tokens", self.max_prompt_tokens, 1)
         _check_int("max_tokens_limit", self.max_tokens_limit, 1)
         _check_int("retry_after_s", self.retry_after_s, 1)
+        drain = self.drain_timeout_s
+        if isinstance(drain, bool) or not isinstance(drain, int | float) or not 0 <= drain <= 3600:
+            raise ConfigError("drain_timeout_s", f"must be 0..3600 seconds, got {drain!r}")
         if self.log_level not in ("critical", "error", "warning", "info", "debug"):
             raise ConfigError("log_level", f"unknown level {self.log_level!r}")
         self._check_events()
@@ -149,6 +153,12 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-tokens-limit", type=int, default=2048, help="largest max_tokens")
     group.add_argument("--retry-after-s", type=int, default=1, help="Retry-After of a 429")
     group.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, new requests get 503 and in-flight ones this long to finish (default 30)",
+    )
+    group.add_argument(
         "--kv-events-port",
         type=int,
         default=None,
@@ -196,6 +206,7 @@ def server_config_from_args(
         max_prompt_tokens=args.max_prompt_tokens,
         max_tokens_limit=args.max_tokens_limit,
         retry_after_s=args.retry_after_s,
+        drain_timeout_s=args.drain_timeout_s,
         log_level=args.log_level,
         kv_events_port=args.kv_events_port,
         kv_events_replay_port=_replay_port(args),

@@ -127,6 +127,9 @@ class ServerMetrics:
         }
         self.ttft = Histogram("kvstore_time_to_first_token_seconds", "arrival to first token",
                               buckets=LATENCY_BUCKETS_S, registry=self.registry)  # fmt: skip
+        self.preemptions = Counter("kvstore_preemptions_total", "times a running request was "
+                                   "preempted to free blocks (it resumes from the cache)",
+                                   registry=self.registry)  # fmt: skip
         self.queue_wait = Histogram("kvstore_queue_wait_seconds", "arrival to start",
                                     buckets=LATENCY_BUCKETS_S, registry=self.registry)  # fmt: skip
 
@@ -138,6 +141,7 @@ class ServerMetrics:
             self.queue_wait.observe(job.queue_wait_s)
         if job.ttft_s is not None:
             self.ttft.observe(job.ttft_s)
+        self.preemptions.inc(job.num_preemptions)
         outcome = "ok" if result is not None else "cancelled" if job.cancelled else "error"
         self.counters["kvstore_requests_total"].labels(outcome).inc()
         if result is not None:

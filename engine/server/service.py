@@ -8,6 +8,8 @@ import concurrent.futures
 import dataclasses
 import json
 import logging
+import threading
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -27,6 +29,7 @@ from engine.request import (
 from engine.server import protocol as p
 from engine.server.auth import Authenticator, AuthError, CacheSaltError, request_salt
 from engine.server.config import ServerConfig
+from engine.server.health import Health, health
 from engine.server.metrics import ServerMetrics
 from engine.server.prompts import prompt_ids
 from engine.server.streaming import DONE, TextStreamer, TokenBridge, sse
@@ -91,9 +94,39 @@ class Service:
         self.auth = Authenticator(config.api_keys, engine.cache_config.secret_bytes)
         self.metrics = ServerMetrics(engine.stats, engine.queue_stats)
         self.cache_info = cache_info(engine, config)
+        self.draining = threading.Event()  # set on SIGTERM: new requests get 503
+        self._admitting = _Gauge()  # requests read or tokenized, not yet in the engine
+
+    def health(self) -> Health:
+        return health(self.engine.alive, self.draining.is_set(), self.engine.stats()["tiers"])
+
+    def drain(self, timeout_s: float) -> bool:
+        """Refuse new requests and wait until the admitted ones finished; False if
+        `timeout_s` ran out first (the rest fail when the engine closes)."""
+        self.draining.set()
+        in_flight = self._in_flight()
+        (log.warning if in_flight else log.info)(
+            "draining: new requests get 503; waiting up to %g s for %d in flight",
+            timeout_s, in_flight,
+        )  # fmt: skip
+        end = time.monotonic() + timeout_s
+        while self._in_flight() and time.monotonic() < end:
+            time.sleep(0.05)
+        return not self._in_flight()
+
+    def _in_flight(self) -> int:
+        queue = self.engine.queue_stats()
+        return self._admitting.value + queue.waiting + queue.running
 
     def authenticate(self, request: HTTPRequest) -> str | None:
         return authenticate(self.auth, request)
+
+    def check_draining(self) -> None:
+        if self.draining.is_set():
+            message = "the server is shutting down (draining); send the request to another replica"
+            error = p.ApiError(503, message, type="server_error", code="draining")
+            error.headers = {"Retry-After": str(self.config.retry_after_s)}
+            raise error
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.config.served_model_name:
@@ -105,6 +138,19 @@ class Service:
 
     async def handle(self, request: HTTPRequest, kind: str) -> Response:
         """POST /v1/completions (kind "completion") and /v1/chat/completions (kind "chat")."""
+        self.check_draining()
+        with self._admitting:  # a drain waits for requests between here and the engine
+            job, req, bridge = await self.admit_request(request, kind)
+        if bridge is not None:
+            events = self.events(job, req, kind, bridge)
+            return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+        result = await self.result(job)
+        return JSONResponse(self.response(kind, req, result))
+
+    async def admit_request(
+        self, request: HTTPRequest, kind: str
+    ) -> tuple[Request, Any, TokenBridge | None]:
+        """Read, validate and tokenize the request, and queue its job in the engine."""
         tenant = self.authenticate(request)
         data = await read_json(request, self.config.max_body_bytes)
         req = p.parse_body(p.CompletionRequest if kind == "completion" else p.ChatRequest, data)
@@ -121,11 +167,7 @@ class Service:
             job.on_token = bridge.push
             bridge.watch(job.future)
         self.admit(job)
-        if bridge is not None:
-            events = self.events(job, req, kind, bridge)
-            return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
-        result = await self.result(job)
-        return JSONResponse(self.response(kind, req, result))
+        return job, req, bridge
 
     def prompt_ids(self, req: p.CompletionRequest | p.ChatRequest) -> list[int]:
         ids = prompt_ids(self.tokenizer, req)
@@ -165,12 +207,7 @@ class Service:
         except InvalidRequestError as e:
             raise p.bad_request(str(e), "prompt") from None
         except QueueFullError as e:
-            retry = str(self.config.retry_after_s)
-            message = f"the server is busy ({e}); retry after {retry} s"
-            headers = {"Retry-After": retry}
-            error = p.ApiError(429, message, type="rate_limit_error", code="queue_full")
-            error.headers = headers
-            raise error from None
+            raise self.failure(e) from None
         except EngineClosedError as e:
             raise p.ApiError(503, "the server is shutting down", type="server_error") from e
 
@@ -188,6 +225,12 @@ class Service:
     def failure(self, error: BaseException) -> p.ApiError:
         if isinstance(error, InvalidRequestError):
             return p.bad_request(str(error))
+        if isinstance(error, QueueFullError):  # full, or displaced by a fairer tenant's turn
+            retry = str(self.config.retry_after_s)
+            message = f"the server is busy ({error}); retry after {retry} s"
+            busy = p.ApiError(429, message, type="rate_limit_error", code="queue_full")
+            busy.headers = {"Retry-After": retry}
+            return busy
         if isinstance(error, EngineClosedError):
             return p.ApiError(503, str(error), type="server_error")
         log.error("request failed", exc_info=error)
@@ -207,7 +250,9 @@ class Service:
     async def events(
         self, job: Request, req: Any, kind: str, bridge: TokenBridge
     ) -> AsyncIterator[str]:
-        """The SSE stream; a client that goes away cancels its job (queued or running)."""
+        """The SSE stream; a client that goes away cancels its job (queued or running). A job
+        that fails, even before its first token (displaced from a full queue: code
+        `queue_full`), ends it with an error event in OpenAI's error shape."""
         chunks = _Chunks(kind, self.config.served_model_name, req.include_usage)
         streamer = TextStreamer(self.tokenizer, req.stop_strings)
         try:
@@ -230,7 +275,35 @@ class Service:
                 self.engine.cancel(job)
 
     def close(self) -> None:
+        """Close the engine, then check the cache: a block still held after every request
+        ended is a leak, and the index and pool must agree."""
         self.engine.close(cancel_waiting=True)
+        try:
+            self.engine.cache.check_integrity()
+        except Exception as e:  # reported, not raised: the process is exiting anyway
+            log.error("shutdown: cache integrity check failed: %s", e)
+            return
+        cache = self.engine.cache  # closed: its tiers are not asked
+        total = cache.pool.num_blocks
+        held = total - cache.pool.num_free_blocks - cache.index.num_evictable_blocks
+        report = log.info if held == 0 else log.error
+        report("shutdown: cache integrity ok; %d of %d device blocks held after the last "
+               "request", held, total)  # fmt: skip
+
+
+class _Gauge:
+    """A thread-safe count of what is inside its `with` blocks."""
+
+    def __init__(self) -> None:
+        self._lock, self.value = threading.Lock(), 0
+
+    def __enter__(self) -> None:
+        with self._lock:
+            self.value += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            self.value -= 1
 
 
 class _Chunks:

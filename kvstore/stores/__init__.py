@@ -37,7 +37,7 @@ def make_stores(config: CacheConfig, namespace: Namespace | str) -> list[SpillSt
     if config.memory_cache_gb > 0:
         stores.append(MemoryStore(max(1, int(config.memory_cache_gb * GIB))))
     if config.lmdb_dir is not None:
-        map_size = int(config.lmdb_map_size_gb * GIB)
+        map_size = round(config.lmdb_map_size_gb * GIB)
         path = os.path.expanduser(config.lmdb_dir)
         stores.append(LmdbStore(path, map_size, namespace_id=bytes.fromhex(namespace_id)))
     if config.redis_url is not None:

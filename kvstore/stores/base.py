@@ -9,10 +9,17 @@ counts them in `stats()`.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+
+from kvstore.stores.breaker import describe as describe_error
+
+log = logging.getLogger("kvstore.tiers")
+ERROR_LOG_QUIET_S = 30.0  # a failing tier is logged again after this long without errors
 
 
 @dataclass(frozen=True)
@@ -36,6 +43,7 @@ class StoreStats:
     errors: int
     foreign: int = 0  # of verify_failures: intact entries of another secret/namespace/format
     breaker_state: str | None = None  # "closed", "open", "half_open"; None without a breaker
+    seconds_since_error: float | None = None  # since the last counted error; None: never
 
 
 class Counters:
@@ -52,18 +60,36 @@ class Counters:
         "foreign",
     )
 
-    def __init__(self) -> None:
+    def __init__(self, name: str = "tier") -> None:
+        self.name = name
         self._lock = threading.Lock()
         self._values = dict.fromkeys(self.FIELDS, 0)
+        self._last_error_at: float | None = None  # monotonic
 
     def add(self, **deltas: int) -> None:
         with self._lock:
             for name, delta in deltas.items():
                 self._values[name] += delta
+            if deltas.get("errors"):
+                self._last_error_at = time.monotonic()
+
+    def error(self, error: BaseException, **deltas: int) -> None:
+        """Count one backend error (and `deltas`); the first after a quiet spell is logged."""
+        with self._lock:
+            last = self._last_error_at
+        if last is None or time.monotonic() - last >= ERROR_LOG_QUIET_S:
+            log.warning("tier %s is failing (%s): its reads are misses and its writes are "
+                        "dropped while it does", self.name, describe_error(error))  # fmt: skip
+        self.add(errors=1, **deltas)
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:
             return dict(self._values)
+
+    def seconds_since_error(self) -> float | None:
+        with self._lock:
+            last = self._last_error_at
+        return None if last is None else time.monotonic() - last
 
     def count_reads(self, values: Sequence[bytes | None], requested: int) -> None:
         found = sum(v is not None for v in values)
@@ -182,4 +208,5 @@ class SpillStore(ABC):
             capacity,
             **self._counters.snapshot(),
             breaker_state=breaker_state,
+            seconds_since_error=self._counters.seconds_since_error(),
         )

@@ -58,7 +58,7 @@ class LmdbStore(SpillStore):
         self._prefix = namespace_id
         self.high_water, self.low_water = high_water, low_water
         self._requested_map_size = map_size_bytes
-        self._counters = Counters()
+        self._counters = Counters(self.name)
         self._shared: SharedEnv | None = acquire(self.path, map_size_bytes)
 
     # --------------------------------------------------------------- environment
@@ -117,8 +117,8 @@ class LmdbStore(SpillStore):
 
         try:
             return self._run(count)
-        except lmdb.Error:
-            self._counters.add(errors=1)
+        except lmdb.Error as e:
+            self._counters.error(e)
             return 0
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
@@ -129,8 +129,8 @@ class LmdbStore(SpillStore):
 
         try:
             return self._run(contains)
-        except lmdb.Error:
-            self._counters.add(errors=1)
+        except lmdb.Error as e:
+            self._counters.error(e)
             return [False] * len(keys)
 
     def _fetch(self, keys: Sequence[bytes]) -> list[bytes | None]:
@@ -140,8 +140,8 @@ class LmdbStore(SpillStore):
 
         try:
             values = self._run(get)
-        except lmdb.Error:
-            self._counters.add(errors=1)
+        except lmdb.Error as e:
+            self._counters.error(e)
             values = [None] * len(keys)
         return values
 
@@ -151,8 +151,8 @@ class LmdbStore(SpillStore):
         with the `with` block (until then LMDB does not reuse their pages)."""
         try:
             txn = self._run(lambda shared: shared.env.begin(db=shared.blocks, buffers=True))
-        except lmdb.Error:
-            self._counters.add(errors=1, misses=len(keys))
+        except lmdb.Error as e:
+            self._counters.error(e, misses=len(keys))
             yield []
             return
         try:
@@ -170,8 +170,8 @@ class LmdbStore(SpillStore):
                 if value is None:
                     break
                 values.append(value)
-        except lmdb.Error:
-            self._counters.add(errors=1)
+        except lmdb.Error as e:
+            self._counters.error(e)
         return values
 
     # --------------------------------------------------------------- writes
@@ -197,8 +197,8 @@ class LmdbStore(SpillStore):
                 )
             except lmdb.MapFullError:
                 continue
-            except lmdb.Error:
-                self._counters.add(errors=1)
+            except lmdb.Error as e:
+                self._counters.error(e)
                 break
         self._counters.add(dropped_writes=len(batch))
         return 0
@@ -283,8 +283,8 @@ class LmdbStore(SpillStore):
 
         try:
             return self._run(remove) if keys else 0
-        except lmdb.Error:
-            self._counters.add(errors=1)
+        except lmdb.Error as e:
+            self._counters.error(e)
             return 0
 
     # --------------------------------------------------------------- admin

@@ -29,7 +29,7 @@ class MemoryStore(SpillStore):
         self._entries: OrderedDict[bytes, bytes] = OrderedDict()  # oldest / least recent first
         self._bytes = 0
         self._lock = threading.Lock()
-        self._counters = Counters()
+        self._counters = Counters(self.name)
 
     def count_prefix(self, keys: Sequence[bytes]) -> int:
         with self._lock:

@@ -92,7 +92,7 @@ class RedisStore(SpillStore):
             "health_check_interval": 0,
             **connection_kwargs,
         }
-        self._counters = Counters()
+        self._counters = Counters(self.name)
         self._lock = threading.Lock()
         self._client: redis.Redis | RedisCluster | None = None
 

@@ -8,6 +8,7 @@ import contextlib
 import itertools
 import json
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -283,3 +284,22 @@ def test_a_prompt_just_routed_counts_as_held_before_its_events_arrive():
     fleet.replicas[1].sent.clear()  # its queue drained: only the held prefix differs
     chosen, choice = fleet.choose(4, keys)  # no namespace read yet: blocks of 1 token
     assert chosen is fleet.replicas[1] and choice.num_cached_tokens == 2
+
+
+def test_a_prompt_stops_counting_as_queued_load_once_its_first_byte_came_back():
+    from engine.router.config import RouterConfig
+    from engine.router.fleet import Fleet
+
+    fleet = Fleet(RouterConfig(replicas=("http://a:1",)))
+    replica = fleet.replicas[0]
+    first, second = fleet.sent(replica, 120, ()), fleet.sent(replica, 120, ())
+    assert replica.load().queued_tokens == 240
+    fleet.prefilled(replica, first)
+    fleet.prefilled(replica, first)  # twice: nothing more to remove
+    assert replica.load().queued_tokens == 120
+    fleet.prefilled(replica, second)
+    assert replica.load().queued_tokens == 0
+    replica.report(0.0, {"queued_tokens": 300, "status": "ok"})  # asked before both prefills
+    assert replica.load().queued_tokens == 60  # its 240 prefilled since are no longer queued
+    replica.report(time.monotonic(), {"queued_tokens": 60, "status": "ok"})
+    assert replica.load().queued_tokens == 60

@@ -136,6 +136,22 @@ def test_a_full_queue_refuses_and_cancel_frees_a_slot(engine):
     assert engine.queue_stats() == (0, 0, {}, 0, 0)
 
 
+def test_at_the_bound_a_flooding_tenant_gives_way_to_a_quiet_one(engine):
+    """The newest waiting request of the tenant with the most waiting is refused (429) so a
+    tenant with 2 fewer gets in; between near-equals the bound holds."""
+    gate = Gate(engine)
+    floods = [engine.add_request(Request([5, 6], one_token(), tenant="a"), max_waiting=3)
+              for _ in range(3)]  # fmt: skip
+    quiet = engine.add_request(Request([5, 6], one_token(), tenant="b"), max_waiting=3)
+    with pytest.raises(QueueFullError, match="from its tenant"):
+        floods[-1].future.result(5)
+    assert engine.queue_stats().waiting_by_tenant == {"a": 2, "b": 1}
+    with pytest.raises(QueueFullError, match="the bound"):  # a holds 2, b would hold 2
+        engine.add_request(Request([5, 6], one_token(), tenant="b"), max_waiting=3)
+    gate.open()
+    assert [job.future.result(30).prompt_tokens for job in (*floods[:2], quiet)] == [2, 2, 2]
+
+
 def test_the_queue_reports_the_tokens_it_must_prefill_beyond_cached_prefixes(engine):
     """What a router weighs: a waiting prompt counts only past the prefix its replica held
     when it was queued; a running request counts the K/V it holds."""
