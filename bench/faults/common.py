@@ -38,12 +38,20 @@ class Scale:
     leak_requests: int
     outage_s: float  # length of each Redis pause / downtime
     kill_rounds: int = 5  # writer processes SIGKILLed
+    load_clients: int = 8  # streaming clients of the concurrent family
+    load_requests: int = 24  # requests per concurrent scenario (after its baseline)
 
 
 SCALES = {
     "ci": Scale(requests=24, collision_trials=300, leak_requests=300, outage_s=0.6),
     "full": Scale(
-        requests=120, collision_trials=10_000, leak_requests=10_000, outage_s=2.0, kill_rounds=100
+        requests=120,
+        collision_trials=10_000,
+        leak_requests=10_000,
+        outage_s=2.0,
+        kill_rounds=100,
+        load_clients=16,
+        load_requests=96,
     ),
 }
 

@@ -1,0 +1,299 @@
+"""The concurrent fault family: faults under many streaming clients on a live `kvstore serve`
+(the batched engine) with LMDB and the private Redis.
+
+Each scenario runs its workload twice on one server: a baseline half without the fault (its
+TTFTs are the baseline), then the whole workload with the fault. After it:
+- every completed answer is checked against the micro model's own no-cache forward;
+- the device blocks held by requests must be back to 0 once the clients are done (leaks);
+- SIGTERM: the server drains, closes and checks index and pool (`check_integrity`), and logs
+  how many blocks were still held;
+- a fresh server on the same LMDB re-sends every answered prompt: each must hit in full
+  (lost entries), unless LMDB itself evicted or dropped entries, which it counts.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from bench.faults.common import BS, Context
+from bench.faults.live import Answer, LiveServer, run_clients, stream, wait_until
+from bench.faults.load_report import MAX_TOKENS, Checks, LoadOutcome, percentile_ms, tally
+from bench.faults.storage import small_tmpfs
+
+PREFIXES, PREFIX_BLOCKS, OWN_BLOCKS = 4, 6, 4  # prompts share one of 4 six-block prefixes
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    heads = [rng.integers(0, 256, PREFIX_BLOCKS * BS).tolist() for _ in range(PREFIXES)]
+    return [heads[i % PREFIXES] + rng.integers(0, 256, OWN_BLOCKS * BS + 1).tolist()
+            for i in range(n)]  # fmt: skip
+
+
+def full_blocks(prompt: list[int]) -> int:
+    return (len(prompt) - 1) // BS * BS
+
+
+class Run:
+    """One scenario's server, workload and tallies."""
+
+    def __init__(self, ctx: Context, tag: str, *server_args: str, redis: bool = True):
+        self.ctx, self.tag = ctx, tag
+        self.clients = ctx.scale.load_clients
+        self.server = LiveServer(ctx, tag, *server_args, redis=redis).start().wait_ready()
+        self.base = run_clients(self.jobs(prompts(self.clients, seed=1)), self.clients)
+
+    def jobs(self, batch: list[list[int]], **kw: object) -> list[Callable[[], Answer]]:
+        url = self.server.url
+        return [lambda p=p: stream(url, p, MAX_TOKENS, **kw) for p in batch]  # type: ignore[misc]
+
+    def workload(self, seed: int = 2) -> list[list[int]]:
+        return prompts(self.ctx.scale.load_requests, seed)
+
+    def busy(self, timeout_s: float = 60.0) -> None:
+        """Wait until half the clients' requests are running (mid-batch)."""
+        wait_until(lambda: self.server.health().get("running", 0) >= self.clients // 2, timeout_s)
+
+    def probe_until_ok(self, timeout_s: float = 60.0) -> float | None:
+        """Seconds until /health says ok again, sending a new prompt every poll (a breaker
+        closes only on a call that succeeds)."""
+        fresh = iter(prompts(2000, seed=99))
+
+        def ok() -> bool:
+            stream(self.server.url, next(fresh), 1)
+            return self.server.health().get("status") == "ok"
+
+        return wait_until(ok, timeout_s)
+
+    def finish(
+        self, name: str, injected: str, answers: list[Answer], stopped: bool = False, **kw
+    ) -> LoadOutcome:
+        leaked, explained = None, False
+        if not stopped:
+            wait_until(lambda: self.server.held_blocks() == 0, 10.0)
+            leaked = self.server.held_blocks()
+            m = self.server.metrics()
+            explained = any(m.get(f'kvstore_store_{k}_total{{tier="lmdb"}}', 0.0)
+                            for k in ("evictions", "dropped_writes"))  # fmt: skip
+        integrity_ok, held_at_close, _ = self.server.shut_down()
+        lost = self.lost_entries(answers, explained)
+        checks = Checks(leaked, integrity_ok and held_at_close == 0, *lost)
+        return tally(self.ctx.model, self.base, answers, checks, name, injected, **kw)
+
+    def lost_entries(self, answers: list[Answer], explained: bool) -> tuple[int | None, str]:
+        """Answered prompts that a fresh server on the same LMDB (no Redis) cannot hit in
+        full; None when LMDB evicted or dropped entries (`explained`: they explain misses)."""
+        done = {(tuple(a.prompt), a.key) for a in answers if a.ok}
+        fresh = LiveServer(self.ctx, self.tag, redis=False).start().wait_ready()
+        try:
+            short = 0
+            for prompt, key in done:
+                body = {"model": "micro", "prompt": list(prompt), "max_tokens": 1}
+                r = fresh.client.post("/v1/completions", json=body,
+                                      headers={"Authorization": f"Bearer {key}"})  # fmt: skip
+                cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+                short += cached < full_blocks(list(prompt))
+        finally:
+            fresh.shut_down()
+        note = f"{len(done) - short}/{len(done)} answered prompts hit in full from LMDB after"
+        return (None if short and explained else short), note
+
+
+# ----------------------------------------------------------------------------- scenarios
+
+
+def redis_killed(ctx: Context) -> LoadOutcome:
+    run = Run(ctx, "redis-kill")
+    recovery: list[float | None] = []
+
+    def fault() -> None:
+        run.busy()
+        ctx.redis.kill()
+        time.sleep(ctx.scale.outage_s)
+        ctx.redis.restart()
+        recovery.append(run.probe_until_ok())
+
+    answers = run_clients(run.jobs(run.workload()), run.clients, during=fault)
+    return run.finish(
+        "Redis SIGKILLed mid-batch", f"{run.clients} streaming clients; SIGKILL Redis with half "
+        f"of them running, {ctx.scale.outage_s:g} s down, restart empty", answers,
+        recovery_s=recovery[0], note="recovery = restart to /health ok (breaker closed)",
+    )  # fmt: skip
+
+
+def redis_paused(ctx: Context) -> LoadOutcome:
+    run = Run(ctx, "redis-stop")
+    recovery: list[float | None] = []
+
+    def fault() -> None:
+        run.busy()
+        ctx.redis.pause()
+        time.sleep(ctx.scale.outage_s)
+        ctx.redis.resume()
+        recovery.append(run.probe_until_ok())
+
+    answers = run_clients(run.jobs(run.workload()), run.clients, during=fault)
+    return run.finish(
+        "Redis SIGSTOPped mid-batch", f"{run.clients} streaming clients; SIGSTOP Redis for "
+        f"{ctx.scale.outage_s:g} s with half of them running, then SIGCONT", answers,
+        recovery_s=recovery[0], note="recovery = SIGCONT to /health ok",
+    )  # fmt: skip
+
+
+def lmdb_map_full(ctx: Context) -> LoadOutcome:
+    map_gb = str(0.25 * 2**20 / 2**30)  # 256 KiB, the minimum
+    run = Run(ctx, "lmdb-full", "--lmdb-map-size-gb", map_gb, redis=False)
+    answers = run_clients(run.jobs(run.workload()), run.clients)
+    stats = run.server.metrics()
+    figures = {k: stats.get(f'kvstore_store_{k}_total{{tier="lmdb"}}', 0.0)
+               for k in ("writes", "evictions", "dropped_writes", "errors")}  # fmt: skip
+    return run.finish(
+        "LMDB map full under a batch", f"{run.clients} streaming clients writing to a 256 KiB "
+        "LMDB map", answers, figures=figures,
+        note=", ".join(f"{int(v)} {k.replace('_', ' ')}" for k, v in figures.items()),
+    )  # fmt: skip
+
+
+def preemption(ctx: Context) -> LoadOutcome:
+    blocks = PREFIX_BLOCKS + OWN_BLOCKS + MAX_TOKENS // BS + 2  # one request and a bit
+    run = Run(ctx, "preempt", "--device-blocks", str(3 * blocks))
+    answers = run_clients(run.jobs(run.workload()), run.clients)
+    preempted = run.server.metrics().get("kvstore_preemptions_total", 0.0)
+    return run.finish(
+        "preemption storm", f"{run.clients} streaming clients on a pool of {3 * blocks} "
+        f"blocks ({blocks} hold one request)", answers,
+        figures={"preemptions": preempted}, note=f"{int(preempted)} preemptions",
+    )  # fmt: skip
+
+
+def disconnects(ctx: Context) -> LoadOutcome:
+    run = Run(ctx, "disconnect")
+    rng = random.Random(7)
+    batch = run.workload()
+    leaving = set(rng.sample(range(len(batch)), round(0.3 * len(batch))))
+    leave = [rng.randint(1, MAX_TOKENS // 2) if i in leaving else None for i in range(len(batch))]
+    url = run.server.url
+    jobs = [lambda p=p, k=k: stream(url, p, MAX_TOKENS, leave_after=k)
+            for p, k in zip(batch, leave, strict=True)]  # fmt: skip
+    answers = run_clients(jobs, run.clients)
+    left = sum(k is not None for k in leave)
+    return run.finish(
+        "clients leave mid-stream", f"{run.clients} streaming clients; {left} of {len(batch)} "
+        "requests disconnect after a random number of chunks", answers,
+    )  # fmt: skip
+
+
+BAD_BODIES = (
+    b"{not json",
+    b'{"model": "micro", "prompt": [1, 2, 3], "max_tokens": "many"}',
+    b'{"model": "micro", "prompt": [999999], "max_tokens": 2}',
+    b'{"model": "micro", "prompt": "' + b"x" * 70_000 + b'", "max_tokens": 2}',
+)
+
+
+def bad_input(ctx: Context) -> LoadOutcome:
+    run = Run(ctx, "bad-input", "--max-body-bytes", "65536")
+    batch, url = run.workload(), run.server.url
+    bad = [BAD_BODIES[i % len(BAD_BODIES)] for i in range(len(batch) // 4)]
+    jobs = run.jobs(batch) + [lambda b=b: stream(url, [], 0, payload=b) for b in bad]
+    random.Random(3).shuffle(jobs)
+    answers = run_clients(jobs, run.clients)
+    statuses = Counter(a.status for a in answers if a.prompt == [])
+    return run.finish(
+        "bad requests in a healthy batch", f"{run.clients} streaming clients; {len(bad)} "
+        "malformed, mistyped, out-of-range and oversized bodies shuffled among "
+        f"{len(batch)} good requests", answers,
+        note="bad ones: " + ", ".join(f"{n}x {s}" for s, n in sorted(statuses.items())),
+    )  # fmt: skip
+
+
+def sigterm(ctx: Context) -> LoadOutcome:
+    run = Run(ctx, "sigterm")
+    exit_s: list[float] = []
+    started: list[float] = []
+
+    def fault() -> None:
+        run.busy()
+        started.append(time.perf_counter())
+        run.server.proc.terminate()
+        run.server.proc.wait(60)
+        exit_s.append(time.perf_counter() - started[0])
+
+    answers = run_clients(run.jobs(run.workload()), run.clients, during=fault)
+    for a in answers:  # sent after SIGTERM, not taken in: the listener closed before it
+        if a.status is None and a.sent_at >= started[0]:
+            a.error = "closed"
+    return run.finish(
+        "SIGTERM with requests in flight", f"{run.clients} streaming clients; SIGTERM with "
+        "half of them running (drain timeout 30 s)", answers, stopped=True,
+        recovery_s=exit_s[0], figures={"exit_s": exit_s[0]},
+        note=f"exited {exit_s[0]:.1f} s after SIGTERM (bound 30 s); sent after it: 503 "
+        "draining, or closed unread once the listener closed (no byte answered: safe to retry)",
+    )  # fmt: skip
+
+
+def disk_full(ctx: Context) -> LoadOutcome | None:
+    with small_tmpfs(ctx.workdir / "lmdb-disk-full") as ready:
+        if not ready:
+            return None
+        map_gb = str(4 * 2**20 / 2**30)  # a 4 MiB map on a 1 MiB disk
+        run = Run(ctx, "disk-full", "--lmdb-map-size-gb", map_gb, redis=False)
+        answers = run_clients(run.jobs(run.workload()), run.clients)
+        state = run.server.health().get("tiers", {}).get("lmdb", {}).get("state")
+        m = run.server.metrics()
+        figures = {k: m.get(f'kvstore_store_{k}_total{{tier="lmdb"}}', 0.0)
+                   for k in ("writes", "dropped_writes", "errors")}  # fmt: skip
+        logged = "tier lmdb is failing" in run.server.log_tail(200_000)
+        return run.finish(
+            "disk full under LMDB", f"{run.clients} streaming clients; LMDB map 4 MiB on a "
+            "1 MiB tmpfs", answers, figures=figures,
+            note=f"/health showed lmdb {state!r}, the log {'said' if logged else 'did NOT say'}"
+            " so; " + ", ".join(f"{int(v)} {k.replace('_', ' ')}" for k, v in figures.items()),
+        )  # fmt: skip
+
+
+def tenant_flood(ctx: Context) -> LoadOutcome:
+    """Tenant a floods (3x the clients, a queue bound of 8); tenant b's TTFT is measured."""
+    run = Run(ctx, "flood", "--max-queue", "8", "--max-num-seqs", "4")
+    url, quiet = run.server.url, prompts(ctx.scale.load_requests // 2, seed=5)
+    alone = run_clients([lambda p=p: stream(url, p, MAX_TOKENS, key="sk-load-b")
+                         for p in quiet[:4]], 1)  # fmt: skip
+    flood = [lambda p=p: stream(url, p, MAX_TOKENS) for p in prompts(4 * len(quiet), seed=6)]
+    measured = [lambda p=p: stream(url, p, MAX_TOKENS, key="sk-load-b") for p in quiet]
+    with ThreadPoolExecutor(3 * run.clients) as pool:
+        floods = [pool.submit(job) for job in flood]
+        time.sleep(0.5)  # the flood fills the queue first
+        mine = run_clients(measured, 2)
+        theirs = [f.result() for f in floods]
+    run.base = alone
+    outcome = run.finish(
+        "one tenant floods", f"tenant a: {len(flood)} requests on {3 * run.clients} clients, "
+        f"queue bound 8; tenant b: {len(quiet)} on 2 clients, TTFT measured", mine + theirs,
+    )  # fmt: skip
+    b_refused = sum(not a.ok for a in mine)
+    b_ttft = [a.ttft_s for a in mine if a.ok and a.ttft_s is not None]
+    outcome.ttft_p50_ms, outcome.ttft_p99_ms = percentile_ms(b_ttft, 50), percentile_ms(b_ttft, 99)
+    outcome.note = (f"tenant b: {len(mine) - b_refused}/{len(mine)} served, TTFT is b's "
+                    f"(baseline: b alone); tenant a: {sum(a.ok for a in theirs)}/{len(theirs)} "
+                    f"served; " + outcome.note)  # fmt: skip
+    outcome.figures |= {"b_refused": b_refused}
+    return outcome
+
+
+SCENARIOS: dict[str, Callable[[Context], LoadOutcome | None]] = {
+    "load-redis-kill": redis_killed,
+    "load-redis-stop": redis_paused,
+    "load-lmdb-full": lmdb_map_full,
+    "load-preempt": preemption,
+    "load-disconnect": disconnects,
+    "load-bad-input": bad_input,
+    "load-sigterm": sigterm,
+    "load-disk-full": disk_full,
+    "load-flood": tenant_flood,
+}

@@ -1,0 +1,91 @@
+"""`load-router-kill`: 3 replicas behind `kvstore router`, streaming clients through the
+router, one replica SIGKILLed mid-batch. A request that had not started streaming must not be
+lost (the router retries it elsewhere); one whose stream the kill broke ends with the
+router's error event, a documented refusal. Entries are checked in the shared Redis, which
+every replica writes through."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from bench.faults.common import Context
+from bench.faults.concurrent import full_blocks, prompts
+from bench.faults.live import Answer, LiveServer, model_dir, run_clients, stream, wait_until
+from bench.faults.load_report import MAX_TOKENS, Checks, LoadOutcome, tally
+from bench.launch import ServerProcess, free_port
+
+REPLICAS = 3
+
+
+def start_fleet(ctx: Context) -> tuple[ServerProcess, list[LiveServer]]:
+    replicas = [
+        LiveServer(ctx, f"fleet-{i}", "--kv-events-port", str(free_port()),
+                   "--kv-events-replay-port", str(free_port())).start()
+        for i in range(REPLICAS)
+    ]  # fmt: skip
+    for replica in replicas:
+        replica.wait_ready()
+    port = free_port()
+    urls = [a for r in replicas for a in ("--replica", r.url)]
+    args = [sys.executable, "-m", "engine.cli", "router", "--model", str(model_dir(ctx)),
+            "--port", str(port), "--api-keys-file", str(ctx.workdir / "load-keys.json"),
+            "--log-level", "warning", *urls]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    router = ServerProcess(args, port, ctx.workdir / "router.log",
+                           {**env, "KVSTORE_SECRET": "load-secret"}, "kvstore router")  # fmt: skip
+    return router.start().wait_ready(), replicas
+
+
+def redis_misses(ctx: Context, answers: list[Answer], dead: str) -> tuple[int, str]:
+    """Prompts answered by a surviving replica that a fresh server reading only the shared
+    Redis (an empty LMDB) cannot hit in full."""
+    done = {(tuple(a.prompt), a.key) for a in answers if a.ok and a.replica != dead}
+    fresh = LiveServer(ctx, "fleet-check").start().wait_ready()
+    try:
+        short = 0
+        for prompt, key in done:
+            body = {"model": "micro", "prompt": list(prompt), "max_tokens": 1}
+            r = fresh.client.post("/v1/completions", json=body,
+                                  headers={"Authorization": f"Bearer {key}"})  # fmt: skip
+            cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            short += cached < full_blocks(list(prompt))
+    finally:
+        fresh.shut_down()
+    return short, f"{len(done) - short}/{len(done)} survivors' prompts hit in full from Redis"
+
+
+def router_replica_killed(ctx: Context) -> LoadOutcome:
+    router, replicas = start_fleet(ctx)
+    victim, clients = replicas[0], ctx.scale.load_clients
+    base = run_clients([lambda p=p: stream(router.url, p, MAX_TOKENS)
+                        for p in prompts(clients, seed=1)], clients)  # fmt: skip
+    killed_at: list[float] = []
+
+    def fault() -> None:
+        wait_until(lambda: victim.health().get("running", 0) >= 1, 60.0)
+        victim.kill()
+        killed_at.append(time.perf_counter())
+
+    batch = prompts(ctx.scale.load_requests, seed=2)
+    jobs = [lambda p=p: stream(router.url, p, MAX_TOKENS) for p in batch]
+    answers = run_clients(jobs, clients, during=fault)
+    for a in answers:  # broken after its first byte: the router's documented error event
+        if a.status == 200 and a.error == "server_error" and a.replica == victim.url:
+            a.error, a.status = "broken", 502
+    survivors = replicas[1:]
+    wait_until(lambda: all(r.held_blocks() == 0 for r in survivors), 10.0)
+    leaked = sum(r.held_blocks() for r in survivors)
+    closed = [r.shut_down() for r in survivors]
+    router.stop()
+    lost, note = redis_misses(ctx, answers, victim.url)
+    broken = sum(a.error == "broken" for a in answers)
+    checks = Checks(leaked, all(ok and held == 0 for ok, held, _ in closed), lost, note)
+    return tally(
+        ctx.model, base, answers, checks, "replica SIGKILLed behind the router",
+        f"{clients} streaming clients through `kvstore router` to {REPLICAS} replicas; SIGKILL "
+        "one with a request running", note=f"{broken} streams broken after their first byte "
+        "(the router's error event, counted as refused: the client must retry); every other "
+        "request answered", figures={"broken": broken},
+    )  # fmt: skip
