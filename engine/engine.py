@@ -181,11 +181,17 @@ class Engine:
                 for request in requests:
                     displaced.append(self.scheduler.add(request, max_waiting))
                 self._cond.notify()
-        finally:  # a tenant over its share gives way: its newest waiting request is refused
-            for request in filter(None, displaced):
-                busy = f"{max_waiting} requests are waiting, the most of them from its tenant"
-                self._fail(request, QueueFullError(busy))
+        finally:
+            self._refuse_displaced([r for r in displaced if r is not None], max_waiting)
         return requests
+
+    def _refuse_displaced(self, requests: list[Request], bound: int | None) -> None:
+        """A tenant over its share of a full queue gave way: its newest waiting requests
+        fail with QueueFullError (429)."""
+        for request in requests:
+            request.displaced = True
+            busy = f"{bound} requests are waiting, the most of them from its tenant"
+            self._fail(request, QueueFullError(busy))
 
     def cancel(self, request: Request) -> None:
         """Stop a request: a waiting one is dropped, a running one ends before its next step."""

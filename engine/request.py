@@ -147,6 +147,7 @@ class Request:
     scheduled: float | None = None  # first admitted into a step
     first_token: float | None = None
     cancelled: bool = False
+    displaced: bool = False  # refused from a full queue to let a tenant with fewer in
     output: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the cache (first admission)
     expected_cached_tokens: int = 0  # the device pool's prefix when queued (the load it reports)

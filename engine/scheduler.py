@@ -145,15 +145,19 @@ class WaitQueue:
         depth = max((len(q) for q in queues), default=0)
         return [q[i] for i in range(depth) for q in queues if i < len(q)]
 
-    def take(self, request: Request) -> None:
-        """Pop `request` (a candidate): its tenant's turn goes to the back, as with `pop`."""
+    def take(self, request: Request) -> bool:
+        """Pop `request` (a candidate): its tenant's turn goes to the back, as with `pop`.
+        False if it left the queue meanwhile (cancelled, or displaced by `push`)."""
         with self._lock:
-            queue = self._queues[request.tenant]
+            queue = self._queues.get(request.tenant)
+            if queue is None or request not in queue:
+                return False
             queue.remove(request)
             self._turns.remove(request.tenant)
             if queue:
                 self._turns.append(request.tenant)
             self.size -= 1
+            return True
 
     def pop(self) -> Request:
         """The head of the tenant whose turn it is; that tenant goes to the back."""
@@ -318,7 +322,9 @@ class Scheduler:
         if not (room or not self.running) or not self.tables.grow(blocks, len(tokens)):
             self.tables.close(blocks)  # not now: it stays at the head of its queue
             return None
-        self.waiting.take(request)
+        if not self.waiting.take(request):  # cancelled or displaced while it was looked up
+            self.tables.close(blocks)
+            return Scheduled(request, 0, 0)
         request.state = state
         self.running.append(request)
         if request.num_preemptions == 0:  # a whole-prompt hit counts every prompt token

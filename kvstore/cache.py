@@ -410,6 +410,10 @@ class PrefixCache:
             **self.metrics.snapshot(),
         }
 
+    def tier_health(self) -> dict[str, dict]:
+        """Each spill tier's errors and breaker state (`SpillStore.health`): no I/O."""
+        return self.tiers.health() if self.tiers else {}
+
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for queued tier writes; False if the timeout ran out first."""
         return self.tiers.flush(timeout) if self.tiers else True

@@ -14,10 +14,10 @@ TTFTs are the baseline), then the whole workload with the fault. After it:
 from __future__ import annotations
 
 import random
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -43,8 +43,12 @@ def full_blocks(prompt: list[int]) -> int:
 class Run:
     """One scenario's server, workload and tallies."""
 
-    def __init__(self, ctx: Context, tag: str, *server_args: str, redis: bool = True):
-        self.ctx, self.tag = ctx, tag
+    def __init__(
+        self, ctx: Context, tag: str, *server_args: str, redis: bool = True,
+        may_evict: bool = False,
+    ) -> None:  # fmt: skip
+        """`may_evict`: the fault makes LMDB evict or drop entries (they explain misses)."""
+        self.ctx, self.tag, self.may_evict = ctx, tag, may_evict
         self.clients = ctx.scale.load_clients
         self.server = LiveServer(ctx, tag, *server_args, redis=redis).start().wait_ready()
         self.base = run_clients(self.jobs(prompts(self.clients, seed=1)), self.clients)
@@ -58,7 +62,9 @@ class Run:
 
     def busy(self, timeout_s: float = 60.0) -> None:
         """Wait until half the clients' requests are running (mid-batch)."""
-        wait_until(lambda: self.server.health().get("running", 0) >= self.clients // 2, timeout_s)
+        half = self.clients // 2
+        if wait_until(lambda: self.server.health().get("running", 0) >= half, timeout_s) is None:
+            raise RuntimeError(f"{half} requests were never running at once: no fault injected")
 
     def probe_until_ok(self, timeout_s: float = 60.0) -> float | None:
         """Seconds until /health says ok again, sending a new prompt every poll (a breaker
@@ -79,8 +85,10 @@ class Run:
             wait_until(lambda: self.server.held_blocks() == 0, 10.0)
             leaked = self.server.held_blocks()
             m = self.server.metrics()
-            explained = any(m.get(f'kvstore_store_{k}_total{{tier="lmdb"}}', 0.0)
-                            for k in ("evictions", "dropped_writes"))  # fmt: skip
+            explained = self.may_evict and any(
+                m.get(f'kvstore_store_{k}_total{{tier="lmdb"}}', 0.0)
+                for k in ("evictions", "dropped_writes")
+            )
         integrity_ok, held_at_close, _ = self.server.shut_down()
         lost = self.lost_entries(answers, explained)
         checks = Checks(leaked, integrity_ok and held_at_close == 0, *lost)
@@ -148,7 +156,7 @@ def redis_paused(ctx: Context) -> LoadOutcome:
 
 def lmdb_map_full(ctx: Context) -> LoadOutcome:
     map_gb = str(0.25 * 2**20 / 2**30)  # 256 KiB, the minimum
-    run = Run(ctx, "lmdb-full", "--lmdb-map-size-gb", map_gb, redis=False)
+    run = Run(ctx, "lmdb-full", "--lmdb-map-size-gb", map_gb, redis=False, may_evict=True)
     answers = run_clients(run.jobs(run.workload()), run.clients)
     stats = run.server.metrics()
     figures = {k: stats.get(f'kvstore_store_{k}_total{{tier="lmdb"}}', 0.0)
@@ -243,7 +251,7 @@ def disk_full(ctx: Context) -> LoadOutcome | None:
         if not ready:
             return None
         map_gb = str(4 * 2**20 / 2**30)  # a 4 MiB map on a 1 MiB disk
-        run = Run(ctx, "disk-full", "--lmdb-map-size-gb", map_gb, redis=False)
+        run = Run(ctx, "disk-full", "--lmdb-map-size-gb", map_gb, redis=False, may_evict=True)
         answers = run_clients(run.jobs(run.workload()), run.clients)
         state = run.server.health().get("tiers", {}).get("lmdb", {}).get("state")
         m = run.server.metrics()
@@ -258,31 +266,58 @@ def disk_full(ctx: Context) -> LoadOutcome | None:
         )  # fmt: skip
 
 
+FLOOD_QUEUE = 4  # the flood scenario's --max-queue
+
+
+class Flood:
+    """`n` clients of tenant a sending requests back to back until stopped."""
+
+    def __init__(self, url: str, n: int):
+        self.url, self.answers, self.stop = url, [], threading.Event()
+        self.threads = [threading.Thread(target=self._client, args=(i,)) for i in range(n)]
+
+    def __enter__(self) -> Flood:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(120)
+
+    def _client(self, i: int) -> None:
+        batch = prompts(16, seed=600 + i)
+        while not self.stop.is_set():
+            self.answers.append(stream(self.url, batch[len(self.answers) % 16], MAX_TOKENS))
+
+
 def tenant_flood(ctx: Context) -> LoadOutcome:
-    """Tenant a floods (3x the clients, a queue bound of 8); tenant b's TTFT is measured."""
-    run = Run(ctx, "flood", "--max-queue", "8", "--max-num-seqs", "4")
+    """Tenant a floods (4x the clients against a queue bound of 4) while tenant b sends
+    requests on 2 clients: b's TTFT against b alone, and whether b is ever refused."""
+    run = Run(ctx, "flood", "--max-queue", str(FLOOD_QUEUE), "--max-num-seqs", "4")
     url, quiet = run.server.url, prompts(ctx.scale.load_requests // 2, seed=5)
-    alone = run_clients([lambda p=p: stream(url, p, MAX_TOKENS, key="sk-load-b")
-                         for p in quiet[:4]], 1)  # fmt: skip
-    flood = [lambda p=p: stream(url, p, MAX_TOKENS) for p in prompts(4 * len(quiet), seed=6)]
-    measured = [lambda p=p: stream(url, p, MAX_TOKENS, key="sk-load-b") for p in quiet]
-    with ThreadPoolExecutor(3 * run.clients) as pool:
-        floods = [pool.submit(job) for job in flood]
-        time.sleep(0.5)  # the flood fills the queue first
-        mine = run_clients(measured, 2)
-        theirs = [f.result() for f in floods]
-    run.base = alone
+    b_jobs = [lambda p=p: stream(url, p, MAX_TOKENS, key="sk-load-b") for p in quiet]
+    run.base = run_clients(b_jobs[:4], 1)  # b alone
+    with Flood(url, 4 * run.clients) as flood:
+        full = wait_until(lambda: run.server.health().get("waiting", 0) >= FLOOD_QUEUE, 30.0)
+        if full is None:
+            raise RuntimeError("the flood never filled the queue")
+        mine = run_clients(b_jobs, 2)
+    displaced = run.server.metrics().get("kvstore_requests_displaced_total", 0.0)
+    theirs = flood.answers
     outcome = run.finish(
-        "one tenant floods", f"tenant a: {len(flood)} requests on {3 * run.clients} clients, "
-        f"queue bound 8; tenant b: {len(quiet)} on 2 clients, TTFT measured", mine + theirs,
+        "one tenant floods", f"tenant a: {4 * run.clients} clients back to back, queue bound "
+        f"{FLOOD_QUEUE}; tenant b: {len(quiet)} requests on 2 clients meanwhile", mine + theirs,
     )  # fmt: skip
     b_refused = sum(not a.ok for a in mine)
     b_ttft = [a.ttft_s for a in mine if a.ok and a.ttft_s is not None]
     outcome.ttft_p50_ms, outcome.ttft_p99_ms = percentile_ms(b_ttft, 50), percentile_ms(b_ttft, 99)
     outcome.note = (f"tenant b: {len(mine) - b_refused}/{len(mine)} served, TTFT is b's "
                     f"(baseline: b alone); tenant a: {sum(a.ok for a in theirs)}/{len(theirs)} "
-                    f"served; " + outcome.note)  # fmt: skip
-    outcome.figures |= {"b_refused": b_refused}
+                    f"served, {int(displaced)} of its waiting requests displaced; "
+                    + outcome.note)  # fmt: skip
+    outcome.figures |= {"b_refused": b_refused, "displaced": displaced}
     return outcome
 
 

@@ -73,14 +73,14 @@ def router_replica_killed(ctx: Context) -> LoadOutcome:
     answers = run_clients(jobs, clients, during=fault)
     for a in answers:  # broken after its first byte: the router's documented error event
         if a.status == 200 and a.error == "server_error" and a.replica == victim.url:
-            a.error, a.status = "broken", 502
+            a.error = "broken mid-stream"
     survivors = replicas[1:]
     wait_until(lambda: all(r.held_blocks() == 0 for r in survivors), 10.0)
     leaked = sum(r.held_blocks() for r in survivors)
     closed = [r.shut_down() for r in survivors]
     router.stop()
     lost, note = redis_misses(ctx, answers, victim.url)
-    broken = sum(a.error == "broken" for a in answers)
+    broken = sum(a.error == "broken mid-stream" for a in answers)
     checks = Checks(leaked, all(ok and held == 0 for ok, held, _ in closed), lost, note)
     return tally(
         ctx.model, base, answers, checks, "replica SIGKILLed behind the router",

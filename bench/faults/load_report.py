@@ -13,9 +13,7 @@ from engine.contract import greedy_matches_reference
 from engine.model import LoadedModel
 
 MAX_TOKENS = 16  # generated per request (ignore_eos): a shorter answer is wrong
-# 502: a stream the router ended with its error event after the replica died mid-answer
-REFUSED = {429: "queue_full", 503: "draining", 400: "bad_request", 413: "too_large",
-           502: "broken mid-stream"}  # fmt: skip
+REFUSED = {429: "queue_full", 503: "draining", 400: "bad_request", 413: "too_large"}
 
 
 @dataclass
@@ -44,13 +42,16 @@ def percentile_ms(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q) * 1e3) if values else None
 
 
-def _refusal(answer: Answer) -> str | None:
+def refusal(answer: Answer) -> str | None:
     """The documented reason a request was refused; None if it was not refused."""
     if answer.status is None:
         return "closed unread" if answer.error == "closed" else None
-    if answer.status == 200 and answer.error in REFUSED.values():  # an SSE error event
-        return answer.error
-    return REFUSED.get(answer.status)
+    if answer.status == 200:  # an SSE error event after the headers
+        return answer.error if answer.error in ("queue_full", "broken mid-stream") else None
+    reason = REFUSED.get(answer.status)
+    if answer.status in (429, 503) and answer.error != reason:
+        return None  # a 429 or 503 that is not the documented refusal
+    return reason
 
 
 class Checks(NamedTuple):
@@ -69,7 +70,7 @@ def tally(
 ) -> LoadOutcome:  # fmt: skip
     """The outcome of `answers` (with the fault) against `base` (the same server without)."""
     ok = [a for a in answers if a.ok]
-    refused = Counter(_refusal(a) for a in answers if not a.ok)
+    refused = Counter(refusal(a) for a in answers if not a.ok)
     refused.pop(None, None)
     gone = sum(a.status is None and a.error != "closed" for a in answers)
     cancelled = sum(a.cancelled for a in answers)

@@ -21,7 +21,7 @@ from pathlib import Path
 from bench.faults.common import Context
 from bench.faults.concurrent import BAD_BODIES, prompts
 from bench.faults.live import Answer, LiveServer, stream
-from bench.faults.load_report import MAX_TOKENS
+from bench.faults.load_report import MAX_TOKENS, refusal
 from engine.contract import greedy_matches_reference
 
 IDLE_S = 11.0  # wait before an idle reading: longer than anyio keeps an idle worker thread
@@ -161,7 +161,7 @@ def soak(ctx: Context, seconds: float, n_clients: int = 16, seed: int = 0) -> So
 def report(ctx: Context, seconds: float, n: int, answers: list[Answer], counts: dict,
            warm: Sample, end: Sample, leaked: int, integrity_ok: bool) -> SoakReport:  # fmt: skip
     ok = [a for a in answers if a.ok]
-    refused = sum(a.status is not None and a.status >= 400 for a in answers)
+    refused = sum(refusal(a) is not None for a in answers if not a.ok)
     left = sum(a.cancelled for a in answers)
     wrong = sum(len(a.token_ids) != MAX_TOKENS
                 or not greedy_matches_reference(ctx.model, a.prompt, a.token_ids)

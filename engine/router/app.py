@@ -104,7 +104,7 @@ class Router:
                     raise
                 return busy
             try:
-                return await self._send(replica, path, body, headers, bool(req.stream))
+                response = await self._send(replica, path, body, headers, bool(req.stream))
             except Retry as e:
                 self.fleet.dead(replica, str(e))
                 self.metrics.retries.inc()
@@ -112,8 +112,10 @@ class Router:
             except Busy as e:
                 busy = e.response
                 tried.append(replica)
-            finally:
+            else:
                 self.fleet.prefilled(replica, entry)
+                return response
+            self.fleet.prefilled(replica, entry, queued=False)
 
     def _tokens(self, req: Any, salt: str) -> tuple[list[int], list[BlockHash]]:
         """The prompt as the replicas render it, and its block keys (400 for bad ids)."""

@@ -38,7 +38,8 @@ class Replica:
     status: str = "unknown"  # its /health status: ok, degraded (serves), draining, ...
     reported: ReplicaLoad = field(default_factory=ReplicaLoad)
     sent: list[tuple[float, int]] = field(default_factory=list)  # (monotonic, tokens) unseen
-    # (monotonic, sent entry) prefilled since the last /health read was asked: in its load
+    asked_at: float = 0.0  # when the last /health read that answered was sent (monotonic)
+    # (prefilled_at, sent entry) of requests prefilled since that read was sent
     prefilled: list[tuple[float, tuple[float, int]]] = field(default_factory=list)
     routed: int = 0
     failures: int = 0
@@ -53,7 +54,7 @@ class Replica:
     def load(self) -> ReplicaLoad:
         """The last report, less what was prefilled since it was asked, plus what was sent
         since (a chat's next turn, sent at once, must not see its own last turn as load)."""
-        done = sum(tokens for _, (_, tokens) in self.prefilled)
+        done = sum(n for _, (sent_at, n) in self.prefilled if sent_at < self.asked_at)
         queued = max(0, self.reported.queued_tokens - done)
         queued += sum(tokens for _, tokens in self.sent)
         return ReplicaLoad(queued, self.reported.running_tokens, self.routed)
@@ -67,6 +68,7 @@ class Replica:
         self.reported = ReplicaLoad(int(queued), int(running))
         self.sent = [(t, n) for t, n in self.sent if t >= asked_at]
         self.prefilled = [(t, e) for t, e in self.prefilled if t >= asked_at]
+        self.asked_at = asked_at
         self.status = str(body.get("status"))
         self.alive, self.failures = self.status in SERVING, 0
 
@@ -114,7 +116,8 @@ class Fleet:
             replica.report(asked_at, body)
         except Exception as e:  # whatever a replica answers, the loop goes on
             self.failed(replica, f"health: {type(e).__name__}")
-            replica.status = "unreachable"
+            if not replica.alive:
+                replica.status = "unreachable"
             return
         if replica.info is None and isinstance(body.get("cache"), dict):
             self._attach(replica, body["cache"])
@@ -223,11 +226,13 @@ class Fleet:
         return entry
 
     @staticmethod
-    def prefilled(replica: Replica, entry: tuple[float, int]) -> None:
-        """The request's first byte came back: its prompt is no longer queued there (a chat's
-        next turn, sent at once, must not see its own previous turn as load)."""
+    def prefilled(replica: Replica, entry: tuple[float, int], queued: bool = True) -> None:
+        """The request's first byte came back (`queued`), or it was refused there: either
+        way its prompt is no longer queued there (a chat's next turn, sent at once, must not
+        see its previous turn as load). A report asked after it was sent and before it was
+        prefilled counted it queued: `load` takes it off that report."""
         replica.sent = [item for item in replica.sent if item is not entry]
-        if all(item is not entry for _, item in replica.prefilled):
+        if queued and all(item is not entry for _, item in replica.prefilled):
             replica.prefilled.append((time.monotonic(), entry))
 
 

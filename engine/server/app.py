@@ -36,7 +36,8 @@ from kvstore.events import EventSink
 from kvstore.stores.redis import redact_url
 
 GRACEFUL_CLOSE_S = 5.0  # after the drain: how long uvicorn waits for open responses
-REJECT_REASONS = {401: "unauthorized", 404: "not_found", 413: "too_large", 429: "queue_full"}
+REJECT_REASONS = {401: "unauthorized", 404: "not_found", 413: "too_large", 429: "queue_full",
+                  503: "draining"}  # fmt: skip
 log = logging.getLogger("kvstore.server")
 
 
@@ -151,9 +152,9 @@ def _is_loopback(host: str) -> bool:
 class DrainingServer(uvicorn.Server):
     """uvicorn's server with a drain first: the first SIGTERM (or SIGINT) makes new requests
     503 and /health "draining" while the admitted ones finish (up to the drain timeout),
-    then uvicorn shuts down as usual; a second signal exits at once."""
+    then uvicorn shuts down as usual; a second signal skips the rest of the drain."""
 
-    def __init__(self, config: uvicorn.Config, service: Service, drain_timeout_s: float):
+    def __init__(self, config: uvicorn.Config, service: Service, drain_timeout_s: float) -> None:
         super().__init__(config)
         self.service, self.drain_timeout_s = service, drain_timeout_s
 
@@ -161,6 +162,7 @@ class DrainingServer(uvicorn.Server):
         if self.service.draining.is_set() or self.drain_timeout_s == 0:
             super().handle_exit(sig, frame)
             return
+        self.service.draining.set()  # at once: a second signal finds it set
         threading.Thread(target=self._drain, args=(sig, frame), daemon=True).start()
 
     def _drain(self, sig: int, frame: FrameType | None) -> None:
@@ -187,7 +189,8 @@ def cap_malloc_arenas() -> None:
     if "MALLOC_ARENA_MAX" in os.environ:
         return
     with suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").mallopt(M_ARENA_MAX, MALLOC_ARENAS)
+        if ctypes.CDLL("libc.so.6").mallopt(M_ARENA_MAX, MALLOC_ARENAS) == 0:
+            log.debug("mallopt(M_ARENA_MAX) failed: malloc arenas are not capped")
 
 
 def run_server(args: argparse.Namespace) -> int:

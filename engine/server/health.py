@@ -35,7 +35,7 @@ def tier_state(stats: dict) -> str:
     return TIER_FAILING if since is not None and since < ERROR_WINDOW_S else TIER_OK
 
 
-def tier_report(name: str, stats: dict) -> dict:
+def tier_report(stats: dict) -> dict:
     report = {"state": tier_state(stats), "errors": stats.get("errors", 0)}
     if stats.get("breaker_state") is not None:
         report["breaker"] = stats["breaker_state"]
@@ -45,9 +45,10 @@ def tier_report(name: str, stats: dict) -> dict:
 
 
 def health(alive: bool, draining: bool, tier_stats: dict[str, dict]) -> Health:
-    """The replica's status and its tiers (`device` is up while the engine is)."""
+    """The replica's status and its tiers (`device` is up while the engine is);
+    `tier_stats`: each spill tier's `SpillStore.health()`."""
     tiers = {"device": {"state": TIER_OK if alive else TIER_DOWN}}
-    tiers |= {name: tier_report(name, stats) for name, stats in tier_stats.items()}
+    tiers |= {name: tier_report(stats) for name, stats in tier_stats.items()}
     if not alive:
         return Health("unavailable", 503, tiers)
     if draining:

@@ -127,6 +127,9 @@ class ServerMetrics:
         }
         self.ttft = Histogram("kvstore_time_to_first_token_seconds", "arrival to first token",
                               buckets=LATENCY_BUCKETS_S, registry=self.registry)  # fmt: skip
+        self.displaced = Counter("kvstore_requests_displaced_total", "waiting requests "
+                                 "refused at a full queue to let a tenant with fewer in",
+                                 registry=self.registry)  # fmt: skip
         self.preemptions = Counter("kvstore_preemptions_total", "times a running request was "
                                    "preempted to free blocks (it resumes from the cache)",
                                    registry=self.registry)  # fmt: skip
@@ -137,6 +140,9 @@ class ServerMetrics:
         self.counters["kvstore_requests_rejected_total"].labels(reason).inc()
 
     def observe(self, job: Request, result: GenerateResult | None) -> None:
+        if job.displaced:  # refused, not run: its 429 (or stream error) counts it rejected
+            self.displaced.inc()
+            return
         if job.queue_wait_s is not None:
             self.queue_wait.observe(job.queue_wait_s)
         if job.ttft_s is not None:

@@ -10,9 +10,10 @@ import json
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import anyio
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -95,28 +96,24 @@ class Service:
         self.metrics = ServerMetrics(engine.stats, engine.queue_stats)
         self.cache_info = cache_info(engine, config)
         self.draining = threading.Event()  # set on SIGTERM: new requests get 503
-        self._admitting = _Gauge()  # requests read or tokenized, not yet in the engine
+        self._in_flight = _Gauge()  # requests from arrival to their response's last byte
+        self.closed = False
 
     def health(self) -> Health:
-        return health(self.engine.alive, self.draining.is_set(), self.engine.stats()["tiers"])
+        return health(self.engine.alive, self.draining.is_set(), self.engine.cache.tier_health())
 
     def drain(self, timeout_s: float) -> bool:
-        """Refuse new requests and wait until the admitted ones finished; False if
-        `timeout_s` ran out first (the rest fail when the engine closes)."""
+        """Refuse new requests and wait until every request in flight has sent its last byte;
+        False if `timeout_s` ran out first (the rest fail when the engine closes)."""
         self.draining.set()
-        in_flight = self._in_flight()
-        (log.warning if in_flight else log.info)(
+        (log.warning if self._in_flight.value else log.info)(
             "draining: new requests get 503; waiting up to %g s for %d in flight",
-            timeout_s, in_flight,
+            timeout_s, self._in_flight.value,
         )  # fmt: skip
         end = time.monotonic() + timeout_s
-        while self._in_flight() and time.monotonic() < end:
+        while self._in_flight.value and time.monotonic() < end:
             time.sleep(0.05)
-        return not self._in_flight()
-
-    def _in_flight(self) -> int:
-        queue = self.engine.queue_stats()
-        return self._admitting.value + queue.waiting + queue.running
+        return not self._in_flight.value
 
     def authenticate(self, request: HTTPRequest) -> str | None:
         return authenticate(self.auth, request)
@@ -137,15 +134,24 @@ class Service:
     # --- request -> job --------------------------------------------------------------------
 
     async def handle(self, request: HTTPRequest, kind: str) -> Response:
-        """POST /v1/completions (kind "completion") and /v1/chat/completions (kind "chat")."""
-        self.check_draining()
-        with self._admitting:  # a drain waits for requests between here and the engine
+        """POST /v1/completions (kind "completion") and /v1/chat/completions (kind "chat").
+        Counted in flight from before the drain check (so a drain either refuses it or
+        waits for it) to its last byte (a stream: when the response ends, however it ends)."""
+        self._in_flight.enter()
+        streaming = False
+        try:
+            self.check_draining()
             job, req, bridge = await self.admit_request(request, kind)
-        if bridge is not None:
-            events = self.events(job, req, kind, bridge)
-            return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
-        result = await self.result(job)
-        return JSONResponse(self.response(kind, req, result))
+            if bridge is not None:
+                events = self.events(job, req, kind, bridge)
+                response = _CountedStream(events, self._in_flight.exit, headers=SSE_HEADERS)
+                streaming = True  # the response counts it out
+                return response
+            result = await self.result(job)
+            return JSONResponse(self.response(kind, req, result))
+        finally:
+            if not streaming:
+                self._in_flight.exit()
 
     async def admit_request(
         self, request: HTTPRequest, kind: str
@@ -262,6 +268,8 @@ class Service:
             try:
                 result = job.future.result()
             except (Exception, concurrent.futures.CancelledError) as e:
+                if isinstance(e, QueueFullError):  # displaced after its headers went out
+                    self.metrics.reject("queue_full")
                 yield sse(self.failure(e).body())
                 yield sse("[DONE]")
                 return
@@ -276,7 +284,10 @@ class Service:
 
     def close(self) -> None:
         """Close the engine, then check the cache: a block still held after every request
-        ended is a leak, and the index and pool must agree."""
+        ended is a leak, and the index and pool must agree. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
         self.engine.close(cancel_waiting=True)
         try:
             self.engine.cache.check_integrity()
@@ -292,18 +303,35 @@ class Service:
 
 
 class _Gauge:
-    """A thread-safe count of what is inside its `with` blocks."""
+    """A thread-safe count."""
 
     def __init__(self) -> None:
         self._lock, self.value = threading.Lock(), 0
 
-    def __enter__(self) -> None:
+    def enter(self) -> None:
         with self._lock:
             self.value += 1
 
-    def __exit__(self, *exc: object) -> None:
+    def exit(self) -> None:
         with self._lock:
             self.value -= 1
+
+
+class _CountedStream(StreamingResponse):
+    """An SSE response that calls `on_end` once it ends, even if its body never started (a
+    client gone before the first event), and closes its body (which cancels the job)."""
+
+    def __init__(self, events: AsyncIterator[str], on_end: Callable[[], None], **kw: Any):
+        super().__init__(events, media_type="text/event-stream", **kw)
+        self.events, self.on_end = events, on_end
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_end()
+            with anyio.CancelScope(shield=True):
+                await self.events.aclose()
 
 
 class _Chunks:

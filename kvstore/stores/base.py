@@ -75,12 +75,15 @@ class Counters:
 
     def error(self, error: BaseException, **deltas: int) -> None:
         """Count one backend error (and `deltas`); the first after a quiet spell is logged."""
+        now = time.monotonic()
         with self._lock:
-            last = self._last_error_at
-        if last is None or time.monotonic() - last >= ERROR_LOG_QUIET_S:
+            last, self._last_error_at = self._last_error_at, now
+            self._values["errors"] += 1
+            for name, delta in deltas.items():
+                self._values[name] += delta
+        if last is None or now - last >= ERROR_LOG_QUIET_S:
             log.warning("tier %s is failing (%s): its reads are misses and its writes are "
                         "dropped while it does", self.name, describe_error(error))  # fmt: skip
-        self.add(errors=1, **deltas)
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:
@@ -193,6 +196,16 @@ class SpillStore(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def health(self) -> dict:
+        """What a health check reads, with no I/O: errors, seconds since the last one, and the
+        breaker's state (None without one)."""
+        breaker = getattr(self, "breaker", None)
+        return {
+            "errors": self._counters.snapshot()["errors"],
+            "seconds_since_error": self._counters.seconds_since_error(),
+            "breaker_state": None if breaker is None else breaker.state,
+        }
 
     def _stats(
         self,

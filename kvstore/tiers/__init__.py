@@ -150,6 +150,10 @@ class Tiers:
     def stats(self) -> dict[str, dict]:
         return {store.name: asdict(store.stats()) for store in self.stores}
 
+    def health(self) -> dict[str, dict]:
+        """Each store's errors and breaker state, read without I/O."""
+        return {store.name: store.health() for store in self.stores}
+
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for queued writes; False if the timeout ran out first."""
         return self.writer.flush(self.config.flush_timeout_s if timeout is None else timeout)

@@ -299,7 +299,13 @@ def test_a_prompt_stops_counting_as_queued_load_once_its_first_byte_came_back():
     assert replica.load().queued_tokens == 120
     fleet.prefilled(replica, second)
     assert replica.load().queued_tokens == 0
-    replica.report(0.0, {"queued_tokens": 300, "status": "ok"})  # asked before both prefills
-    assert replica.load().queued_tokens == 60  # its 240 prefilled since are no longer queued
-    replica.report(time.monotonic(), {"queued_tokens": 60, "status": "ok"})
-    assert replica.load().queued_tokens == 60
+    replica.report(0.0, {"queued_tokens": 300, "status": "ok"})  # asked before both were sent
+    assert replica.load().queued_tokens == 300  # it never counted them: nothing to take off
+    third, fourth = fleet.sent(replica, 50, ()), fleet.sent(replica, 70, ())
+    replica.report(time.monotonic(), {"queued_tokens": 400, "status": "ok"})  # counts both
+    assert replica.load().queued_tokens == 400
+    fleet.prefilled(replica, third)  # prefilled after that report was asked
+    fleet.prefilled(replica, fourth, queued=False)  # refused there (429): never counted off
+    assert replica.load().queued_tokens == 350
+    replica.report(time.monotonic(), {"queued_tokens": 0, "status": "ok"})
+    assert replica.load().queued_tokens == 0

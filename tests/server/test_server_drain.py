@@ -61,6 +61,7 @@ def test_sigterm_finishes_in_flight_streams_and_refuses_new_requests(
     assert [r["finish"] for r in results] == ["length"] * 3
     assert [len(r["token_ids"]) for r in results] == [150] * 3
     log = server.log_tail(20000)
+    assert "waiting up to 60 s for 3 in flight" in log
     assert "drained in" in log
     assert "cache integrity ok; 0 of 512 device blocks held" in log
 
