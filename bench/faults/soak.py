@@ -2,7 +2,7 @@
 
 16 streaming clients (LMDB and the private Redis) for SECONDS, with faults picked at random
 every 5 to 15 s: Redis SIGKILLed and restarted, Redis SIGSTOPped for 1 s, a burst of clients
-leaving mid-stream, a burst of bad requests. A warm-up (a fifth of the time, at most 60 s)
+leaving mid-stream, a burst of bad requests. A warm-up (a fifth of the time, at most 120 s)
 runs first; the server's RSS, open file descriptors and threads are read from /proc at idle
 after it and again at idle after the soak. Every answer is checked against the no-cache
 reference; blocks held after the clients stop and the integrity check at close are reported.
@@ -135,7 +135,7 @@ def faults(ctx: Context, clients: Clients) -> dict[str, Callable[[], None]]:
 def soak(ctx: Context, seconds: float, n_clients: int = 16, seed: int = 0) -> SoakReport:
     server = LiveServer(ctx, "soak").start().wait_ready()
     rng, counts = random.Random(seed), {}
-    warm_s = min(60.0, seconds / 5)
+    warm_s = min(120.0, seconds / 5)
     try:
         warm_clients = Clients(server.url, n_clients, seed).start()
         time.sleep(warm_s)

@@ -36,6 +36,7 @@ from engine.server.prompts import prompt_ids
 from engine.server.streaming import DONE, TextStreamer, TokenBridge, sse
 
 log = logging.getLogger("kvstore.server")
+DRAIN_LINGER_S = 1.0  # after the last response of a drain: still answering 503 this long
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -113,7 +114,10 @@ class Service:
         end = time.monotonic() + timeout_s
         while self._in_flight.value and time.monotonic() < end:
             time.sleep(0.05)
-        return not self._in_flight.value
+        done = not self._in_flight.value
+        if done:  # connections the kernel already took get a 503, not a reset at close
+            time.sleep(DRAIN_LINGER_S)
+        return done
 
     def authenticate(self, request: HTTPRequest) -> str | None:
         return authenticate(self.auth, request)
