@@ -36,10 +36,6 @@ def prompts(n: int, seed: int) -> list[list[int]]:
             for i in range(n)]  # fmt: skip
 
 
-def full_blocks(prompt: list[int]) -> int:
-    return (len(prompt) - 1) // BS * BS
-
-
 class Run:
     """One scenario's server, workload and tallies."""
 
@@ -100,13 +96,7 @@ class Run:
         done = {(tuple(a.prompt), a.key) for a in answers if a.ok}
         fresh = LiveServer(self.ctx, self.tag, redis=False).start().wait_ready()
         try:
-            short = 0
-            for prompt, key in done:
-                body = {"model": "micro", "prompt": list(prompt), "max_tokens": 1}
-                r = fresh.client.post("/v1/completions", json=body,
-                                      headers={"Authorization": f"Bearer {key}"})  # fmt: skip
-                cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
-                short += cached < full_blocks(list(prompt))
+            short = fresh.misses(done)
         finally:
             fresh.shut_down()
         note = f"{len(done) - short}/{len(done)} answered prompts hit in full from LMDB after"
@@ -116,41 +106,37 @@ class Run:
 # ----------------------------------------------------------------------------- scenarios
 
 
-def redis_killed(ctx: Context) -> LoadOutcome:
-    run = Run(ctx, "redis-kill")
+def redis_fault(ctx: Context, tag: str, stop: Callable[[], None], start: Callable[[], None]):
+    """(answers, recovery s): the workload with Redis stopped mid-batch for `outage_s`,
+    then started; recovery runs to /health ok (the breaker closed on a probe)."""
+    run = Run(ctx, tag)
     recovery: list[float | None] = []
 
     def fault() -> None:
         run.busy()
-        ctx.redis.kill()
+        stop()
         time.sleep(ctx.scale.outage_s)
-        ctx.redis.restart()
+        start()
         recovery.append(run.probe_until_ok())
 
-    answers = run_clients(run.jobs(run.workload()), run.clients, during=fault)
+    return run, run_clients(run.jobs(run.workload()), run.clients, during=fault), recovery[0]
+
+
+def redis_killed(ctx: Context) -> LoadOutcome:
+    run, answers, recovery = redis_fault(ctx, "redis-kill", ctx.redis.kill, ctx.redis.restart)
     return run.finish(
         "Redis SIGKILLed mid-batch", f"{run.clients} streaming clients; SIGKILL Redis with half "
         f"of them running, {ctx.scale.outage_s:g} s down, restart empty", answers,
-        recovery_s=recovery[0], note="recovery = restart to /health ok (breaker closed)",
+        recovery_s=recovery, note="recovery = restart to /health ok (breaker closed)",
     )  # fmt: skip
 
 
 def redis_paused(ctx: Context) -> LoadOutcome:
-    run = Run(ctx, "redis-stop")
-    recovery: list[float | None] = []
-
-    def fault() -> None:
-        run.busy()
-        ctx.redis.pause()
-        time.sleep(ctx.scale.outage_s)
-        ctx.redis.resume()
-        recovery.append(run.probe_until_ok())
-
-    answers = run_clients(run.jobs(run.workload()), run.clients, during=fault)
+    run, answers, recovery = redis_fault(ctx, "redis-stop", ctx.redis.pause, ctx.redis.resume)
     return run.finish(
         "Redis SIGSTOPped mid-batch", f"{run.clients} streaming clients; SIGSTOP Redis for "
         f"{ctx.scale.outage_s:g} s with half of them running, then SIGCONT", answers,
-        recovery_s=recovery[0], note="recovery = SIGCONT to /health ok",
+        recovery_s=recovery, note="recovery = SIGCONT to /health ok",
     )  # fmt: skip
 
 

@@ -11,7 +11,7 @@ import sys
 import time
 
 from bench.faults.common import Context
-from bench.faults.concurrent import full_blocks, prompts
+from bench.faults.concurrent import prompts
 from bench.faults.live import Answer, LiveServer, model_dir, run_clients, stream, wait_until
 from bench.faults.load_report import MAX_TOKENS, Checks, LoadOutcome, tally
 from bench.launch import ServerProcess, free_port
@@ -44,13 +44,7 @@ def redis_misses(ctx: Context, answers: list[Answer], dead: str) -> tuple[int, s
     done = {(tuple(a.prompt), a.key) for a in answers if a.ok and a.replica != dead}
     fresh = LiveServer(ctx, "fleet-check").start().wait_ready()
     try:
-        short = 0
-        for prompt, key in done:
-            body = {"model": "micro", "prompt": list(prompt), "max_tokens": 1}
-            r = fresh.client.post("/v1/completions", json=body,
-                                  headers={"Authorization": f"Bearer {key}"})  # fmt: skip
-            cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
-            short += cached < full_blocks(list(prompt))
+        short = fresh.misses(done)
     finally:
         fresh.shut_down()
     return short, f"{len(done) - short}/{len(done)} survivors' prompts hit in full from Redis"

@@ -94,6 +94,18 @@ class LiveServer(ServerProcess):
         except (httpx.HTTPError, ValueError):
             return {"status": "unreachable"}
 
+    def misses(self, done: set[tuple[tuple[int, ...], str]]) -> int:
+        """How many (prompt, API key) pairs this server does not hit in full: every whole
+        block but the last token's (which is always computed)."""
+        short = 0
+        for prompt, key in done:
+            body = {"model": MODEL, "prompt": list(prompt), "max_tokens": 1}
+            r = self.client.post("/v1/completions", json=body,
+                                 headers={"Authorization": f"Bearer {key}"})  # fmt: skip
+            cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            short += cached < (len(prompt) - 1) // BS * BS
+        return short
+
     def shut_down(self) -> tuple[bool, int | None, float]:
         """SIGTERM, wait for the exit: (integrity ok, blocks held at close, seconds)."""
         start = time.perf_counter()

@@ -115,7 +115,7 @@ def markdown_table(outcomes: list[LoadOutcome]) -> list[str]:
     ]
     for o in outcomes:
         refused = ", ".join(f"{n} {why}" for why, n in sorted(o.refused.items())) or "0"
-        lost = "n/a (LMDB evicted)" if o.lost_entries is None else str(o.lost_entries)
+        lost = "n/a (LMDB evicted or dropped)" if o.lost_entries is None else str(o.lost_entries)
         leaked = "n/a (exited)" if o.leaked_blocks is None else str(o.leaked_blocks)
         ttft = (f"{_ms(o.ttft_p50_ms)} / {_ms(o.ttft_p99_ms)} "
                 f"({_ms(o.base_p50_ms)} / {_ms(o.base_p99_ms)})")  # fmt: skip
