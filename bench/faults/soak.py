@@ -24,6 +24,9 @@ from bench.faults.live import Answer, LiveServer, stream
 from bench.faults.load_report import MAX_TOKENS, refusal
 from engine.contract import greedy_matches_reference
 
+# A pool that fills during the warm-up, so eviction runs all along; the default (1 GiB, of
+# which a block of the micro model is 2 KiB) would still be touching new pages at the end.
+SOAK_BLOCKS = 512
 IDLE_S = 11.0  # wait before an idle reading: longer than anyio keeps an idle worker thread
 
 
@@ -133,7 +136,7 @@ def faults(ctx: Context, clients: Clients) -> dict[str, Callable[[], None]]:
 
 
 def soak(ctx: Context, seconds: float, n_clients: int = 16, seed: int = 0) -> SoakReport:
-    server = LiveServer(ctx, "soak").start().wait_ready()
+    server = LiveServer(ctx, "soak", "--device-blocks", str(SOAK_BLOCKS)).start().wait_ready()
     rng, counts = random.Random(seed), {}
     warm_s = min(120.0, seconds / 5)
     try:
@@ -175,7 +178,8 @@ def markdown(r: SoakReport, command: str) -> str:
     faults_run = ", ".join(f"{n}x {k}" for k, n in sorted(r.faults.items())) or "none"
     return "\n".join([
         "## Soak", "",
-        f"`{command}`: {r.clients} streaming clients for {r.seconds:.0f} s after a warm-up; "
+        f"`{command}`: {r.clients} streaming clients for {r.seconds:.0f} s after a warm-up, "
+        f"device pool {SOAK_BLOCKS} blocks (it fills, so eviction runs throughout); "
         f"faults at random every 5 to 15 s ({faults_run}). Readings at idle, after the "
         "warm-up and after the soak.", "",
         "| Answers | Succeeded | Refused (documented) | Left by client | Failed | Wrong outputs "
@@ -189,8 +193,22 @@ def markdown(r: SoakReport, command: str) -> str:
         f"{r.warm.fds} -> {r.end.fds} | {r.warm.threads} -> {r.end.threads} |", "",
         "RSS anon is the process's own memory (the growth that would be a leak); RSS file is "
         "file-backed pages, mostly LMDB's map, which grows with the entries written and is "
-        "the kernel's to drop.", "",
+        "the kernel's to drop.", "", verdict(r), "",
     ])  # fmt: skip
+
+
+def verdict(r: SoakReport) -> str:
+    """The must-haves, and which of them a run missed."""
+    missed = [text for ok, text in (
+        (r.rss_growth < 0.05, f"RSS anon grew {r.rss_growth:+.1%}"),
+        (r.end.fds <= r.warm.fds, "file descriptors grew"),
+        (r.end.threads <= r.warm.threads, "threads grew"),
+        (r.wrong_outputs == r.failed == r.leaked_blocks == 0, "wrong, failed or leaked"),
+        (r.integrity_ok, "integrity failed"),
+    ) if not ok]  # fmt: skip
+    head = ("Must-haves: RSS anon growth under 5%, no growth in file descriptors or threads, "
+            "0 failed, 0 wrong, 0 leaked blocks, integrity ok: ")  # fmt: skip
+    return head + ("held." if not missed else "**missed**: " + "; ".join(missed) + ".")
 
 
 def holds(r: SoakReport) -> bool:

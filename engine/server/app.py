@@ -183,9 +183,9 @@ M_ARENA_MAX = -8  # glibc's mallopt parameter
 def cap_malloc_arenas() -> None:
     """Cap glibc's malloc arenas (unless MALLOC_ARENA_MAX is set). glibc gives threads that
     allocate arenas of their own, up to 8 per core, and memory freed in one stays there: under
-    16 streaming clients the request threads grew the server's heap 30% in two minutes, then
-    it wandered; with 2 arenas it levelled off after the first minute (docs/RELIABILITY.md,
-    the soak). A no-op where the C library is not glibc."""
+    16 streaming clients the request threads grew the server's heap by 20-35% within two
+    minutes, still wandering; with 2 arenas it levelled off after the first minute (the
+    soak: docs/RELIABILITY.md). A no-op where the C library is not glibc."""
     if "MALLOC_ARENA_MAX" in os.environ:
         return
     with suppress(OSError, AttributeError):

@@ -89,3 +89,22 @@ def test_the_tally_counts_a_perturbed_answer_wrong_and_an_unexplained_error_fail
     o = tally(model, [good], [good, bad, broken], Checks(0, True, 0, ""), "control", "none")
     assert (o.succeeded, o.wrong_outputs, o.failed) == (2, 1, 1)
     assert not must_haves_hold(o)
+
+
+def test_the_soak_fails_on_heap_growth_of_5_percent_or_any_descriptor_or_thread_growth():
+    from dataclasses import replace
+
+    from bench.faults.soak import Sample, SoakReport, holds, markdown, verdict
+
+    warm = Sample(rss_mib=300.0, rss_file_mib=128.0, fds=13, threads=9)
+    ok = SoakReport(600, 16, 100, 90, 5, 5, 0, 0, {"redis-kill": 2}, warm,
+                    replace(warm, rss_mib=314.0), 0, True)  # fmt: skip
+    assert holds(ok)
+    assert "300 -> 314 (+4.7%)" in markdown(ok, "python -m bench faults --soak 600")
+    assert verdict(replace(ok, end=replace(warm, rss_mib=320.0))).endswith(
+        "**missed**: RSS anon grew +6.7%."
+    )
+    assert not holds(replace(ok, end=replace(warm, rss_mib=315.0)))  # +5.0%
+    assert not holds(replace(ok, end=replace(warm, fds=14)))
+    assert not holds(replace(ok, end=replace(warm, threads=10)))
+    assert not holds(replace(ok, failed=1))
