@@ -106,10 +106,14 @@ class Run:
 # ----------------------------------------------------------------------------- scenarios
 
 
-def redis_fault(ctx: Context, tag: str, stop: Callable[[], None], start: Callable[[], None]):
-    """(answers, recovery s): the workload with Redis stopped mid-batch for `outage_s`,
-    then started; recovery runs to /health ok (the breaker closed on a probe)."""
-    run = Run(ctx, tag)
+def redis_fault(ctx: Context, kill: bool) -> LoadOutcome:
+    """The workload with Redis SIGKILLed (restarted empty) or SIGSTOPped mid-batch for
+    `outage_s`; recovery runs to /health ok (the breaker closed on a probe)."""
+    how = ("SIGKILLed", "SIGKILL", "restart") if kill else ("SIGSTOPped", "SIGSTOP", "SIGCONT")
+    stop, start = (
+        (ctx.redis.kill, ctx.redis.restart) if kill else (ctx.redis.pause, ctx.redis.resume)
+    )
+    run = Run(ctx, "redis-kill" if kill else "redis-stop")
     recovery: list[float | None] = []
 
     def fault() -> None:
@@ -119,25 +123,20 @@ def redis_fault(ctx: Context, tag: str, stop: Callable[[], None], start: Callabl
         start()
         recovery.append(run.probe_until_ok())
 
-    return run, run_clients(run.jobs(run.workload()), run.clients, during=fault), recovery[0]
+    answers = run_clients(run.jobs(run.workload()), run.clients, during=fault)
+    return run.finish(
+        f"Redis {how[0]} mid-batch", f"{run.clients} streaming clients; {how[1]} Redis with "
+        f"half of them running for {ctx.scale.outage_s:g} s, then {how[2]}", answers,
+        recovery_s=recovery[0], note=f"recovery = {how[2]} to /health ok (breaker closed)",
+    )  # fmt: skip
 
 
 def redis_killed(ctx: Context) -> LoadOutcome:
-    run, answers, recovery = redis_fault(ctx, "redis-kill", ctx.redis.kill, ctx.redis.restart)
-    return run.finish(
-        "Redis SIGKILLed mid-batch", f"{run.clients} streaming clients; SIGKILL Redis with half "
-        f"of them running, {ctx.scale.outage_s:g} s down, restart empty", answers,
-        recovery_s=recovery, note="recovery = restart to /health ok (breaker closed)",
-    )  # fmt: skip
+    return redis_fault(ctx, kill=True)
 
 
 def redis_paused(ctx: Context) -> LoadOutcome:
-    run, answers, recovery = redis_fault(ctx, "redis-stop", ctx.redis.pause, ctx.redis.resume)
-    return run.finish(
-        "Redis SIGSTOPped mid-batch", f"{run.clients} streaming clients; SIGSTOP Redis for "
-        f"{ctx.scale.outage_s:g} s with half of them running, then SIGCONT", answers,
-        recovery_s=recovery, note="recovery = SIGCONT to /health ok",
-    )  # fmt: skip
+    return redis_fault(ctx, kill=False)
 
 
 def lmdb_map_full(ctx: Context) -> LoadOutcome:
