@@ -1,7 +1,8 @@
 """Load a causal LM (the pinned `tiny` model or a local directory) and fingerprint its weights.
 
-A model is cacheable only if every layer is full attention whose K and V share one head dim;
-anything else raises `UnsupportedModelError` naming the layer type, never silent wrong KV.
+A model is cacheable only if every layer is full or sliding-window attention whose K and V
+share one head dim; anything else raises `UnsupportedModelError` naming the layer type, never
+silent wrong KV. Window layers keep every position's K/V; the window is a mask.
 """
 
 from __future__ import annotations
@@ -58,7 +59,10 @@ class UnsupportedModelError(ValueError):
 
     def __init__(self, model_type: str, layer_type: str, detail: str = ""):
         msg = f"model type {model_type!r} has unsupported layer type {layer_type!r}"
-        hint = "; kvstore caches only models whose every layer is full attention (equal K/V dims)"
+        hint = (
+            "; kvstore caches only models whose every layer is full or sliding-window "
+            "attention (equal K/V dims)"
+        )
         super().__init__(msg + (f": {detail}" if detail else "") + hint)
         self.model_type = model_type
         self.layer_type = layer_type
@@ -128,23 +132,34 @@ def random_model(config: PretrainedConfig, seed: int = TINY_SEED) -> PreTrainedM
         )
 
 
+# Layer types whose K/V the pool holds per position (a window is a mask over them).
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
 def _text_config(config: PretrainedConfig) -> PretrainedConfig:
     return config.get_text_config(decoder=True)
 
 
+def has_window(config: PretrainedConfig) -> bool:
+    """Whether some layer of the model attends through a sliding window."""
+    cfg = _text_config(config)
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types is not None:
+        return "sliding_attention" in layer_types
+    window = getattr(cfg, "sliding_window", None)
+    return window is not None and getattr(cfg, "use_sliding_window", True) is not False
+
+
 def check_supported(config: PretrainedConfig) -> None:
-    """Raise `UnsupportedModelError` unless every layer is full attention with equal K/V dims."""
+    """Raise `UnsupportedModelError` unless every layer is full or sliding-window attention
+    with equal K/V dims."""
     cfg = _text_config(config)
     model_type = getattr(cfg, "model_type", "") or "unknown"
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModelError(model_type, "cross_attention", "encoder-decoder model")
     for layer_type in getattr(cfg, "layer_types", None) or ():
-        if layer_type != "full_attention":
+        if layer_type not in SUPPORTED_LAYER_TYPES:
             raise UnsupportedModelError(model_type, str(layer_type))
-    if getattr(cfg, "sliding_window", None) is not None and getattr(
-        cfg, "use_sliding_window", True
-    ):
-        raise UnsupportedModelError(model_type, "sliding_attention", f"window {cfg.sliding_window}")
     if getattr(cfg, "attention_chunk_size", None) is not None:
         raise UnsupportedModelError(model_type, "chunked_attention")
     if any(getattr(cfg, key, None) is not None for key in _RECURRENT_CONFIG_KEYS) or any(
@@ -180,11 +195,20 @@ def with_cache(model: torch.nn.Module, past: DynamicCache) -> dict[str, DynamicC
     return {_cache_keyword(type(model)): past}
 
 
+def kv_cache(config: PretrainedConfig) -> DynamicCache:
+    """A DynamicCache that keeps every position in every layer. HF's default truncates a
+    sliding-window layer to its window; kvstore stores whole prefixes, so the window stays a
+    mask (HF builds it from the config either way)."""
+    past = DynamicCache(config=config)
+    past.layers = [DynamicLayer() for _ in past.layers]
+    return past
+
+
 def probe_kv_layout(model: PreTrainedModel) -> KVShape:
     """Run one token and read the KV shapes the model really writes (per layer [1, H, 1, D])."""
     cfg, model_type = model.config, getattr(model.config, "model_type", "unknown")
     device = next(model.parameters()).device
-    past = DynamicCache(config=cfg)
+    past = kv_cache(cfg)
     with torch.inference_mode():
         model(
             input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), **with_cache(model, past)

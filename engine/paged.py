@@ -10,12 +10,17 @@ block table: decode rows (one query each) as one padded batch, prefill chunks on
 A token whose block is shared (a cached block entered by reference) is never written: its
 slot points at the runner's scratch block (the whole-prompt hit re-runs the last prompt
 token only for its logits; its K/V is already cached).
+
+Sliding-window layers (the `sliding_window` argument HF passes per layer) attend keys in
+(q - window, q], as HF's own masks do; they read only the blocks that hold such keys. Logit
+softcapping (`softcap`, Gemma 2) runs the scores through tanh before the mask, as HF's eager
+attention does. Both come from the model through the attention interface: no model code.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.nn.functional import scaled_dot_product_attention as sdpa
@@ -47,6 +52,28 @@ class _Prefill:
     context: int  # keys attended: positions [0, context)
     mask: torch.Tensor | None  # [num_new, context] bool, causal with the row's offset; None
     # when the row starts at position 0 (plain causal: SDPA skips the masked half)
+    start: int = 0  # position of the first query
+
+
+@dataclass(frozen=True)
+class _Extras:
+    """What a layer asks beyond plain softmax attention: HF eager does these in order."""
+
+    softcap: float | None = None  # scores -> tanh(scores / softcap) * softcap (Gemma 2)
+    sinks: torch.Tensor | None = None  # [Hq]: a per-head logit with no value (gpt-oss)
+
+    @property
+    def plain(self) -> bool:
+        return self.softcap is None and self.sinks is None
+
+
+@dataclass(frozen=True)
+class _Reads:
+    """What one row group reads for one window: key blocks and which keys each query sees."""
+
+    tables: torch.Tensor  # [blocks] (a prefill row) or [B, blocks] (decode rows) long
+    context: int  # keys read: the first `context` positions of the tables' blocks
+    mask: torch.Tensor  # [n, context] bool (prefill) or [B, 1, 1, context] float 0/-inf
 
 
 @dataclass
@@ -61,6 +88,27 @@ class StepBatch:
     decode_bias: torch.Tensor | None  # [B, 1, 1, w * block_size] float32: 0 to attend, -inf
     prefills: list[_Prefill]
     num_tokens: int
+    decode_rows: list[Row] = field(default_factory=list)
+    block_size: int = 1
+    scratch_block: int = 0
+    reads: dict[tuple, _Reads] = field(default_factory=dict)  # per (row group, window), lazily
+
+    def prefill_reads(self, i: int, window: int | None) -> _Reads:
+        """Prefill row i's blocks and mask under `window` (None: every earlier position)."""
+        key = ("prefill", i, window)
+        if key not in self.reads:
+            self.reads[key] = _prefill_reads(self.prefills[i], window, self.block_size)
+        return self.reads[key]
+
+    def decode_reads(self, window: int | None) -> _Reads:
+        """The decode rows' blocks (no shared prefix split) and bias under `window`."""
+        key = ("decode", window)
+        if key not in self.reads:
+            device = self.write_blocks.device
+            self.reads[key] = _decode_reads(
+                self.decode_rows, window, self.block_size, self.scratch_block, device
+            )
+        return self.reads[key]
 
 
 def build_step(
@@ -88,6 +136,7 @@ def build_step(
     batch = StepBatch(
         torch.cat(blocks).to(device), torch.cat(offsets).to(device),
         None, None, None, None, prefills, offset,
+        [row for _, row in decode_rows], block_size, scratch_block,
     )  # fmt: skip
     if decode_rows:
         _add_decode(batch, decode_rows, block_size, scratch_block, device)
@@ -100,7 +149,39 @@ def _prefill(offset: int, row: Row, table: torch.Tensor, device: torch.device) -
     keys = torch.arange(row.end)
     queries = torch.arange(row.start, row.end)
     mask = keys.unsqueeze(0) <= queries.unsqueeze(1)  # [num_new, end]
-    return _Prefill(offset, row.num_new, table.to(device), row.end, mask.to(device))
+    return _Prefill(offset, row.num_new, table.to(device), row.end, mask.to(device), row.start)
+
+
+def _prefill_reads(row: _Prefill, window: int | None, block_size: int) -> _Reads:
+    """From the first block holding a key some query sees; mask [num_new, context]."""
+    first = 0 if window is None else max(0, row.start - window + 1) // block_size
+    device = row.table.device
+    keys = torch.arange(first * block_size, row.context, device=device)
+    queries = torch.arange(row.start, row.context, device=device).unsqueeze(1)
+    mask = keys <= queries
+    if window is not None:
+        mask &= keys > queries - window
+    return _Reads(row.table[first:], row.context - first * block_size, mask)
+
+
+def _decode_reads(
+    rows: list[Row], window: int | None, block_size: int, scratch_block: int, device: torch.device
+) -> _Reads:
+    """Each row's blocks from the first one its window reaches, padded with the scratch
+    block; bias [B, 1, 1, width * block_size]: 0 where the row's query sees the key."""
+    firsts = [0 if window is None else max(0, r.end - window) // block_size for r in rows]
+    used = [(r.end + block_size - 1) // block_size for r in rows]
+    width = max(u - f for u, f in zip(used, firsts, strict=True))
+    tables = torch.full((len(rows), width), scratch_block, dtype=torch.long)
+    for i, (row, first, last) in enumerate(zip(rows, firsts, used, strict=True)):
+        tables[i, : last - first] = torch.as_tensor(list(row.block_table[first:last]))
+    keys = torch.tensor(firsts).unsqueeze(1) * block_size + torch.arange(width * block_size)
+    ends = torch.tensor([row.end for row in rows]).unsqueeze(1)  # the query sits at end - 1
+    seen = keys < ends
+    if window is not None:
+        seen &= keys >= ends - window
+    bias = torch.zeros(seen.shape).masked_fill_(~seen, float("-inf"))
+    return _Reads(tables.to(device), width * block_size, bias[:, None, None, :].to(device))
 
 
 def _shared_prefix(rows: list[Row], block_size: int) -> int:
@@ -168,6 +249,42 @@ def _attend(
     return sdpa(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa)
 
 
+def _attend_eager(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float | None,
+    extras: _Extras,
+) -> torch.Tensor:
+    """Attention in HF eager's order (scale, softcap, mask, sinks, softmax in float32);
+    shapes as `_attend`; mask bool (True: attend) or additive, or None: causal."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, Hq, n, S]
+    if extras.softcap is not None:
+        scores = torch.tanh(scores / extras.softcap) * extras.softcap
+    if mask is None:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    else:
+        scores = scores + mask.to(scores.dtype)
+    if extras.sinks is None:
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    else:  # one extra logit per head that takes a share of the softmax and no value
+        sink = extras.sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+        weights = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1, dtype=torch.float32)
+        weights = weights[..., :-1]
+    return torch.matmul(weights.to(q.dtype), v)
+
+
+def _sdpa_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A bool mask as is; an additive one in the query's dtype (SDPA's CPU kernels ask it)."""
+    return mask if mask is None or mask.dtype == torch.bool else mask.to(dtype)
+
+
 def _flash_with_lse(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -222,12 +339,13 @@ def _decode_attention(
 class PagedAttention:
     """The attention function of one runner; `batch` is set for the duration of a forward."""
 
-    UNSUPPORTED_KWARGS = ("position_bias", "softcap", "s_aux", "sinks")
+    UNSUPPORTED_KWARGS = ("position_bias",)
 
     def __init__(self, kv: torch.Tensor, layer_of: Callable[[torch.nn.Module], int]):
         self.kv = kv  # [num_blocks, layers, 2, kv_heads, block_size, head_dim]
         self.layer_of = layer_of
         self.batch: StepBatch | None = None
+        self.calls = 0  # attention calls served: the self-test checks every layer came here
 
     def __call__(
         self,
@@ -240,23 +358,47 @@ class PagedAttention:
         dropout: float = 0.0,
         **kwargs: object,
     ) -> tuple[torch.Tensor, None]:
-        batch = self._check(query, kwargs)
+        batch, window, extras = self._check(query, kwargs)
         layer = self.kv[:, self.layer_of(module)]  # [num_blocks, 2, Hkv, bs, D]
         new = torch.stack((key[0], value[0]), dim=0).permute(2, 0, 1, 3)  # [T, 2, Hkv, D]
         layer[batch.write_blocks, :, :, batch.write_offsets] = new.to(layer.dtype)
         out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
         if batch.decode_index is not None:
             q = query[0, :, batch.decode_index].transpose(0, 1)  # [B, Hq, D]
-            out[0, batch.decode_index] = _decode_attention(q, layer, batch, scaling)
-        for row in batch.prefills:
+            if window is None and extras.plain:
+                out[0, batch.decode_index] = _decode_attention(q, layer, batch, scaling)
+            else:
+                reads = batch.decode_reads(window)
+                o = self._attend_reads(q.unsqueeze(2), layer, reads, scaling, extras)
+                out[0, batch.decode_index] = o.squeeze(2)
+        for i, row in enumerate(batch.prefills):
             q = query[:, :, row.offset : row.offset + row.num_new]
-            k, v = _read(layer, row.table)
-            k, v = k[:, : row.context].unsqueeze(0), v[:, : row.context].unsqueeze(0)
-            o = _attend(q, k.to(q.dtype), v.to(q.dtype), row.mask, scaling)
+            if window is None and extras.plain:
+                reads = _Reads(row.table, row.context, row.mask)
+            else:
+                reads = batch.prefill_reads(i, window)
+            o = self._attend_reads(q, layer, reads, scaling, extras)
             out[:, row.offset : row.offset + row.num_new] = o.transpose(1, 2)
         return out, None
 
-    def _check(self, query: torch.Tensor, kwargs: dict) -> StepBatch:
+    @staticmethod
+    def _attend_reads(
+        q: torch.Tensor,  # [B, Hq, n, D]: one prefill row (B = 1), or decode rows (n = 1)
+        layer: torch.Tensor,
+        reads: _Reads,
+        scale: float | None,
+        extras: _Extras,
+    ) -> torch.Tensor:
+        k, v = _read(layer, reads.tables)
+        k, v = k[..., : reads.context, :].to(q.dtype), v[..., : reads.context, :].to(q.dtype)
+        if reads.tables.dim() == 1:
+            k, v = k.unsqueeze(0), v.unsqueeze(0)
+        if not extras.plain:
+            return _attend_eager(q, k, v, reads.mask, scale, extras)
+        return _attend(q, k, v, _sdpa_mask(reads.mask, q.dtype), scale)
+
+    def _check(self, query: torch.Tensor, kwargs: dict) -> tuple[StepBatch, int | None, _Extras]:
+        """The step's batch, the layer's window (None: full) and what else it asks."""
         batch = self.batch
         if batch is None:
             raise PagedAttentionError("paged attention called outside a runner step")
@@ -265,6 +407,11 @@ class PagedAttention:
         for name in self.UNSUPPORTED_KWARGS:
             if kwargs.get(name) is not None:
                 raise PagedAttentionError(f"attention argument {name!r} is not supported")
-        if kwargs.get("sliding_window") not in (None, 0, -1):
-            raise PagedAttentionError("sliding-window attention is not supported")
-        return batch
+        window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
+        if window in (0, -1):
+            window = None  # how some models spell "no window"
+        if window is not None and (not isinstance(window, int) or window < 1):
+            raise PagedAttentionError(f"sliding_window {window!r} is not a positive int")
+        sinks = kwargs.get("s_aux", kwargs.get("sinks"))
+        self.calls += 1
+        return batch, window, _Extras(float(softcap) if softcap else None, sinks)

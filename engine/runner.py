@@ -3,9 +3,10 @@
 The batch is flattened into one sequence (input_ids [1, T]), each row's tokens carrying their
 own position ids. The model's attention becomes a per-model `AttentionDispatch`, registered
 with transformers' attention (and mask) interface: in a thread running a paged step it is
-that runner's `PagedAttention` (and no mask is built); anywhere else it is plain SDPA with
-HF's own masks, so other users of the same model object (a reference forward, the
-per-request path, another engine) are not affected, whatever thread they run in.
+that runner's `PagedAttention` (and no mask is built); anywhere else it is the model's own
+implementation (SDPA, or eager for models without SDPA such as Gemma 2) with HF's own masks,
+so other users of the same model object (a reference forward, the per-request path, another
+engine) are not affected, whatever thread they run in.
 """
 
 from __future__ import annotations
@@ -13,39 +14,59 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
 from engine.contract import tolerance_for
-from engine.model import LoadedModel
-from engine.paged import PagedAttention, PagedAttentionError, Row, build_step
+from engine.model import LoadedModel, has_window, with_cache
+from engine.paged import PagedAttention, PagedAttentionError, Row, StepBatch, build_step
+from engine.step_cache import StepCache, alibi_of, step_keys
 from kvstore.sequences import BlockTables
 
 log = logging.getLogger("kvstore.engine")
 
 
-class AttentionDispatch:
-    """The attention of one model: the calling thread's paged step, else SDPA."""
+# The implementations a dispatch stands in for, and the mask function of each.
+PLAIN_ATTENTION = {"sdpa": sdpa_mask, "eager": eager_mask}
 
-    def __init__(self) -> None:
+
+def _eager_attention(module: torch.nn.Module) -> Callable:
+    """The eager attention of the module's own modeling file (softcapping and all)."""
+    function = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if function is None:
+        raise PagedAttentionError(f"{type(module).__name__} has no eager_attention_forward")
+    return function
+
+
+class AttentionDispatch:
+    """The attention of one model: the calling thread's paged step, else the model's own."""
+
+    def __init__(self, plain: str = "sdpa") -> None:
+        self.plain = plain  # the implementation the model had: "sdpa" or "eager"
         self.local = threading.local()  # .attention: the PagedAttention of this thread's step
-        self.users = 0  # runners on this model; the last to close restores plain SDPA
+        self.users = 0  # runners on this model; the last to close restores `plain`
 
     def active(self) -> PagedAttention | None:
         return getattr(self.local, "attention", None)
 
     def attention(self, module: torch.nn.Module, *args: object, **kwargs: object) -> object:
         paged = self.active()
-        return (paged or sdpa_attention_forward)(module, *args, **kwargs)
+        if paged is not None:
+            return paged(module, *args, **kwargs)
+        plain = sdpa_attention_forward if self.plain == "sdpa" else _eager_attention(module)
+        return plain(module, *args, **kwargs)
 
     def mask(self, *args: object, **kwargs: object) -> object:
-        return None if self.active() is not None else sdpa_mask(*args, **kwargs)
+        if self.active() is not None:
+            return None
+        return PLAIN_ATTENTION[self.plain](*args, **kwargs)
 
     @contextmanager
     def step(self, attention: PagedAttention) -> Iterator[None]:
@@ -58,13 +79,15 @@ class AttentionDispatch:
 
 
 def install_dispatch(model: torch.nn.Module) -> AttentionDispatch:
-    """The model's dispatch, installed by its first runner (its attention must be SDPA)."""
+    """The model's dispatch, installed by its first runner (its attention must be SDPA or
+    eager through transformers' attention interface)."""
     dispatch = getattr(model, "_kvstore_dispatch", None)
     if dispatch is None:
         config = model.config
-        if config._attn_implementation != "sdpa":
-            raise PagedAttentionError(f"attention is {config._attn_implementation!r}, not sdpa")
-        dispatch, name = AttentionDispatch(), f"kvstore_dispatch_{id(model):x}"
+        plain = config._attn_implementation
+        if plain not in PLAIN_ATTENTION:
+            raise PagedAttentionError(f"attention is {plain!r}, not sdpa or eager")
+        dispatch, name = AttentionDispatch(plain), f"kvstore_dispatch_{id(model):x}"
         AttentionInterface.register(name, dispatch.attention)
         AttentionMaskInterface.register(name, dispatch.mask)
         config._attn_implementation = name
@@ -74,15 +97,15 @@ def install_dispatch(model: torch.nn.Module) -> AttentionDispatch:
 
 
 def uninstall_dispatch(model: torch.nn.Module) -> None:
-    """Undo one `install_dispatch`; the last one gives the model plain SDPA back (so other
-    libraries that check the implementation's name, as transformers' own batching does,
-    accept the model again)."""
+    """Undo one `install_dispatch`; the last one gives the model its plain implementation
+    back (so other libraries that check the implementation's name, as transformers' own
+    batching does, accept the model again)."""
     dispatch = getattr(model, "_kvstore_dispatch", None)
     if dispatch is None:
         return
     dispatch.users -= 1
     if dispatch.users == 0:
-        model.config._attn_implementation = "sdpa"
+        model.config._attn_implementation = dispatch.plain
         del model._kvstore_dispatch
 
 
@@ -99,16 +122,23 @@ def _layer_of(module: torch.nn.Module) -> int:
 
 
 class PagedRunner:
-    """Runs steps of one model on the K/V blocks of one pool tensor."""
+    """Runs steps of one model on the K/V blocks of one pool tensor, through the attention
+    interface."""
+
+    how = "attention interface"
 
     def __init__(self, model: LoadedModel, kv: torch.Tensor, scratch_block: int):
         self.model = model
         self.kv = kv  # [num_blocks, layers, 2, kv_heads, block_size, head_dim]
         self.block_size = kv.shape[4]
         self.scratch_block = scratch_block
-        self.attention = PagedAttention(kv, _layer_of)
-        self.dispatch = install_dispatch(model.model)
+        self.calls = 0  # layer calls that went through the pool: the self-test counts them
         self.closed = False
+        self._open()
+
+    def _open(self) -> None:
+        self.attention = PagedAttention(self.kv, _layer_of)
+        self.dispatch = install_dispatch(self.model.model)
 
     def close(self) -> None:
         """Give the model back its plain attention (once no other runner uses it)."""
@@ -128,16 +158,49 @@ class PagedRunner:
         keep = ends[list(logit_rows)].to(device)
         lm = self.model.model
         extra = {"logits_to_keep": keep} if _takes_logits_to_keep(type(lm)) else {}
-        with torch.inference_mode(), self.dispatch.step(self.attention):
-            self.attention.batch = build_step(rows, self.block_size, self.scratch_block, device)
-            out = lm(
-                input_ids=ids.unsqueeze(0),
-                position_ids=positions.unsqueeze(0),
-                use_cache=False,
-                **extra,
-            )
-        logits = out.logits[0]
+        inputs = {"input_ids": ids.unsqueeze(0), "position_ids": positions.unsqueeze(0), **extra}
+        with torch.inference_mode():
+            batch = build_step(rows, self.block_size, self.scratch_block, device)
+            logits = self._run(rows, batch, inputs).logits[0]
         return (logits if extra else logits[keep]).float()
+
+    def _run(self, rows: Sequence[Row], batch: StepBatch, inputs: dict) -> object:
+        with self.dispatch.step(self.attention):
+            self.attention.batch = batch
+            self.attention.calls = 0
+            out = self.model.model(use_cache=False, **inputs)
+            self.calls += self.attention.calls
+        return out
+
+
+class StepCacheRunner(PagedRunner):
+    """For models whose attention is their own code on a `Cache` (Falcon, Bloom): the pool
+    is reached through `StepCache` and a block-diagonal mask (engine/step_cache.py)."""
+
+    how = "step cache"
+
+    def _open(self) -> None:
+        config = self.model.model.config
+        if has_window(config):  # the 4D mask given would replace the model's window masks
+            raise PagedAttentionError("sliding-window models need the attention interface")
+        self.alibi = alibi_of(self.model.model.base_model)
+
+    def close(self) -> None:
+        self.closed = True
+
+    def _run(self, rows: Sequence[Row], batch: StepBatch, inputs: dict) -> object:
+        lm = self.model.model
+        keys = step_keys(rows, self.block_size, self.model.device, self.model.dtype)
+        cache = StepCache(lm.config, self.kv, batch, keys)
+        if self.alibi is not None:
+            self.alibi.local.positions = keys.positions
+        try:
+            out = lm(attention_mask=keys.mask, use_cache=True, **with_cache(lm, cache), **inputs)
+        finally:
+            if self.alibi is not None:
+                self.alibi.local.positions = None
+        self.calls += cache.calls
+        return out
 
 
 SELF_TEST_BLOCKS = 5
@@ -155,19 +218,31 @@ def start_paged(model: LoadedModel, tables: BlockTables) -> tuple[PagedRunner | 
             f"the pool has {pool.num_blocks} blocks, the self-test needs {SELF_TEST_BLOCKS}",
         )
     scratch, ids = tables.reserve(1), tables.reserve(SELF_TEST_BLOCKS)
+    reasons = []
     try:
-        runner = PagedRunner(model, pool.kv, scratch[0])
-        why = self_test(runner, ids) if len(ids) == SELF_TEST_BLOCKS else "the pool is full"
-    except PagedAttentionError as e:
-        runner, why = None, str(e)
+        for kind in (PagedRunner, StepCacheRunner):
+            runner, why = _try(kind, model, pool.kv, scratch[0], ids)
+            if runner is not None:
+                return runner, None
+            reasons.append(f"{kind.how}: {why}")
     finally:
         tables.release(ids)
-    if why is not None:
-        if runner is not None:
-            runner.close()
-        tables.release(scratch)
-        return None, why
-    return runner, None
+    tables.release(scratch)
+    return None, "; ".join(reasons)
+
+
+def _try(
+    kind: type[PagedRunner], model: LoadedModel, kv: torch.Tensor, scratch: int, ids: list[int]
+) -> tuple[PagedRunner | None, str | None]:
+    try:
+        runner = kind(model, kv, scratch)
+    except PagedAttentionError as e:
+        return None, str(e)
+    why = self_test(runner, ids) if len(ids) == SELF_TEST_BLOCKS else "the pool is full"
+    if why is None:
+        return runner, None
+    runner.close()
+    return None, why
 
 
 def self_test(runner: PagedRunner, block_ids: list[int]) -> str | None:
@@ -179,6 +254,7 @@ def self_test(runner: PagedRunner, block_ids: list[int]) -> str | None:
     b = [(5 * i + 1) % model.vocab_size for i in range(bs + 2)]
     table_a, table_b = block_ids[:3], block_ids[3:5]
     tol = tolerance_for(model.dtype)
+    runner.calls = 0
     try:
         first = runner.forward(
             [Row(table_a, 0, len(a) - 1), Row(table_b, 0, 3)], [a[:-1], b[:3]], [0, 1]
@@ -188,6 +264,9 @@ def self_test(runner: PagedRunner, block_ids: list[int]) -> str | None:
         )
     except Exception as e:  # any failure of the hook means: not servable this way
         return f"{type(e).__name__}: {e}"
+    calls, layers = runner.calls, runner.kv.shape[1]
+    if calls != 2 * layers:  # attention computed elsewhere would never read the pool
+        return f"{calls} of {2 * layers} attention calls reached the pool"
     got = [first[0], first[1], second[0], second[1]]
     want = [_reference(model, a[:-1]), _reference(model, b[:3]), _reference(model, a)]
     want.append(_reference(model, b))

@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 from transformers import DynamicCache
 
-from engine.model import LoadedModel, with_cache
+from engine.model import LoadedModel, kv_cache, with_cache
 from engine.request import GenerateResult, Sampler, SamplingParams, StopChecker, TokenCallback
 from kvstore.cache import KVPrefix, PrefixCache
 
@@ -53,7 +53,7 @@ def forward_on(model: torch.nn.Module, ids: Sequence[int], past: DynamicCache) -
 
 def past_from_prefix(config: object, kv: KVPrefix, device: torch.device) -> DynamicCache:
     """A DynamicCache holding the prefix K/V (no extra copy when already on `device`)."""
-    past = DynamicCache(config=config)
+    past = kv_cache(config)
     if kv.num_tokens == 0:
         return past
     if len(kv.layers) != len(past.layers):

@@ -9,15 +9,14 @@ ones finish, up to --drain-timeout-s.
 from __future__ import annotations
 
 import argparse
-import ctypes
+import asyncio
 import ipaddress
 import logging
-import os
 import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager, suppress
+from contextlib import asynccontextmanager
 from types import FrameType
 
 import uvicorn
@@ -30,6 +29,7 @@ from starlette.responses import JSONResponse, Response
 
 from engine.engine import Engine
 from engine.server.config import ServerConfig, check_port_free, server_config_from_args
+from engine.server.heap import QuietTrimmer, cap_malloc_arenas
 from engine.server.protocol import ApiError, now
 from engine.server.service import Service
 from kvstore.events import EventSink
@@ -45,13 +45,18 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     """An app serving `engine`; it closes the engine when the app shuts down."""
     service = Service(engine, config)
 
+    trimmer = QuietTrimmer(service.requests_seen, service.in_flight)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        trimming = asyncio.create_task(trimmer.run())
         yield
+        trimming.cancel()
         await run_in_threadpool(service.close)
 
     app = FastAPI(title="kvstore", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.service = service
+    app.state.trimmer = trimmer
 
     def rejected(error: ApiError) -> None:
         if error.status != 500:
@@ -174,23 +179,6 @@ class DrainingServer(uvicorn.Server):
         else:
             log.error("drain timed out after %.1f s: the requests still running fail", took)
         super().handle_exit(sig, frame)
-
-
-MALLOC_ARENAS = 2
-M_ARENA_MAX = -8  # glibc's mallopt parameter
-
-
-def cap_malloc_arenas() -> None:
-    """Cap glibc's malloc arenas (unless MALLOC_ARENA_MAX is set). glibc gives threads that
-    allocate arenas of their own, up to 8 per core, and memory freed in one stays there: under
-    16 streaming clients the request threads grew the server's heap by 20-35% within two
-    minutes, still wandering; with 2 arenas it levelled off after the first minute (the
-    soak: docs/RELIABILITY.md). A no-op where the C library is not glibc."""
-    if "MALLOC_ARENA_MAX" in os.environ:
-        return
-    with suppress(OSError, AttributeError):
-        if ctypes.CDLL("libc.so.6").mallopt(M_ARENA_MAX, MALLOC_ARENAS) == 0:
-            log.debug("mallopt(M_ARENA_MAX) failed: malloc arenas are not capped")
 
 
 def run_server(args: argparse.Namespace) -> int:

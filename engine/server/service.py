@@ -119,6 +119,13 @@ class Service:
             time.sleep(DRAIN_LINGER_S)
         return done
 
+    def in_flight(self) -> int:
+        """Requests admitted and not answered to their last byte."""
+        return self._in_flight.value
+
+    def requests_seen(self) -> int:
+        return self._in_flight.entered
+
     def authenticate(self, request: HTTPRequest) -> str | None:
         return authenticate(self.auth, request)
 
@@ -310,11 +317,12 @@ class _Gauge:
     """A thread-safe count."""
 
     def __init__(self) -> None:
-        self._lock, self.value = threading.Lock(), 0
+        self._lock, self.value, self.entered = threading.Lock(), 0, 0
 
     def enter(self) -> None:
         with self._lock:
             self.value += 1
+            self.entered += 1
 
     def exit(self) -> None:
         with self._lock:

@@ -1,4 +1,7 @@
-"""Micro configs (2 layers, hidden 64) of every architecture family the engine serves."""
+"""Micro configs (2 layers, hidden 64) of every architecture family the engine serves.
+
+WINDOWED are sliding-window and hybrid models: their windows (5 to 7 tokens) are shorter
+than the test prompts, so a wrong window mask changes the output."""
 
 from __future__ import annotations
 
@@ -16,6 +19,23 @@ ROPE_DECODER = {
     "max_position_embeddings": 256,
     "tie_word_embeddings": False,
 }
+ROPE16 = {**ROPE_DECODER, "head_dim": 16}
+HYBRID = {"sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"]}
+# name -> (model_type, config): Gemma 2 softcaps its logits (small caps, so they bite)
+WINDOWED: dict[str, tuple[str, dict]] = {
+    "gemma2": ("gemma2", {**ROPE16, **HYBRID, "attn_logit_softcapping": 0.5,
+                          "final_logit_softcapping": 5.0}),
+    "gemma3_text": ("gemma3_text", {**ROPE16, **HYBRID}),
+    "mistral-window": ("mistral", {**ROPE16, "sliding_window": 7}),
+    "qwen2-window": ("qwen2", {**ROPE_DECODER, "use_sliding_window": True, "sliding_window": 7,
+                               "max_window_layers": 0}),
+    "qwen2-hybrid": ("qwen2", {**ROPE_DECODER, "use_sliding_window": True, "sliding_window": 5,
+                               "max_window_layers": 1}),
+    "cohere2": ("cohere2", {**ROPE16, **HYBRID}),
+    "gpt_oss": ("gpt_oss", {**ROPE16, **HYBRID, "num_local_experts": 4,
+                            "num_experts_per_tok": 2,
+                            "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}),
+}  # fmt: skip
 ARCHS: dict[str, dict] = {
     "llama": {**ROPE_DECODER, "head_dim": 16},
     "qwen2": {**ROPE_DECODER, "use_sliding_window": False},
@@ -39,11 +59,27 @@ ARCHS: dict[str, dict] = {
         "max_position_embeddings": 256,
     },
     "gpt_bigcode": {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 256},
-    # no SDPA in transformers: loaded with eager attention
     "gptj": {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 256, "rotary_dim": 8},
-    "bloom": {"hidden_size": 64, "n_layer": 2, "n_head": 4},
+    "bloom": {"hidden_size": 64, "n_layer": 2, "n_head": 4},  # ALiBi, eager attention only
+    "olmo2": ROPE16,
+    "granite": ROPE16,
+    "starcoder2": {**ROPE16, "sliding_window": None},
+    "phi": {**ROPE16, "partial_rotary_factor": 0.5},
+    "mixtral": {**ROPE16, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
+    "qwen3_moe": {**ROPE16, "num_experts": 4, "num_experts_per_tok": 2,
+                  "moe_intermediate_size": 32},
+    "cohere": ROPE16,
+    "helium": ROPE16,
 }  # fmt: skip
+# Refused batching, with the reason the engine logs: they are served one request at a time.
+SEQUENTIAL = {"falcon-alibi": "step cache: ALiBi built outside a build_alibi_tensor method"}
+OTHER = {"falcon-alibi": ("falcon", {**ARCHS["falcon"], "alibi": True})}
 
 
 def arch_config(name: str) -> PretrainedConfig:
-    return AutoConfig.for_model(name, **COMMON, **ARCHS[name])
+    """The micro config of `name`: a key of ARCHS, WINDOWED or OTHER (init std 0.1)."""
+    model_type, values = (name, ARCHS[name]) if name in ARCHS else {**WINDOWED, **OTHER}[name]
+    return AutoConfig.for_model(model_type, **COMMON, **values, initializer_range=0.1)
+
+
+ALL_ARCHS = sorted({*ARCHS, *WINDOWED, *OTHER})

@@ -9,24 +9,16 @@ import threading
 import numpy as np
 import pytest
 import torch
-from arch_configs import ARCHS, arch_config
 from engine_helpers import greedy_matches_reference, micro_cache_config
 
 from engine.engine import Engine
-from engine.model import LoadedModel, byte_tokenizer, random_model, wrap_model
-from engine.model_files import attn_implementation
+from engine.model import LoadedModel
 from engine.request import Request, RequestCancelled, SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from kvstore.cache import PrefixCache
 from kvstore.sequences import BlockTables
 
 GREEDY = SamplingParams(max_new_tokens=10, ignore_eos=True)
-# Architectures served one request at a time, and the reason the engine logs.
-SEQUENTIAL = {
-    "falcon": "TypeError: unsupported operand",  # its attention adds a bias
-    "gptj": "attention is 'eager', not sdpa",  # no SDPA before transformers 5.24
-    "bloom": "attention is 'eager', not sdpa",
-}
 BS = 4
 
 
@@ -175,24 +167,6 @@ def test_sampling_is_per_request_and_reproducible_by_seed(micro: LoadedModel) ->
         b = run_together(engine, [tokens(20, 51), prompt], hot)[1]
     assert a.output_token_ids == b.output_token_ids  # same seed, other neighbours
     assert a.output_token_ids != greedy.output_token_ids[:12]
-
-
-@pytest.mark.parametrize("arch", sorted(ARCHS))
-def test_every_architecture_is_batched_or_says_why_not(arch: str, caplog) -> None:
-    model = wrap_model(random_model(arch_config(arch), seed=0), byte_tokenizer(), arch)
-    prompts = [tokens(n, seed=60 + n) for n in (6, 13, 9)]
-    with caplog.at_level("WARNING"), Engine(model, micro_cache_config()) as engine:
-        engine.generate(prompts, GREEDY)  # fill the cache
-        results = engine.generate(prompts, GREEDY)
-        mode = engine.mode
-    eager = attn_implementation(model.model.config) == "eager"
-    expected = "sequential" if arch in SEQUENTIAL and (eager or arch == "falcon") else "paged"
-    assert mode == expected  # GPT-J runs paged where this transformers gives it SDPA
-    if mode == "sequential":
-        assert f"paged attention unavailable ({SEQUENTIAL[arch]}" in caplog.text
-    assert [r.cached_tokens for r in results] == [4, 12, 8]
-    for prompt, result in zip(prompts, results, strict=True):
-        assert greedy_matches_reference(model, prompt, result.output_token_ids)
 
 
 def test_the_model_stays_plain_sdpa_for_other_callers(micro: LoadedModel) -> None:

@@ -11,7 +11,9 @@ from transformers import (
     AutoTokenizer,
     DeepseekV3Config,
     Gemma2Config,
+    Gemma3TextConfig,
     GPT2Config,
+    Llama4TextConfig,
     MambaConfig,
     MistralConfig,
     Qwen2Config,
@@ -26,6 +28,7 @@ from engine.model import (
     byte_tokenizer,
     check_supported,
     fingerprint,
+    has_window,
     load_model,
     random_model,
     wrap_model,
@@ -102,14 +105,11 @@ def test_gpt2_style_model_is_supported() -> None:
 @pytest.mark.parametrize(
     ("config", "layer_type"),
     [
-        (MistralConfig(sliding_window=64), "sliding_attention"),
-        (Qwen2Config(use_sliding_window=True, sliding_window=64, max_window_layers=0),
-         "sliding_attention"),
-        (Gemma2Config(), "sliding_attention"),
+        (Llama4TextConfig(attention_chunk_size=64), "chunked_attention"),
         (DeepseekV3Config(), "multi_latent_attention"),
         (MambaConfig(), "linear_attention"),
     ],
-    ids=["mistral-sliding", "qwen2-sliding", "gemma2", "deepseek-v3-mla", "mamba"],
+    ids=["llama4-chunked", "deepseek-v3-mla", "mamba"],
 )  # fmt: skip
 def test_unsupported_layer_types_raise_a_typed_error(config, layer_type: str) -> None:
     with pytest.raises(UnsupportedModelError, match=layer_type) as err:
@@ -118,13 +118,24 @@ def test_unsupported_layer_types_raise_a_typed_error(config, layer_type: str) ->
 
 
 def test_supported_configs_pass_the_check() -> None:
-    for config in (MistralConfig(sliding_window=None), Qwen2Config(), Qwen3Config(), GPT2Config()):
+    full = (MistralConfig(sliding_window=None), Qwen2Config(), Qwen3Config(), GPT2Config())
+    for config in full:
         check_supported(config)
+        assert not has_window(config)
+    windowed = (
+        MistralConfig(sliding_window=64),
+        Qwen2Config(use_sliding_window=True, sliding_window=64, max_window_layers=0),
+        Gemma2Config(),
+        Gemma3TextConfig(),
+    )
+    for config in windowed:
+        check_supported(config)
+        assert has_window(config)
 
 
 def test_unsupported_model_directory_fails_before_loading_weights(tmp_path: Path) -> None:
-    MistralConfig(sliding_window=16).save_pretrained(tmp_path)  # config only, no weights
-    with pytest.raises(UnsupportedModelError, match="sliding_attention"):
+    DeepseekV3Config().save_pretrained(tmp_path)  # config only, no weights
+    with pytest.raises(UnsupportedModelError, match="multi_latent_attention"):
         load_model(str(tmp_path))
 
 
