@@ -284,11 +284,18 @@ def tenant_flood(ctx: Context) -> LoadOutcome:
     url, quiet = run.server.url, prompts(ctx.scale.load_requests // 2, seed=5)
     b_jobs = [lambda p=p: stream(url, p, MAX_TOKENS, key="sk-load-b") for p in quiet]
     run.base = run_clients(b_jobs[:4], 1)  # b alone
+
+    def queue_full() -> bool:
+        return run.server.health().get("waiting", 0) >= FLOOD_QUEUE
+
+    def b_when_full(job: Callable[[], Answer]) -> Answer:
+        wait_until(queue_full, 5.0)  # b meets the bound (a flood keeps it full, mostly)
+        return job()
+
     with Flood(url, 4 * run.clients) as flood:
-        full = wait_until(lambda: run.server.health().get("waiting", 0) >= FLOOD_QUEUE, 30.0)
-        if full is None:
+        if wait_until(queue_full, 30.0) is None:
             raise RuntimeError("the flood never filled the queue")
-        mine = run_clients(b_jobs, 2)
+        mine = run_clients([lambda j=j: b_when_full(j) for j in b_jobs], 2)
     displaced = run.server.metrics().get("kvstore_requests_displaced_total", 0.0)
     theirs = flood.answers
     outcome = run.finish(

@@ -193,7 +193,9 @@ def markdown(r: SoakReport, command: str) -> str:
         f"{r.warm.fds} -> {r.end.fds} | {r.warm.threads} -> {r.end.threads} |", "",
         "RSS anon is the process's own memory (the growth that would be a leak); RSS file is "
         "file-backed pages, mostly LMDB's map, which grows with the entries written and is "
-        "the kernel's to drop.", "", verdict(r), "",
+        "the kernel's to drop. The server trims glibc's heap once it has had no request in "
+        "flight for 2 s (engine/server/heap.py), so an idle reading is the memory in use, "
+        "not the free memory glibc kept inside its arenas.", "", verdict(r), "",
     ])  # fmt: skip
 
 

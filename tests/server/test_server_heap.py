@@ -24,4 +24,3 @@ def test_the_heap_is_trimmed_once_per_quiet_spell_and_never_while_requests_run()
     # nothing served yet: no trim; 3 served then quiet: one; still quiet: no more; busy:
     # none; quiet again after 2 more: the second
     assert asyncio.run(scenario()) == [0, 1, 1, 1, 1, 2]
-
