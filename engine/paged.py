@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 
+from engine.eager_attention import Extras, attend_eager
+
 
 class PagedAttentionError(RuntimeError):
     """The model called attention in a way the paged path cannot serve (the runner falls back)."""
@@ -53,18 +55,6 @@ class _Prefill:
     mask: torch.Tensor | None  # [num_new, context] bool, causal with the row's offset; None
     # when the row starts at position 0 (plain causal: SDPA skips the masked half)
     start: int = 0  # position of the first query
-
-
-@dataclass(frozen=True)
-class _Extras:
-    """What a layer asks beyond plain softmax attention: HF eager does these in order."""
-
-    softcap: float | None = None  # scores -> tanh(scores / softcap) * softcap (Gemma 2)
-    sinks: torch.Tensor | None = None  # [Hq]: a per-head logit with no value (gpt-oss)
-
-    @property
-    def plain(self) -> bool:
-        return self.softcap is None and self.sinks is None
 
 
 @dataclass(frozen=True)
@@ -249,37 +239,6 @@ def _attend(
     return sdpa(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa)
 
 
-def _attend_eager(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None,
-    scale: float | None,
-    extras: _Extras,
-) -> torch.Tensor:
-    """Attention in HF eager's order (scale, softcap, mask, sinks, softmax in float32);
-    shapes as `_attend`; mask bool (True: attend) or additive, or None: causal."""
-    groups = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, Hq, n, S]
-    if extras.softcap is not None:
-        scores = torch.tanh(scores / extras.softcap) * extras.softcap
-    if mask is None:
-        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
-    if mask.dtype == torch.bool:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    else:
-        scores = scores + mask.to(scores.dtype)
-    if extras.sinks is None:
-        weights = torch.softmax(scores, dim=-1, dtype=torch.float32)
-    else:  # one extra logit per head that takes a share of the softmax and no value
-        sink = extras.sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
-        weights = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1, dtype=torch.float32)
-        weights = weights[..., :-1]
-    return torch.matmul(weights.to(q.dtype), v)
-
-
 def _sdpa_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     """A bool mask as is; an additive one in the query's dtype (SDPA's CPU kernels ask it)."""
     return mask if mask is None or mask.dtype == torch.bool else mask.to(dtype)
@@ -387,17 +346,17 @@ class PagedAttention:
         layer: torch.Tensor,
         reads: _Reads,
         scale: float | None,
-        extras: _Extras,
+        extras: Extras,
     ) -> torch.Tensor:
         k, v = _read(layer, reads.tables)
         k, v = k[..., : reads.context, :].to(q.dtype), v[..., : reads.context, :].to(q.dtype)
         if reads.tables.dim() == 1:
             k, v = k.unsqueeze(0), v.unsqueeze(0)
         if not extras.plain:
-            return _attend_eager(q, k, v, reads.mask, scale, extras)
+            return attend_eager(q, k, v, reads.mask, scale, extras)
         return _attend(q, k, v, _sdpa_mask(reads.mask, q.dtype), scale)
 
-    def _check(self, query: torch.Tensor, kwargs: dict) -> tuple[StepBatch, int | None, _Extras]:
+    def _check(self, query: torch.Tensor, kwargs: dict) -> tuple[StepBatch, int | None, Extras]:
         """The step's batch, the layer's window (None: full) and what else it asks."""
         batch = self.batch
         if batch is None:
@@ -414,4 +373,4 @@ class PagedAttention:
             raise PagedAttentionError(f"sliding_window {window!r} is not a positive int")
         sinks = kwargs.get("s_aux", kwargs.get("sinks"))
         self.calls += 1
-        return batch, window, _Extras(float(softcap) if softcap else None, sinks)
+        return batch, window, Extras(float(softcap) if softcap else None, sinks)
