@@ -155,11 +155,17 @@ def _prefill_reads(row: _Prefill, window: int | None, block_size: int) -> _Reads
 
 
 def _decode_reads(
-    rows: list[Row], window: int | None, block_size: int, scratch_block: int, device: torch.device
+    rows: list[Row],
+    window: int | None,
+    block_size: int,
+    scratch_block: int,
+    device: torch.device,
+    skip: int = 0,
 ) -> _Reads:
-    """Each row's blocks from the first one its window reaches, padded with the scratch
-    block; bias [B, 1, 1, width * block_size]: 0 where the row's query sees the key."""
-    firsts = [0 if window is None else max(0, r.end - window) // block_size for r in rows]
+    """Each row's blocks from the first one its window reaches (or from block `skip`, which
+    every row shares and which are read apart), padded with the scratch block; bias
+    [B, 1, 1, width * block_size]: 0 where the row's query sees the key."""
+    firsts = [skip if window is None else max(0, r.end - window) // block_size for r in rows]
     used = [(r.end + block_size - 1) // block_size for r in rows]
     width = max(u - f for u, f in zip(used, firsts, strict=True))
     tables = torch.full((len(rows), width), scratch_block, dtype=torch.long)
@@ -196,19 +202,11 @@ def _add_decode(
 ) -> None:
     rows = [row for _, row in decode_rows]
     k = _shared_prefix(rows, block_size)
-    width = max((row.end + block_size - 1) // block_size for row in rows) - k
-    tables = torch.full((len(rows), width), scratch_block, dtype=torch.long)
-    for i, row in enumerate(rows):
-        used = (row.end + block_size - 1) // block_size
-        tables[i, : used - k] = torch.as_tensor(list(row.block_table[k:used]), dtype=torch.long)
-    lengths = torch.tensor([row.end - k * block_size for row in rows])
-    beyond = torch.arange(width * block_size).unsqueeze(0) >= lengths.unsqueeze(1)
-    bias = torch.zeros(beyond.shape).masked_fill_(beyond, float("-inf"))
+    own = _decode_reads(rows, None, block_size, scratch_block, device, skip=k)
     batch.decode_index = torch.tensor([offset for offset, _ in decode_rows], device=device)
     if k:
         batch.decode_shared = torch.as_tensor(list(rows[0].block_table[:k])).to(device)
-    batch.decode_tables = tables.to(device)
-    batch.decode_bias = bias[:, None, None, :].to(device)
+    batch.decode_tables, batch.decode_bias = own.tables, own.mask
 
 
 def _read(kv_layer: torch.Tensor, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

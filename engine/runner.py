@@ -37,11 +37,12 @@ log = logging.getLogger("kvstore.engine")
 PLAIN_ATTENTION = {"sdpa": sdpa_mask, "eager": eager_mask}
 
 
-def _eager_attention(module: torch.nn.Module) -> Callable:
+@functools.cache
+def _eager_attention(module_cls: type) -> Callable:
     """The eager attention of the module's own modeling file (softcapping and all)."""
-    function = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    function = getattr(sys.modules[module_cls.__module__], "eager_attention_forward", None)
     if function is None:
-        raise PagedAttentionError(f"{type(module).__name__} has no eager_attention_forward")
+        raise PagedAttentionError(f"{module_cls.__name__} has no eager_attention_forward")
     return function
 
 
@@ -60,7 +61,7 @@ class AttentionDispatch:
         paged = self.active()
         if paged is not None:
             return paged(module, *args, **kwargs)
-        plain = sdpa_attention_forward if self.plain == "sdpa" else _eager_attention(module)
+        plain = sdpa_attention_forward if self.plain == "sdpa" else _eager_attention(type(module))
         return plain(module, *args, **kwargs)
 
     def mask(self, *args: object, **kwargs: object) -> object:
