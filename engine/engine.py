@@ -20,7 +20,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from engine.model import LoadedModel
+from engine.model import LoadedModel, shared_window
 from engine.paged import Row
 from engine.request import (
     EngineClosedError,
@@ -42,7 +42,7 @@ from hashing import validate_salt
 from kvstore.cache import PrefixCache
 from kvstore.config import CacheConfig
 from kvstore.events import EventSink
-from kvstore.sequences import BlockTables
+from kvstore.sequences import BlockTables, SeqBlocks
 
 log = logging.getLogger("kvstore.engine")
 
@@ -74,7 +74,8 @@ class Engine:
         self.cache_generated = cache_generated
         # the cache binds the config's codec and tenant salt into the namespace
         namespace = model.namespace(cache_config.block_size)
-        self.cache = PrefixCache(cache_config, namespace, events=events)
+        window = shared_window(model.model.config)  # a window model's requests drop blocks
+        self.cache = PrefixCache(cache_config, namespace, events=events, window=window)
         self.tables = BlockTables(self.cache)
         self.scheduler = Scheduler(scheduler_config or SchedulerConfig(), self.tables)
         self.sequential = SequentialPath(model, self.cache, cache_generated)
@@ -246,7 +247,7 @@ class Engine:
             start = seq.num_cached_tokens
             if not self.tables.grow(seq, len(ids)):
                 raise PoolExhaustedError(f"the device pool cannot hold {len(ids)} tokens now")
-            row = Row(seq.block_table, start, len(ids) - start, seq.num_shared_blocks)
+            row = self._table_row(seq, start, len(ids) - start)
             with self._forward_lock:
                 logits = self.runner.forward([row], [ids[start:]], [0])[0]
             if store:
@@ -293,8 +294,12 @@ class Engine:
         self._sample([rows[i].request for i in sample], logits)
 
     def _row(self, row: Scheduled) -> Row:
-        blocks = row.request.state.blocks
-        return Row(blocks.block_table, row.start, row.num_new, blocks.num_shared_blocks)
+        return self._table_row(row.request.state.blocks, row.start, row.num_new)
+
+    def _table_row(self, blocks: SeqBlocks, start: int, num_new: int) -> Row:
+        assert self.runner is not None
+        table = blocks.readable_table(self.runner.scratch_block)
+        return Row(table, start, num_new, blocks.num_shared_blocks, blocks.num_dropped)
 
     def _started(self, request: Request) -> bool:
         """Mark a request's first step; False if its future was cancelled meanwhile."""
@@ -315,6 +320,7 @@ class Engine:
             limit = min(limit, len(row.request.token_ids))
         if limit // self.tables.block_size > state.blocks.num_committed:  # a block filled
             self.tables.commit(state.blocks, row.request.token_slice(0, limit), limit)
+        self.tables.slide(state.blocks, state.num_computed)  # a window model's old blocks
 
     def _sample(self, requests: list[Request], logits: torch.Tensor) -> None:
         greedy = logits.argmax(dim=-1).tolist()

@@ -150,6 +150,19 @@ def has_window(config: PretrainedConfig) -> bool:
     return window is not None and getattr(cfg, "use_sliding_window", True) is not False
 
 
+def shared_window(config: PretrainedConfig) -> int | None:
+    """The sliding window (tokens) of every attention layer; None when some layer attends
+    to the whole prefix (a full or hybrid model)."""
+    cfg = _text_config(config)
+    window = getattr(cfg, "sliding_window", None)
+    if not has_window(config) or not isinstance(window, int) or window < 1:
+        return None
+    layer_types = getattr(cfg, "layer_types", None) or ()
+    if any(layer_type != "sliding_attention" for layer_type in layer_types):
+        return None
+    return window
+
+
 def check_supported(config: PretrainedConfig) -> None:
     """Raise `UnsupportedModelError` unless every layer is full or sliding-window attention
     with equal K/V dims."""

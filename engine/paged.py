@@ -40,6 +40,7 @@ class Row:
     start: int  # first position fed this step (positions below it are in the blocks)
     num_new: int  # tokens fed this step
     num_shared_blocks: int = 0  # leading blocks entered by reference: never written
+    num_dropped: int = 0  # leading blocks a window model's request let go (never read)
 
     @property
     def end(self) -> int:
@@ -82,6 +83,7 @@ class StepBatch:
     block_size: int = 1
     scratch_block: int = 0
     reads: dict[tuple, _Reads] = field(default_factory=dict)  # per (row group, window), lazily
+    max_window: int | None = None  # the widest window every row still holds (None: any)
 
     def prefill_reads(self, i: int, window: int | None) -> _Reads:
         """Prefill row i's blocks and mask under `window` (None: every earlier position)."""
@@ -130,6 +132,8 @@ def build_step(
     )  # fmt: skip
     if decode_rows:
         _add_decode(batch, decode_rows, block_size, scratch_block, device)
+    held = [row.start + 1 - row.num_dropped * block_size for row in rows if row.num_dropped]
+    batch.max_window = min(held) if held else None
     return batch
 
 
@@ -369,6 +373,11 @@ class PagedAttention:
             window = None  # how some models spell "no window"
         if window is not None and (not isinstance(window, int) or window < 1):
             raise PagedAttentionError(f"sliding_window {window!r} is not a positive int")
+        if batch.max_window is not None and (window is None or window > batch.max_window):
+            raise PagedAttentionError(
+                f"a layer attends {window or 'every'} keys back, past blocks a request "
+                f"dropped after they left the model's sliding window ({batch.max_window})"
+            )
         sinks = kwargs.get("s_aux", kwargs.get("sinks"))
         self.calls += 1
         return batch, window, Extras(float(softcap) if softcap else None, sinks)

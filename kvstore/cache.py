@@ -30,6 +30,7 @@ from kvstore.scopes import Scope, Scopes
 from kvstore.stores import SpillStore, make_stores
 from kvstore.tenants import TenantBlocks
 from kvstore.tiers import Tiers
+from kvstore.window import cut_to_window, gather_window, window_prefix
 
 
 class KVPrefix(NamedTuple):
@@ -43,7 +44,7 @@ class CacheHit:
 
     num_prompt_tokens: int
     num_cached_tokens: int
-    block_ids: list[int]
+    block_ids: list[int | None]  # None: a block a sliding-window hit does not need
     tier_tokens: dict[str, int] = field(default_factory=dict)  # cached tokens by source tier
     node: TreeNode | None = None
     keys: list[BlockHash] = field(default_factory=list)  # lookup keys of the prompt's blocks
@@ -67,13 +68,27 @@ class PrefixCache:
         namespace: Namespace,
         stores: Sequence[SpillStore] | None = None,
         events: EventSink | None = None,
+        window: int | None = None,
     ):
         """`stores` overrides the spill tiers the config names (fastest first); `events` gets
-        the device index's block events (kvstore/events.py), under the cache's lock."""
+        the device index's block events (kvstore/events.py), under the cache's lock.
+
+        `window`: the sliding window (in tokens) of every attention layer of the model, None
+        when some layer attends to the whole prefix. A window cache lets a running request
+        drop the blocks that slid out of its window (`punch`), and a hit needs only the
+        window's blocks before the hit point (docs/ARCHITECTURES.md)."""
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
+            raise TypeError(f"window must be an int or None, got {window!r}")
+        if window is not None and window < 1:
+            raise ValueError(f"window must be >= 1 token, got {window}")
         namespace = config.bind(namespace)
         self.config = config
         self.namespace = namespace
         self.block_size = config.block_size
+        self.window = window
+        # blocks a hit must hold before its point: a query at the point, or at the point's
+        # last token (a whole-prompt hit re-runs it), sees keys back to point - window
+        self.window_blocks = None if window is None else -(-window // config.block_size)
         self.pool = BlockPool.from_config(config, namespace)
         self.index = RadixIndex(
             config.block_size,
@@ -122,6 +137,8 @@ class PrefixCache:
             self.tiers.on_hit(scope, keys, tokens, hit.block_ids)
             if match.num_blocks < len(keys):
                 self._promote(scope, hit, tokens, tenant)
+        if self.window_blocks is not None:
+            cut_to_window(hit, self.window_blocks, self.block_size)
         self.metrics.record_lookup(len(tokens), hit.tier_tokens)
         return hit
 
@@ -132,7 +149,10 @@ class PrefixCache:
         usable = len(tokens) // self.block_size * self.block_size
         keys = self.scopes.get(cache_salt).hasher.hash_blocks(tokens[:usable])
         with self._lock:
-            return self.index.peek_prefix(keys, tokens).num_blocks * self.block_size
+            ids = self.index.peek_prefix(keys, tokens).block_ids
+        if self.window_blocks is not None:
+            return window_prefix(ids, self.window_blocks) * self.block_size
+        return len(ids) * self.block_size
 
     def _promote(self, scope: Scope, hit: CacheHit, tokens: np.ndarray, tenant: str) -> None:
         """Copy verified tier blocks into fresh pool blocks, index them, move the hit's lock."""
@@ -170,7 +190,9 @@ class PrefixCache:
             raise ValueError("load() of a released CacheHit")
         if not hit.block_ids:
             return KVPrefix(0, [])
-        return KVPrefix(hit.num_cached_tokens, self.pool.gather(hit.block_ids))
+        if None not in hit.block_ids:
+            return KVPrefix(hit.num_cached_tokens, self.pool.gather(hit.block_ids))
+        return KVPrefix(hit.num_cached_tokens, gather_window(self.pool, hit.block_ids))
 
     def release(self, hit: CacheHit) -> None:
         """Unlock the hit's blocks. Idempotent."""
@@ -224,7 +246,7 @@ class PrefixCache:
         the hit's lock (`hit.node`): the hit counts as released, the caller ends both with
         `drop(hit.node, its block ids)`."""
         with self._lock:
-            self.pool.incref(hit.block_ids)
+            self.pool.incref([b for b in hit.block_ids if b is not None])
             hit.released = True
 
     def allocate(self, n: int, all_or_none: bool = False) -> list[int]:
@@ -282,6 +304,26 @@ class PrefixCache:
             if node is not None:
                 self.index.unlock(node)
             self.pool.free(block_ids)
+
+    def punch(self, node: TreeNode, lo: int, hi: int) -> int:
+        """A window cache's running request at `node` slid past blocks [lo, hi) of its path:
+        drop the index's copies (`RadixIndex.punch`; write-back tiers get them first).
+        Returns the number of blocks freed."""
+        if self.window_blocks is None:
+            raise ValueError("punch() needs a cache built with a window")
+        with self._lock:
+            if self.tiers and self.tiers.writes_evicted:
+                keys, ids = self.index.path_keys(node), self.index.path_block_ids(node)
+                tokens = self.index.path_token_ids(node)
+                cache_salt, _ = self.tenants.path(self._first_key(node))
+                self.tiers.on_evict(self.scopes.get(cache_salt), keys[:hi], tokens, lo, ids[:hi])
+            freed = self.index.punch(node, lo, hi, keep=self.window_blocks)
+            if freed:
+                _, tenant = self.tenants.path(self._first_key(node))
+                self.tenants.blocks[tenant] -= len(freed)
+                self.pool.free(freed)
+        self.metrics.inc("windowed_out_blocks_total", len(freed))
+        return len(freed)
 
     # --- internals (the caller holds the lock) ---------------------------------------------
 
@@ -370,6 +412,8 @@ class PrefixCache:
         if hit.released:
             raise ValueError("load_into() of a released CacheHit")
         n = len(hit.block_ids)
+        if None in hit.block_ids:
+            raise ValueError("load_into() of a sliding-window hit: copy its blocks with load()")
         if len(block_table) < n:
             raise ValueError(f"block_table has {len(block_table)} entries, the hit needs {n}")
         if dst.shape[1:] != self.pool.kv.shape[1:] or dst.dtype != self.pool.dtype:

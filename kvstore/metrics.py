@@ -50,6 +50,8 @@ CACHE_FAMILIES = (
     Family("stored_blocks_total", "blocks stored into the device pool"),
     Family("promoted_blocks_total", "tier blocks promoted into the device pool"),
     Family("evicted_blocks_total", "blocks evicted from the device pool"),
+    Family("windowed_out_blocks_total",
+           "blocks dropped from the device pool after they slid out of a sliding window"),
     Family("tier_writes_blocks_total", "blocks written to a spill tier", ("tier",), SPILL_TIERS),
     Family("dropped_writes_blocks_total", "tier writes dropped (queue full)"),
     Family("verify_failures_total", "tier entries that failed verification",

@@ -5,6 +5,10 @@ no copy), `grow`s it with fresh pool blocks as its tokens are computed, `commit`
 blocks to the radix index in place (hashing only the new blocks, continuing the lookup's
 chain), and `close`s it (drops its references; committed blocks stay cached).
 
+With a sliding-window cache (`PrefixCache(window=...)`), `slide` drops the blocks that fell
+out of the request's window during decode: the table's leading `num_dropped` entries become
+None, so a request holds at most the window's blocks plus the one it writes.
+
 Invariants (checked by `PrefixCache.check_integrity`, since every block here is counted by
 the pool's ref counts): a block in a table holds one reference of that request; a committed
 block also one of the index; a block referenced by the index or by two requests is never
@@ -30,14 +34,22 @@ class SeqBlocks:
 
     cache_salt: str
     tenant: str
-    block_table: list[int]
+    block_table: list[int | None]  # None: a block the request no longer holds (a window's)
     num_shared_blocks: int  # leading blocks that came from the cache: read only
     num_cached_tokens: int  # tokens the lookup found (num_shared_blocks * block_size)
     tier_tokens: dict[str, int]  # cached tokens by source tier
     keys: list[BlockHash] = field(default_factory=list)  # lookup keys, keys[i] of block i
     num_committed: int = 0  # leading blocks given to the index
     node: TreeNode | None = None  # the locked index node of the committed path
+    num_dropped: int = 0  # leading table entries that are None
+    num_prompt_tokens: int = 0  # the tokens `open` looked up
     closed: bool = False
+
+    def readable_table(self, filler: int) -> list[int]:
+        """The table with `filler` (a block nobody reads) where the request holds none."""
+        if not self.num_dropped:
+            return self.block_table  # type: ignore[return-value]
+        return [filler] * self.num_dropped + self.block_table[self.num_dropped :]  # type: ignore[list-item]
 
 
 class BlockTables:
@@ -60,9 +72,10 @@ class BlockTables:
         hit = self.cache.lookup(token_ids, cache_salt, tenant, whole_prompt)
         self.cache.hold(hit)  # the hit's lock and a reference to its blocks are the table's
         n = len(hit.block_ids)
+        dropped = next((i for i, b in enumerate(hit.block_ids) if b is not None), n)
         return SeqBlocks(
             cache_salt, tenant, list(hit.block_ids), n, hit.num_cached_tokens,
-            dict(hit.tier_tokens), list(hit.keys), n, hit.node,
+            dict(hit.tier_tokens), list(hit.keys), n, hit.node, dropped, len(token_ids),
         )  # fmt: skip
 
     def keys_of(self, token_ids: Sequence[int] | np.ndarray, cache_salt: str) -> list[BlockHash]:
@@ -95,8 +108,8 @@ class BlockTables:
         """Give the index every full block of token_ids[:num_tokens] not committed yet (their
         K/V must be written). Returns the number of blocks the index kept."""
         n = min(num_tokens // self.block_size, len(seq.block_table))
-        if n <= seq.num_committed:
-            return 0
+        if n <= seq.num_committed or seq.num_committed < seq.num_dropped:
+            return 0  # (a path cannot go on past a block the request dropped uncommitted)
         tokens = as_token_array(token_ids[: n * self.block_size])
         seq.keys = self.cache.scopes.get(seq.cache_salt).keys(tokens, seq.keys)
         done = self.cache.commit(
@@ -105,6 +118,44 @@ class BlockTables:
         )  # fmt: skip
         seq.node, seq.num_committed = done.node, done.num_blocks
         return done.kept
+
+    def slide(self, seq: SeqBlocks, num_computed: int) -> int:
+        """A window cache: drop the blocks no query from position `num_computed` on sees,
+        keys before num_computed - window + 1 (the request's reference, and the index's
+        copy of those it committed: `PrefixCache.punch`, which keeps those before a branch
+        point). The index also keeps the window before the prompt's end, where the same
+        prompt, sent again, hits. Returns how many blocks left the table."""
+        window = self.cache.window
+        if window is None or seq.closed:
+            return 0
+        upto = min(max(0, num_computed - window + 1) // self.block_size, len(seq.block_table))
+        upto = min(upto, self._chunk_start(seq))
+        if upto <= seq.num_dropped:
+            return 0
+        lo, mine = seq.num_dropped, seq.block_table[seq.num_dropped : upto]
+        seq.block_table[lo:upto] = [None] * (upto - lo)
+        seq.num_dropped = upto
+        self.cache.free([b for b in mine if b is not None])
+        hi = min(upto, seq.num_committed)
+        if seq.node is not None and lo < hi:
+            keep_lo, keep_hi = self._prompt_window(seq)
+            for a, b in ((lo, min(hi, keep_lo)), (max(lo, keep_hi), hi)):
+                if a < b:
+                    self.cache.punch(seq.node, a, b)
+        return upto - lo
+
+    def _prompt_window(self, seq: SeqBlocks) -> tuple[int, int]:
+        """Blocks a later lookup of the same prompt needs (with or without its last token)."""
+        n, window = seq.num_prompt_tokens, self.cache.window_blocks or 0
+        return max(0, n - 1) // self.block_size - window, n // self.block_size
+
+    def _chunk_start(self, seq: SeqBlocks) -> int:
+        """The first block of the tier chunk still being filled: its blocks stay until it is
+        whole and written (entries of `chunk_blocks` blocks)."""
+        n = self.cache.config.chunk_blocks
+        if n == 1 or self.cache.tiers is None:
+            return len(seq.block_table)
+        return seq.num_committed // n * n
 
     def reserve(self, n: int) -> list[int]:
         """Up to n zeroed blocks held outside any table (an engine's scratch, a self-test)."""
@@ -119,5 +170,5 @@ class BlockTables:
     def close(self, seq: SeqBlocks) -> None:
         """Drop the request's references and lock. Idempotent."""
         if not seq.closed:
-            self.cache.drop(seq.node, seq.block_table)
+            self.cache.drop(seq.node, [b for b in seq.block_table if b is not None])
         seq.closed, seq.node, seq.block_table = True, None, []

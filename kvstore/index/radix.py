@@ -12,7 +12,9 @@ Invariants (checked by `check_integrity`):
   node and every ancestor), so a locked node's whole path is locked;
 - a node is evictable iff it is not the root, has no children and ref_cnt == 0; only
   evictable nodes lose blocks, so a parent never goes before its children;
-- a key hit alone is never trusted: a block matches only if its token ids match too.
+- a key hit alone is never trusted: a block matches only if its token ids match too;
+- counts, locks' evictable totals and policy sizes count held blocks: a hole (`punch`) keeps
+  its key and tokens, so paths through it match, but holds no K/V and frees nothing.
 
 Not thread-safe: the owner (PrefixCache) serializes calls.
 """
@@ -28,8 +30,10 @@ import numpy as np
 from hashing import HASH_BYTES, as_token_array
 from kvstore.events import BlockStored, EventSink
 from kvstore.index.tree import (
+    HOLE,
     MatchResult,
     TreeNode,
+    count_held,
     num_equal,
     removed_event,
     run_tag,
@@ -133,7 +137,7 @@ class RadixIndex:
             k = self._num_matching(child, joined, tokens, pos, n)
             if k == 0:  # a key hit with different tokens is a miss
                 break
-            ids += child.block_ids[:k].tolist()
+            ids += child.ids(0, k)
             if record:
                 self.policy.access(child.id)
             node, pos = child, pos + k
@@ -153,7 +157,7 @@ class RadixIndex:
         are returned too.
         """
         n, joined, tokens = self._prepare(keys, token_ids)
-        ids = [int(b) for b in block_ids]
+        ids = [None if b is None else int(b) for b in block_ids]
         if len(ids) != n:
             raise ValueError(f"got {len(ids)} block ids for {n} keys; pass one per key")
         node, pos, unkept = self.root, 0, []
@@ -163,8 +167,7 @@ class RadixIndex:
                 self._add_leaf(node, joined, tokens, ids, pos, n)
                 break
             k = self._num_matching(child, joined, tokens, pos, n)
-            held = child.block_ids
-            unkept += [b for a, b in zip(held[:k], ids[pos : pos + k], strict=True) if a != b]
+            unkept += self._merge(child, ids[pos : pos + k])
             if k:
                 self.policy.touch(child.id)
             if k == child.num_blocks:
@@ -172,7 +175,7 @@ class RadixIndex:
             elif pos + k == n:  # the prompt ends inside this run
                 break
             elif child.key(k) == keys[pos + k]:  # same key, other tokens: cannot branch
-                unkept += ids[pos + k :]
+                unkept += [b for b in ids[pos + k :] if b is not None]
                 break
             else:
                 parent = self._split(child, k)
@@ -180,8 +183,34 @@ class RadixIndex:
                 break
         return unkept
 
+    def _merge(self, node: TreeNode, ids: list[int | None]) -> list[int]:
+        """Blocks ids[i] the caller holds for the node's matched block i: a hole takes the
+        caller's block (the index keeps it); the caller's other ids are returned (unkept)."""
+        held = node.block_ids
+        if node.num_held == node.num_blocks and None not in ids:
+            return [b for a, b in zip(held, ids, strict=False) if a != b]
+        unkept, filled = [], 0
+        for i, b in enumerate(ids):
+            if b is None or held[i] == b:
+                continue
+            if held[i] == HOLE:
+                held[i], filled = b, filled + 1
+            else:
+                unkept.append(b)
+        self._recount(node, filled)
+        return unkept
+
+    def _recount(self, node: TreeNode, delta: int) -> None:
+        """`node` holds `delta` more blocks (fewer if negative)."""
+        if delta:
+            node.num_held += delta
+            self._num_cached += delta
+            if node.ref_cnt == 0:
+                self._num_evictable += delta
+            self.policy.resize(node.id, node.num_held)
+
     def _add_leaf(
-        self, parent: TreeNode, keys: bytes, tokens: bytes, ids: list[int], pos: int, n: int
+        self, parent: TreeNode, keys: bytes, tokens: bytes, ids: list[int | None], pos: int, n: int
     ) -> None:
         kw, tw = HASH_BYTES, self._token_bytes
         leaf = TreeNode(
@@ -190,13 +219,13 @@ class RadixIndex:
             parent.start + parent.num_blocks,
             keys[pos * kw : n * kw],
             tokens[pos * tw : n * tw],
-            array("q", ids[pos:n]),
+            array("q", [HOLE if b is None else b for b in ids[pos:n]]),
         )
         parent.children[leaf.key(0)] = leaf
         self._nodes[leaf.id] = leaf
-        self.policy.insert(leaf.id, n - pos, tag=run_tag(leaf.keys))
-        self._num_cached += n - pos
-        self._num_evictable += n - pos
+        self.policy.insert(leaf.id, leaf.num_held, tag=run_tag(leaf.keys))
+        self._num_cached += leaf.num_held
+        self._num_evictable += leaf.num_held
         self._sync(parent)
         self._sync(leaf)
         if self.events is not None:
@@ -223,9 +252,10 @@ class RadixIndex:
         node.start += k
         node.keys, node.tokens = node.keys[k * kw :], node.tokens[k * tw :]
         node.block_ids = node.block_ids[k:]
+        node.num_held -= head.num_held
         self._nodes[head.id] = head
-        self.policy.insert(head.id, k, tag=run_tag(head.keys), like=node.id)
-        self.policy.resize(node.id, node.num_blocks)
+        self.policy.insert(head.id, head.num_held, tag=run_tag(head.keys), like=node.id)
+        self.policy.resize(node.id, node.num_held)
         return head
 
     # --- locks -------------------------------------------------------------------------------
@@ -239,7 +269,7 @@ class RadixIndex:
         walk: TreeNode | None = node
         while walk is not None:
             if walk.ref_cnt == 0:
-                self._num_evictable -= walk.num_blocks
+                self._num_evictable -= walk.num_held
             walk.ref_cnt += 1
             walk = walk.parent
         self._sync(node)
@@ -253,7 +283,7 @@ class RadixIndex:
         while walk is not None:
             walk.ref_cnt -= 1
             if walk.ref_cnt == 0:
-                self._num_evictable += walk.num_blocks
+                self._num_evictable += walk.num_held
             walk = walk.parent
         self._sync(node)
 
@@ -281,8 +311,8 @@ class RadixIndex:
             node = self._nodes[key]
             if not node.evictable:
                 raise IntegrityError(f"policy chose {node!r}, which is not an unlocked leaf")
-            start = max(0, node.num_blocks - (num_blocks - len(freed)))
-            ids = node.block_ids[start:].tolist()
+            start = self._tail_start(node, num_blocks - len(freed))
+            ids = node.held(start)
             if on_evict is not None:
                 on_evict(node, start, ids)
             if self.events is not None:
@@ -294,26 +324,61 @@ class RadixIndex:
                 self._trim(node, start)
         return freed
 
+    @staticmethod
+    def _tail_start(node: TreeNode, want: int) -> int:
+        """Where a tail of `node`'s run holding `want` blocks starts (0: the whole run)."""
+        if node.num_held <= want:
+            return 0
+        if node.num_held == node.num_blocks:
+            return node.num_blocks - want
+        held = np.flatnonzero(np.frombuffer(node.block_ids, dtype=np.int64) != HOLE)
+        return int(held[-want])
+
     def _remove_leaf(self, node: TreeNode) -> None:
         parent = node.parent
         assert parent is not None
         del parent.children[node.key(0)]
         del self._nodes[node.id]
         self.policy.remove(node.id, tag=run_tag(node.keys))
-        self._num_cached -= node.num_blocks
-        self._num_evictable -= node.num_blocks
+        self._num_cached -= node.num_held
+        self._num_evictable -= node.num_held
         node.parent = None
         self._sync(parent)
 
     def _trim(self, node: TreeNode, start: int) -> None:
-        dropped = node.num_blocks - start
+        dropped = count_held(node.block_ids[start:])
         tag = run_tag(node.keys[start * HASH_BYTES :])
         node.keys = node.keys[: start * HASH_BYTES]
         node.tokens = node.tokens[: start * self._token_bytes]
         node.block_ids = node.block_ids[:start]
-        self.policy.resize(node.id, start, tag=tag)
+        node.num_held -= dropped
+        self.policy.resize(node.id, node.num_held, tag=tag)
         self._num_cached -= dropped
         self._num_evictable -= dropped
+
+    # --- holes (sliding-window caches) ------------------------------------------------------
+    def punch(self, node: TreeNode, lo: int, hi: int, keep: int) -> list[int]:
+        """Drop the K/V of blocks [lo, hi) of `node`'s path, leaving holes (blocks that slid
+        out of a running request's sliding window). Keys and tokens stay, so the path still
+        matches; the last `keep` blocks of a node where prompts branch (two or more
+        children) stay, for a prompt that branches there later. Returns the freed ids; no
+        event is emitted, since every key stays matchable."""
+        freed: list[int] = []
+        for run in self._path(node):
+            end = run.start + run.num_blocks
+            a, b = max(lo, run.start), min(hi, end)
+            if len(run.children) > 1:
+                b = min(b, end - keep)
+            if a < b:
+                freed += self._punch_run(run, a - run.start, b - run.start)
+        return freed
+
+    def _punch_run(self, node: TreeNode, a: int, b: int) -> list[int]:
+        ids = node.held(a, b)
+        if ids:
+            node.block_ids[a:b] = array("q", [HOLE]) * (b - a)
+            self._recount(node, -len(ids))
+        return ids
 
     # --- paths -------------------------------------------------------------------------------
     def _path(self, node: TreeNode) -> list[TreeNode]:
@@ -341,18 +406,18 @@ class RadixIndex:
         joined = self._path_bytes(node, "tokens", self._token_bytes, upto)
         return np.frombuffer(joined, dtype="<u4").copy()
 
-    def path_block_ids(self, node: TreeNode, upto: int | None = None) -> list[int]:
-        """Block ids from the root through the first `upto` blocks of `node`."""
-        ids: list[int] = []
+    def path_block_ids(self, node: TreeNode, upto: int | None = None) -> list[int | None]:
+        """Block ids from the root through the first `upto` blocks of `node` (None: a hole)."""
+        ids: list[int | None] = []
         for n in self._path(node)[:-1]:
-            ids += n.block_ids.tolist()
-        return ids + node.block_ids[:upto].tolist()
+            ids += n.ids()
+        return ids + node.ids(0, upto)
 
     def all_block_ids(self) -> list[int]:
         """Every block id the index holds."""
         ids: list[int] = []
         for node in self._nodes.values():
-            ids += node.block_ids.tolist()
+            ids += node.held()
         return ids
 
     def snapshot(self) -> list[BlockStored]:
@@ -386,6 +451,8 @@ class RadixIndex:
             assert parent is not None
             if m < 1 or node.start != parent.start + parent.num_blocks:
                 raise IntegrityError(f"{node!r} is empty or its start is wrong")
+        if node.num_held != count_held(node.block_ids):
+            raise IntegrityError(f"{node!r} num_held is {node.num_held}, it holds otherwise")
         if len(node.keys) != m * HASH_BYTES or len(node.tokens) != m * self._token_bytes:
             raise IntegrityError(f"{node!r} keys/tokens do not cover its {m} blocks")
         children_refs = sum(c.ref_cnt for c in node.children.values())
@@ -401,10 +468,10 @@ class RadixIndex:
             raise IntegrityError(f"num_cached_blocks {self._num_cached} != {len(ids)} held")
         if len(set(ids)) != len(ids):
             raise IntegrityError("a block id is held twice")
-        evictable = sum(n.num_blocks for n in self._nodes.values() if n.ref_cnt == 0)
+        evictable = sum(n.num_held for n in self._nodes.values() if n.ref_cnt == 0)
         if evictable != self._num_evictable:
             raise IntegrityError(f"num_evictable_blocks {self._num_evictable} != {evictable}")
-        expected = {n.id: (n.num_blocks, n.evictable) for n in self._nodes.values()}
+        expected = {n.id: (n.num_held, n.evictable) for n in self._nodes.values()}
         if self.policy.entries() != expected:
             raise IntegrityError("policy entries (sizes / evictable flags) out of sync with nodes")
         self.policy.check_integrity()

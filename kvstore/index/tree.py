@@ -11,6 +11,7 @@ from hashing import HASH_BYTES
 from kvstore.events import BlockRemoved, BlockStored
 
 __all__ = [
+    "HOLE",
     "MatchResult",
     "TreeNode",
     "num_equal",
@@ -21,8 +22,14 @@ __all__ = [
 ]
 
 
+# a position of a run whose K/V the index dropped (a sliding-window cache's hole, see
+# `RadixIndex.punch`): its key and tokens stay, so paths through it still match
+HOLE = -1
+
+
 class TreeNode:
-    """A run of cached blocks. `ref_cnt` > 0 means locked (in use): never evicted."""
+    """A run of cached blocks. `ref_cnt` > 0 means locked (in use): never evicted.
+    `block_ids[i]` is HOLE where the index holds no K/V for the run's block i."""
 
     __slots__ = (
         "block_ids",
@@ -30,6 +37,7 @@ class TreeNode:
         "evictable",
         "id",
         "keys",
+        "num_held",
         "parent",
         "ref_cnt",
         "start",
@@ -52,12 +60,23 @@ class TreeNode:
         self.keys = keys  # [num_blocks * 16] block hashes
         self.tokens = tokens  # [num_blocks * block_size] token ids as LE uint32 bytes
         self.block_ids = block_ids  # array('q'), [num_blocks]
+        self.num_held = count_held(block_ids)  # blocks that are not holes
         self.ref_cnt = 0
         self.evictable = False
 
     @property
     def num_blocks(self) -> int:
         return len(self.block_ids)
+
+    def ids(self, lo: int = 0, hi: int | None = None) -> list[int | None]:
+        """Block ids of the run's blocks [lo:hi], None for a hole."""
+        ids = self.block_ids[lo:hi].tolist()
+        return ids if self.num_held == self.num_blocks else [hole_to_none(b) for b in ids]
+
+    def held(self, lo: int = 0, hi: int | None = None) -> list[int]:
+        """The block ids the run holds in [lo:hi] (holes left out)."""
+        ids = self.block_ids[lo:hi].tolist()
+        return ids if self.num_held == self.num_blocks else [b for b in ids if b != HOLE]
 
     def key(self, i: int) -> bytes:
         return self.keys[i * HASH_BYTES : (i + 1) * HASH_BYTES]
@@ -68,9 +87,17 @@ class TreeNode:
         )
 
 
+def count_held(block_ids: array) -> int:
+    return len(block_ids) - block_ids.count(HOLE)
+
+
+def hole_to_none(block_id: int) -> int | None:
+    return None if block_id == HOLE else block_id
+
+
 class MatchResult(NamedTuple):
     num_blocks: int
-    block_ids: list[int]  # in prefix order
+    block_ids: list[int | None]  # in prefix order; None where the index holds a hole
     last_node: TreeNode  # deepest node matched (the root when nothing matched)
 
 

@@ -97,3 +97,19 @@ def test_a_perturbed_shared_block_changes_every_decode_row(monkeypatch, cpu_kern
     after, _ = _paged(kv, _rows())
     changed = (after - before).abs().amax(dim=(1, 2)) > 1e-3  # per query token
     assert changed.tolist() == [True, True, True, False, False, False, False]
+
+
+def test_a_layer_reaching_past_a_rows_dropped_blocks_is_refused() -> None:
+    # a window model's request let blocks 0, 1 go (positions 0..7): from query 13 on, a
+    # window of 6 keys (8..13) is all it can still serve
+    rows = [Row([0, 0, 30, 31], 13, 1, num_dropped=2), Row([32, 33, 34], 10, 1)]
+    batch = build_step(rows, BS, 0, torch.device("cpu"))
+    assert batch.max_window == 6
+    query = torch.zeros(1, Q_HEADS, 2, DIM)
+    key = value = torch.zeros(1, KV_HEADS, 2, DIM)
+    attention = PagedAttention(_pool(seed=6), lambda module: module.layer_idx)
+    attention.batch = batch
+    attention(_Layer(), query, key, value, None, sliding_window=6)  # served
+    for window in (7, None):
+        with pytest.raises(paged.PagedAttentionError, match="past blocks a request dropped"):
+            attention(_Layer(), query, key, value, None, sliding_window=window)

@@ -9,7 +9,6 @@ import pytest
 import torch
 from arch_configs import arch_config
 from engine_helpers import close_to_reference, micro_cache_config, reference_logits
-from transformers import DynamicCache
 
 from engine.contract import greedy_matches_reference
 from engine.engine import Engine
@@ -55,8 +54,9 @@ def test_a_mixed_batch_through_lmdb_meets_each_requests_reference(arch: str, tmp
 
 
 def perturbed_prefill(arch: str, block: int) -> bool:
-    """Cache 40 tokens, add 0.5 to one cached block (every layer, K and V), prefill the same
-    40 again (36 cached: queries at 36..39). Whether the logits still meet the reference."""
+    """Cache 40 tokens, add 0.5 to one block the index holds (every layer, K and V), prefill
+    the same 40 again (36 cached: queries at 36..39). Whether the logits still meet the
+    reference."""
     model, ids = model_of(arch), tokens(40, seed=7)
     with Engine(model, micro_cache_config()) as engine:
         assert engine.mode == "paged"  # the paged attention's window, not HF's
@@ -64,7 +64,9 @@ def perturbed_prefill(arch: str, block: int) -> bool:
         hit = engine.cache.lookup(ids)
         try:
             assert hit.num_cached_tokens == 36
-            engine.cache.pool.kv[hit.block_ids[block]] += 0.5
+            held = engine.cache.index.path_block_ids(hit.node)
+            assert None not in held  # a synchronous prefill drops nothing
+            engine.cache.pool.kv[held[block]] += 0.5
         finally:
             engine.cache.release(hit)
         logits, cached = engine.prefill_logits(ids)
@@ -102,23 +104,63 @@ def test_gemma2_softcapping_changes_the_output_and_the_engine_applies_it() -> No
     assert not greedy_matches_reference(plain, prompt, out.output_token_ids)
 
 
-def test_window_layers_keep_every_position_so_the_whole_prefix_is_stored() -> None:
-    model, prompt = model_of("qwen2-window"), tokens(30, seed=11)
-    with Engine(model, micro_cache_config()) as engine:
+def full_forward_keys(model: LoadedModel, ids: list[int]) -> list[torch.Tensor]:
+    """Each layer's keys [kv_heads, len(ids), head_dim] from one plain forward."""
+    with torch.inference_mode():
+        full = kv_cache(model.model.config)
+        model.model(input_ids=torch.tensor([ids]), **with_cache(model.model, full))
+    return [layer.keys[0] for layer in full.layers]
+
+
+def assert_blocks_hold_keys(pool_kv: torch.Tensor, ids: dict[int, int], keys: list) -> None:
+    """Pool block ids[i] holds positions [4i, 4i + 4) of every layer's keys."""
+    for i, block_id in ids.items():
+        for layer, want in enumerate(keys):
+            got = pool_kv[block_id, layer, 0]  # [H, 4, D]
+            assert torch.allclose(got, want[:, 4 * i : 4 * i + 4], atol=1e-4)
+
+
+def test_a_window_models_pool_keeps_its_window_and_lmdb_every_position(tmp_path) -> None:
+    model, prompt = model_of("qwen2-window"), tokens(30, seed=11)  # window 7, blocks of 4
+    config = micro_cache_config(lmdb_dir=str(tmp_path), lmdb_write_policy="write-through")
+    with Engine(model, config) as engine:
         first = engine.generate([prompt], GREEDY)[0]
-        ids = prompt + first.output_token_ids
+        ids = prompt + first.output_token_ids  # 42 tokens: 41 positions have K/V
+        keys = full_forward_keys(model, ids[:40])
         hit = engine.cache.lookup(ids)
-        try:
-            assert hit.num_cached_tokens == 40  # 41 positions have K/V: 10 whole blocks
-            stored = engine.cache.pool.kv[hit.block_ids].clone()  # [10, L, 2, H, 4, D]
+        try:  # a hit at 40 needs keys from 33 on: blocks 8 and 9
+            assert (hit.num_cached_tokens, hit.tier_tokens) == (40, {"device": 40})
+            assert hit.block_ids[:8] == [None] * 8 and None not in hit.block_ids[8:]
+            window = {8: hit.block_ids[8], 9: hit.block_ids[9]}
+            assert_blocks_hold_keys(engine.cache.pool.kv, window, keys)
         finally:
             engine.cache.release(hit)
-    with torch.inference_mode():  # HF's own cache keeps a window layer's last 6 positions
-        x = torch.tensor([ids[:40]])
-        past, full = DynamicCache(config=model.model.config), kv_cache(model.model.config)
-        model.model(input_ids=x, **with_cache(model.model, past))
-        model.model(input_ids=x, **with_cache(model.model, full))
-    assert [layer.keys.shape[2] for layer in past.layers] == [6, 6]
-    for i, layer in enumerate(full.layers):
-        keys = stored[:, i, 0].permute(1, 0, 2, 3).reshape(layer.keys.shape[1], 40, -1)
-        assert torch.allclose(keys, layer.keys[0], atol=1e-4)
+        assert engine.cache.flush(10)
+        engine.cache.evict_device()
+        hit = engine.cache.lookup(ids)  # every block again, from LMDB, verified
+        try:
+            assert (hit.num_cached_tokens, hit.tier_tokens) == (40, {"lmdb": 40})
+            path = engine.cache.index.path_block_ids(hit.node)[:10]
+            assert_blocks_hold_keys(engine.cache.pool.kv, dict(enumerate(path)), keys)
+        finally:
+            engine.cache.release(hit)
+        engine.cache.check_integrity()
+
+
+def test_a_window_models_shared_prefix_is_recomputed_once_then_kept_at_its_branch() -> None:
+    # window 7, blocks of 4: a hit at block 6 (the 24-token system prompt) needs blocks 4, 5
+    model, system = model_of("mistral-window"), tokens(24, seed=1)
+    prompts = [system + tokens(5, 2), system + tokens(6, 3), system + tokens(7, 4)]
+    with Engine(model, micro_cache_config()) as engine:
+        results = [engine.generate([p], GREEDY)[0] for p in prompts]
+        engine.cache.check_integrity()
+        windowed_out = engine.cache.metrics.get("windowed_out_blocks_total")
+    # a decoded past block 5, dropping it: b recomputes the prompt and its branch point
+    # keeps blocks 4 and 5 from then on, so c hits the whole system prompt
+    assert [r.cached_tokens for r in results] == [0, 0, 24]
+    # dropped from the index as each request slid on (40, 41, 42 positions: blocks 0..7,
+    # 0..7, 4..8), less the window before each prompt's end (5, 6) and before the branch
+    # point (4, 5): a 0-4 and 7, b 0-3 and 7, c 7 and 8
+    assert windowed_out == 13
+    for prompt, result in zip(prompts, results, strict=True):
+        assert greedy_matches_reference(model, prompt, result.output_token_ids)
