@@ -89,6 +89,7 @@ class PrefixCache:
         # blocks a hit must hold before its point: a query at the point, or at the point's
         # last token (a whole-prompt hit re-runs it), sees keys back to point - window
         self.window_blocks = None if window is None else -(-window // config.block_size)
+        self.punch_align = 1  # a window cache drops whole tier chunks (set with the tiers)
         self.pool = BlockPool.from_config(config, namespace)
         self.index = RadixIndex(
             config.block_size,
@@ -99,6 +100,8 @@ class PrefixCache:
         if stores is None and config.has_tiers:
             stores = make_stores(config, namespace)
         self.tiers = Tiers(config, stores, self.pool, self.metrics) if stores else None
+        if self.tiers is not None:
+            self.punch_align = config.chunk_blocks
         self.scopes = Scopes(config, namespace, with_entries=self.tiers is not None)
         self.hasher = self.scopes.default.hasher
         self.tenants = TenantBlocks(config.tenant_quota_blocks, self.pool.num_blocks)
@@ -130,15 +133,18 @@ class PrefixCache:
         with self._lock:
             match = self.index.match_prefix(keys, tokens)
             self.index.lock(match.last_node)
+            self._take(match.block_ids)
         num_device = match.num_blocks * self.block_size
         tier_tokens = {DEVICE_TIER: num_device} if num_device else {}
         hit = CacheHit(len(tokens), num_device, match.block_ids, tier_tokens, match.last_node, keys)
         if self.tiers:
             self.tiers.on_hit(scope, keys, tokens, hit.block_ids)
-            if match.num_blocks < len(keys):
-                self._promote(scope, hit, tokens, tenant)
+            start = self._promote_from(hit.block_ids)
+            if start < len(keys):
+                self._promote(scope, hit, tokens, tenant, start)
         if self.window_blocks is not None:
-            cut_to_window(hit, self.window_blocks, self.block_size)
+            with self._lock:
+                self._give_back(cut_to_window(hit, self.window_blocks, self.block_size))
         self.metrics.record_lookup(len(tokens), hit.tier_tokens)
         return hit
 
@@ -154,8 +160,20 @@ class PrefixCache:
             return window_prefix(ids, self.window_blocks) * self.block_size
         return len(ids) * self.block_size
 
-    def _promote(self, scope: Scope, hit: CacheHit, tokens: np.ndarray, tenant: str) -> None:
-        """Copy verified tier blocks into fresh pool blocks, index them, move the hit's lock."""
+    def _promote_from(self, block_ids: list[int | None]) -> int:
+        """Where a promotion starts: past the device match, or, when holes in the window
+        before that match leave a window cache a shorter hit, at that window (tier blocks
+        fill the holes)."""
+        n, window = len(block_ids), self.window_blocks
+        if window is None or window_prefix(block_ids, window) == n:
+            return n
+        return max(0, n - window)
+
+    def _promote(
+        self, scope: Scope, hit: CacheHit, tokens: np.ndarray, tenant: str, start: int
+    ) -> None:
+        """Copy verified tier blocks from block `start` on into fresh pool blocks, index them,
+        move the hit's lock."""
         new_ids: list[int] = []
 
         def allocate(n: int) -> list[torch.Tensor | memoryview]:
@@ -165,7 +183,7 @@ class PrefixCache:
             new_ids.extend(ids)
             return self.pool.destinations(ids)
 
-        start = len(hit.block_ids)
+        num_device = len(hit.block_ids)
         try:
             segments = self.tiers.reader.fetch_into(scope, hit.keys, tokens, start, allocate)
         except BaseException:
@@ -174,13 +192,17 @@ class PrefixCache:
         got = sum(segment.num_blocks for segment in segments)
         with self._lock:
             self.pool.free(new_ids[got:])  # allocated for blocks that did not verify
-            ids = hit.block_ids + new_ids[:got]
+            ids = hit.block_ids[:start] + new_ids[:got]
             self._insert(hit.keys[: start + got], tokens, ids, start, scope.cache_salt, tenant)
             self.pool.free(new_ids[:got])  # the index holds them now
-            match = self._relock(hit.keys[: start + got], tokens, hit.node)
+            match = self._relock(hit.keys[: max(start + got, num_device)], tokens, hit.node)
+            self._take(match.block_ids)
+            self._give_back(hit.block_ids)
         hit.node, hit.block_ids = match.last_node, match.block_ids
         hit.num_cached_tokens = match.num_blocks * self.block_size
-        hit.tier_tokens |= {seg.tier: seg.num_blocks * self.block_size for seg in segments}
+        promoted = {seg.tier: seg.num_blocks * self.block_size for seg in segments}
+        device = hit.num_cached_tokens - sum(promoted.values())
+        hit.tier_tokens = ({DEVICE_TIER: device} if device > 0 else {}) | promoted
         self.tiers.on_promote(scope, segments, hit.keys, tokens, start, hit.block_ids)
         self.metrics.inc("promoted_blocks_total", got)
 
@@ -197,8 +219,10 @@ class PrefixCache:
     def release(self, hit: CacheHit) -> None:
         """Unlock the hit's blocks. Idempotent."""
         with self._lock:
-            if not hit.released and hit.node is not None:
-                self.index.unlock(hit.node)
+            if not hit.released:
+                if hit.node is not None:
+                    self.index.unlock(hit.node)
+                self._give_back(hit.block_ids)
             hit.released = True
 
     def store(
@@ -246,7 +270,8 @@ class PrefixCache:
         the hit's lock (`hit.node`): the hit counts as released, the caller ends both with
         `drop(hit.node, its block ids)`."""
         with self._lock:
-            self.pool.incref([b for b in hit.block_ids if b is not None])
+            if self.window_blocks is None:  # a window cache's hit holds its references
+                self.pool.incref(hit.block_ids)
             hit.released = True
 
     def allocate(self, n: int, all_or_none: bool = False) -> list[int]:
@@ -317,7 +342,7 @@ class PrefixCache:
                 tokens = self.index.path_token_ids(node)
                 cache_salt, _ = self.tenants.path(self._first_key(node))
                 self.tiers.on_evict(self.scopes.get(cache_salt), keys[:hi], tokens, lo, ids[:hi])
-            freed = self.index.punch(node, lo, hi, keep=self.window_blocks)
+            freed = self.index.punch(node, lo, hi, self.window_blocks, self.punch_align)
             if freed:
                 _, tenant = self.tenants.path(self._first_key(node))
                 self.tenants.blocks[tenant] -= len(freed)
@@ -340,13 +365,35 @@ class PrefixCache:
         reference: the index takes one more). Returns the ids the index did not keep (the
         keys were cached already: the caller's copy stays private)."""
         new = list(block_ids[start:])
-        self.pool.incref(new)
+        fills = self._fills(keys[:start], tokens, block_ids[:start])
+        self.pool.incref(new + fills)
         self.tenants.track(keys, cache_salt, tenant, self.index.root.children)
         new_set = set(new)
         unkept = [b for b in self.index.insert(keys, tokens, block_ids) if b in new_set]
         self.pool.free(unkept)
-        self.tenants.blocks[tenant] += len(new) - len(unkept)
+        self.tenants.blocks[tenant] += len(new) - len(unkept) + len(fills)
         return unkept
+
+    def _fills(
+        self, keys: list[BlockHash], tokens: np.ndarray, block_ids: Sequence[int | None]
+    ) -> list[int]:
+        """A window cache: the caller's blocks that an insert will put into holes of the
+        path keys (`RadixIndex.insert` fills them; the index takes a reference to each)."""
+        if self.window_blocks is None or not keys:
+            return []
+        held = self.index.peek_prefix(keys, tokens).block_ids
+        return [b for a, b in zip(held, block_ids, strict=False) if a is None and b is not None]
+
+    def _take(self, block_ids: Sequence[int | None]) -> None:
+        """A window cache's hit takes a reference to each of its blocks: a punch by another
+        request must not free them under it (a plain cache's lock is enough)."""
+        if self.window_blocks is not None:
+            self.pool.incref([b for b in block_ids if b is not None])
+
+    def _give_back(self, block_ids: Sequence[int | None]) -> None:
+        """Undo `_take`."""
+        if self.window_blocks is not None:
+            self.pool.free([b for b in block_ids if b is not None])
 
     def _relock(
         self, keys: list[BlockHash], tokens: np.ndarray, node: TreeNode | None

@@ -129,7 +129,8 @@ class BlockTables:
         if window is None or seq.closed:
             return 0
         upto = min(max(0, num_computed - window + 1) // self.block_size, len(seq.block_table))
-        upto = min(upto, self._chunk_start(seq))
+        n = self.cache.punch_align  # whole tier chunks: write-back tiers get them whole
+        upto = min(upto, self._chunk_start(seq)) // n * n
         if upto <= seq.num_dropped:
             return 0
         lo, mine = seq.num_dropped, seq.block_table[seq.num_dropped : upto]
@@ -147,15 +148,15 @@ class BlockTables:
     def _prompt_window(self, seq: SeqBlocks) -> tuple[int, int]:
         """Blocks a later lookup of the same prompt needs (with or without its last token)."""
         n, window = seq.num_prompt_tokens, self.cache.window_blocks or 0
-        return max(0, n - 1) // self.block_size - window, n // self.block_size
+        align = self.cache.punch_align
+        lo = (max(0, n - 1) // self.block_size - window) // align * align
+        return lo, -(-(n // self.block_size) // align) * align
 
     def _chunk_start(self, seq: SeqBlocks) -> int:
         """The first block of the tier chunk still being filled: its blocks stay until it is
         whole and written (entries of `chunk_blocks` blocks)."""
-        n = self.cache.config.chunk_blocks
-        if n == 1 or self.cache.tiers is None:
-            return len(seq.block_table)
-        return seq.num_committed // n * n
+        n = self.cache.punch_align
+        return len(seq.block_table) if n == 1 else seq.num_committed // n * n
 
     def reserve(self, n: int) -> list[int]:
         """Up to n zeroed blocks held outside any table (an engine's scratch, a self-test)."""

@@ -31,11 +31,12 @@ def window_prefix(block_ids: Sequence[int | None], window_blocks: int) -> int:
     return point
 
 
-def cut_to_window(hit: CacheHit, window_blocks: int, block_size: int) -> None:
+def cut_to_window(hit: CacheHit, window_blocks: int, block_size: int) -> list[int | None]:
     """Shorten a hit to its longest usable prefix and keep only the blocks of the window
-    before its point (the earlier ones become None: the caller takes no reference)."""
+    before its point (the earlier ones become None). Returns the ids it let go of."""
     point = window_prefix(hit.block_ids, window_blocks)
     first = max(0, point - window_blocks)
+    dropped = hit.block_ids[:first] + hit.block_ids[point:]
     hit.block_ids = [None] * first + hit.block_ids[first:point]
     left = hit.num_cached_tokens = point * block_size
     tiers = {}
@@ -44,6 +45,7 @@ def cut_to_window(hit: CacheHit, window_blocks: int, block_size: int) -> None:
             tiers[tier] = min(tokens, left)
         left -= min(tokens, left)
     hit.tier_tokens = tiers
+    return dropped
 
 
 def gather_window(pool: BlockPool, block_ids: list[int | None]) -> list[LayerKV]:

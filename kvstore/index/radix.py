@@ -357,20 +357,20 @@ class RadixIndex:
         self._num_evictable -= dropped
 
     # --- holes (sliding-window caches) ------------------------------------------------------
-    def punch(self, node: TreeNode, lo: int, hi: int, keep: int) -> list[int]:
+    def punch(self, node: TreeNode, lo: int, hi: int, keep: int, align: int = 1) -> list[int]:
         """Drop the K/V of blocks [lo, hi) of `node`'s path, leaving holes (blocks that slid
         out of a running request's sliding window). Keys and tokens stay, so the path still
-        matches; the last `keep` blocks of a node where prompts branch (two or more
-        children) stay, for a prompt that branches there later. Returns the freed ids; no
+        matches. The `keep` blocks before each point of the path where prompts branch (a
+        node with two or more children) stay, for a prompt that branches there later,
+        widened to whole runs of `align` blocks (tier chunks). Returns the freed ids; no
         event is emitted, since every key stays matchable."""
+        path = self._path(node)
+        kept = [_widen(r.start + r.num_blocks, keep, align) for r in path if len(r.children) > 1]
         freed: list[int] = []
-        for run in self._path(node):
-            end = run.start + run.num_blocks
-            a, b = max(lo, run.start), min(hi, end)
-            if len(run.children) > 1:
-                b = min(b, end - keep)
-            if a < b:
-                freed += self._punch_run(run, a - run.start, b - run.start)
+        for run in path:
+            a, b = max(lo, run.start), min(hi, run.start + run.num_blocks)
+            for x, y in _minus(a, b, kept):
+                freed += self._punch_run(run, x - run.start, y - run.start)
         return freed
 
     def _punch_run(self, node: TreeNode, a: int, b: int) -> list[int]:
@@ -475,3 +475,16 @@ class RadixIndex:
         if self.policy.entries() != expected:
             raise IntegrityError("policy entries (sizes / evictable flags) out of sync with nodes")
         self.policy.check_integrity()
+
+
+def _widen(end: int, keep: int, align: int) -> tuple[int, int]:
+    """Blocks [end - keep, end), widened to multiples of `align`."""
+    return (end - keep) // align * align, -(-end // align) * align
+
+
+def _minus(a: int, b: int, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """[a, b) less every range, as sorted disjoint ranges."""
+    parts = [(a, b)] if a < b else []
+    for lo, hi in ranges:
+        parts = [p for x, y in parts for p in ((x, min(y, lo)), (max(x, hi), y)) if p[0] < p[1]]
+    return parts

@@ -84,3 +84,21 @@ def test_the_window_rule_takes_the_longest_prefix_whose_window_is_held() -> None
     assert window_prefix([1, 2, None, 4], 2) == 2  # [1 2] is its own whole window
     assert window_prefix([None, 2, 3, None, 5], 2) == 3
     assert window_prefix([], 2) == 0
+
+
+def test_the_window_before_a_branch_reaches_back_into_earlier_runs() -> None:
+    index = RadixIndex(BS)
+    for n in range(1, 7):  # committed a block at a time: one run per block
+        insert(index, LONG[: n * BS], [10, 11, 12, 13, 14, 15][:n])
+    other = prompt(1, 2, 3, 4, 9)  # branches after block 4, a run of one block
+    insert(index, other, [10, 11, 12, 13, 40])
+    node = match(index, LONG).last_node
+    index.lock(node)
+    assert index.punch(node, 0, 6, keep=2) == [10, 11, 14, 15]
+    assert match(index, other).block_ids == [None, None, 12, 13, 40]
+
+
+def test_kept_windows_widen_to_whole_chunks() -> None:
+    index, node = chain()
+    insert(index, prompt(1, 2, 3, 9), [10, 11, 12, 40])  # branch after block 3
+    assert index.punch(node, 0, 6, keep=1, align=2) == [10, 11, 14, 15]  # keeps 2, 3
