@@ -35,17 +35,23 @@ def decode(tables: BlockTables, ids: np.ndarray, prompt: int) -> SeqBlocks:
     return seq
 
 
+def prefilled(n: int) -> tuple[PrefixCache, BlockTables, np.ndarray, SeqBlocks]:
+    """A window cache and a request that prefilled and committed n tokens (no slide yet)."""
+    cache = window_cache()
+    tables = BlockTables(cache)
+    ids = tokens(n)
+    seq = tables.open(ids, "", "")
+    assert tables.grow(seq, n)
+    tables.commit(seq, ids, n)
+    return cache, tables, ids, seq
+
+
 def refs(cache: PrefixCache, ids: list[int | None]) -> list[int]:
     return [int(cache.pool.ref_cnt[b]) for b in ids if b is not None]
 
 
 def test_a_hit_keeps_its_window_while_another_request_drops_those_blocks() -> None:
-    cache = window_cache()
-    tables = BlockTables(cache)
-    a_ids = tokens(48)
-    a = tables.open(a_ids, "", "")
-    tables.grow(a, 48)
-    tables.commit(a, a_ids, 48)
+    cache, tables, a_ids, a = prefilled(48)
     hit = cache.lookup(np.concatenate([a_ids[:24], [7, 7, 7]]).astype(np.uint32))
     assert hit.block_ids == [None] * 4 + a.block_table[4:6]
     assert refs(cache, hit.block_ids) == [3, 3]  # the index, a's table, the hit
@@ -58,12 +64,7 @@ def test_a_hit_keeps_its_window_while_another_request_drops_those_blocks() -> No
 
 
 def test_a_commit_that_fills_holes_before_its_start_takes_the_index_reference() -> None:
-    cache = window_cache()
-    tables = BlockTables(cache)
-    a_ids = tokens(48)
-    a = tables.open(a_ids, "", "")
-    tables.grow(a, 48)
-    tables.commit(a, a_ids, 48)
+    cache, tables, a_ids, a = prefilled(48)
     b_ids = np.concatenate([a_ids[:24], tokens(5, seed=1)])
     b = tables.open(b_ids, "", "")  # holds blocks 4, 5
     tables.slide(a, 48)  # punches them in the index: b's commit fills the holes back
