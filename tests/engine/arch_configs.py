@@ -29,6 +29,7 @@ WINDOWED: dict[str, tuple[str, dict]] = {
     "mistral-window": ("mistral", {**ROPE16, "sliding_window": 7}),
     "qwen2-window": ("qwen2", {**ROPE_DECODER, "use_sliding_window": True, "sliding_window": 7,
                                "max_window_layers": 0}),
+    "phi3-window": ("phi3", {**ROPE_DECODER, "pad_token_id": 258, "sliding_window": 7}),
     "qwen2-hybrid": ("qwen2", {**ROPE_DECODER, "use_sliding_window": True, "sliding_window": 5,
                                "max_window_layers": 1}),
     "cohere2": ("cohere2", {**ROPE16, **HYBRID}),

@@ -24,7 +24,10 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "ARCHITECTURES.md"
 BEGIN, END = "<!-- generated: begin -->", "<!-- generated: end -->"
 NEW_TOKENS = 10
 GREEDY = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
-SEEN: dict[str, tuple[str, str, str]] = {}  # arch -> (model class, served, layers)
+SEEN: dict[str, tuple[str, ...]] = {}  # arch -> (model class, served, layers, held)
+# blocks that cold and warm runs of the four prompts drop from the index, window 7, blocks of
+# 4: the same for every window-only model (the keys, not the weights, decide)
+WINDOW_ONLY_DROPS = 12
 
 
 def tokens(n: int, seed: int) -> list[int]:
@@ -64,6 +67,7 @@ def test_each_architecture_is_served_batched_and_equals_hf_generate(arch: str, c
         cold = engine.generate(prompts, GREEDY)
         warm = engine.generate(prompts, GREEDY)
         mode = engine.mode
+        drops = engine.cache.metrics.get("windowed_out_blocks_total")
     assert [r.output_token_ids for r in cold] == expected
     assert [r.output_token_ids for r in warm] == expected
     assert [r.cached_tokens for r in warm] == [4, 12, 8, 20]
@@ -72,17 +76,24 @@ def test_each_architecture_is_served_batched_and_equals_hf_generate(arch: str, c
         assert SEQUENTIAL[arch] in caplog.text
     else:
         assert mode == "paged", caplog.text
+    # a window-only model's requests let go of the blocks behind their window (window 7)
+    assert drops == (WINDOW_ONLY_DROPS if engine.cache.window else 0)
+    held = "the window's blocks" if engine.cache.window else "the whole sequence"
     runner = "one request at a time" if mode == "sequential" else "batched"
     if mode == "paged":
         runner += "" if engine.runner.how == "attention interface" else " (step cache)"
-    SEEN[arch] = (type(model.model).__name__, runner, layers_of(model.model.config))
+    SEEN[arch] = (type(model.model).__name__, runner, layers_of(model.model.config), held)
 
 
 def table() -> str:
-    rows = ["| Architecture | Class | Layers | Served | Why not batched |", "|---|---|---|---|---|"]
+    rows = [
+        "| Architecture | Class | Layers | Served | A request holds | Why not batched |",
+        "|---|---|---|---|---|---|",
+    ]
     for arch in ALL_ARCHS:
-        cls, served, layers = SEEN[arch]
-        rows.append(f"| {arch} | {cls} | {layers} | {served} | {SEQUENTIAL.get(arch, '')} |")
+        cls, served, layers, held = SEEN[arch]
+        why = SEQUENTIAL.get(arch, "")
+        rows.append(f"| {arch} | {cls} | {layers} | {served} | {held} | {why} |")
     return "\n".join(rows)
 
 
