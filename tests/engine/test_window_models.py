@@ -164,3 +164,33 @@ def test_a_window_models_shared_prefix_is_recomputed_once_then_kept_at_its_branc
     assert windowed_out == 13
     for prompt, result in zip(prompts, results, strict=True):
         assert greedy_matches_reference(model, prompt, result.output_token_ids)
+
+
+def per_request_run_on_dropped_blocks(perturb: bool) -> bool:
+    """A batched request decodes past its prompt and drops blocks 0..4 (window 7, blocks of
+    4; it keeps 5, 6, the window before its prompt's end). The per-request path then finds
+    28 tokens cached and loads zeros for blocks 0..4 (no query of its window sees them).
+    Whether its output meets the reference (with block 6, inside the window, perturbed)."""
+    model, prompt = model_of("mistral-window"), tokens(29, seed=13)
+    with Engine(model, micro_cache_config()) as engine:
+        engine.generate([prompt], GREEDY)
+        hit = engine.cache.lookup(prompt)
+        try:
+            assert hit.num_cached_tokens == 28
+            assert hit.block_ids[:5] == [None] * 5 and None not in hit.block_ids[5:]
+            if perturb:
+                engine.cache.pool.kv[hit.block_ids[6]] += 0.5
+        finally:
+            engine.cache.release(hit)
+        result = engine.run(prompt, GREEDY)
+        engine.cache.check_integrity()
+    assert result.cached_tokens == 28
+    return greedy_matches_reference(model, prompt, result.output_token_ids)
+
+
+def test_the_per_request_path_meets_the_reference_on_a_hit_with_dropped_blocks() -> None:
+    assert per_request_run_on_dropped_blocks(perturb=False)
+
+
+def test_the_per_request_path_reads_the_windows_blocks() -> None:
+    assert not per_request_run_on_dropped_blocks(perturb=True)
