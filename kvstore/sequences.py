@@ -137,13 +137,17 @@ class BlockTables:
         seq.block_table[lo:upto] = [None] * (upto - lo)
         seq.num_dropped = upto
         self.cache.free([b for b in mine if b is not None])
-        hi = min(upto, seq.num_committed)
-        if seq.node is not None and lo < hi:
-            keep_lo, keep_hi = self._prompt_window(seq)
-            for a, b in ((lo, min(hi, keep_lo)), (max(lo, keep_hi), hi)):
-                if a < b:
-                    self.cache.punch(seq.node, a, b)
+        self._punch_committed(seq, lo, min(upto, seq.num_committed))
         return upto - lo
+
+    def _punch_committed(self, seq: SeqBlocks, lo: int, hi: int) -> None:
+        """Drop the index's copies of committed blocks [lo, hi), but the prompt's window."""
+        if seq.node is None or lo >= hi:
+            return
+        keep_lo, keep_hi = self._prompt_window(seq)
+        for a, b in ((lo, min(hi, keep_lo)), (max(lo, keep_hi), hi)):
+            if a < b:
+                self.cache.punch(seq.node, a, b)
 
     def _prompt_window(self, seq: SeqBlocks) -> tuple[int, int]:
         """Blocks a later lookup of the same prompt needs (with or without its last token)."""
