@@ -240,8 +240,11 @@ def test_a_killed_replica_loses_no_request(fleet):
         response = chat(router, [{"role": "user", "content": f"before the kill {i} " * 4}])
         assert response.status_code == 200, response.text
         assert response.headers[REPLICA] == survivor.url
-    rows = {r["url"]: r for r in health(router)["replicas"]}
-    assert rows[victim.url]["alive"] is False and rows[survivor.url]["alive"] is True
+    # a request that tried the dead one marked it down at once; if none did, the health
+    # loop does within a few polls
+    alive = lambda: {r["url"]: r["alive"] for r in health(router)["replicas"]}  # noqa: E731
+    wait_for(lambda: alive()[victim.url] is False)
+    assert alive() == {victim.url: False, survivor.url: True}
     page = parse_metrics(httpx.get(f"{router.url}/metrics", timeout=10).text)
     assert page["kvstore_router_retries_total"] <= 1  # at most the one that found it dead
 
