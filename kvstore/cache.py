@@ -143,8 +143,11 @@ class PrefixCache:
             if start < len(keys):
                 self._promote(scope, hit, tokens, tenant, start)
         if self.window_blocks is not None:
+            cut = cut_to_window(hit.block_ids, hit.tier_tokens, self.window_blocks, self.block_size)
+            hit.block_ids, hit.tier_tokens = cut.block_ids, cut.tier_tokens
+            hit.num_cached_tokens = cut.num_tokens
             with self._lock:
-                self._give_back(cut_to_window(hit, self.window_blocks, self.block_size))
+                self._give_back(cut.dropped)
         self.metrics.record_lookup(len(tokens), hit.tier_tokens)
         return hit
 

@@ -9,15 +9,12 @@ holes (`RadixIndex.punch`), so a hit is the longest prefix whose window is all h
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import NamedTuple
 
 import torch
 
 from kvstore.layout import LayerKV
 from kvstore.pool import BlockPool
-
-if TYPE_CHECKING:
-    from kvstore.cache import CacheHit
 
 
 def window_prefix(block_ids: Sequence[int | None], window_blocks: int) -> int:
@@ -31,21 +28,30 @@ def window_prefix(block_ids: Sequence[int | None], window_blocks: int) -> int:
     return point
 
 
-def cut_to_window(hit: CacheHit, window_blocks: int, block_size: int) -> list[int | None]:
-    """Shorten a hit to its longest usable prefix and keep only the blocks of the window
-    before its point (the earlier ones become None). Returns the ids it let go of."""
-    point = window_prefix(hit.block_ids, window_blocks)
+class WindowCut(NamedTuple):
+    """A hit shortened to what a window model can use."""
+
+    block_ids: list[int | None]  # the window's blocks before the point; None before them
+    num_tokens: int  # the usable prefix, in tokens
+    tier_tokens: dict[str, int]  # its tokens by source tier
+    dropped: list[int | None]  # the ids the hit let go of
+
+
+def cut_to_window(
+    block_ids: list[int | None], tier_tokens: dict[str, int], window_blocks: int, block_size: int
+) -> WindowCut:
+    """A hit's blocks cut to its longest usable prefix, keeping only the blocks of the
+    window before its point; `tier_tokens` (the device first, then tiers in order) cut to
+    match."""
+    point = window_prefix(block_ids, window_blocks)
     first = max(0, point - window_blocks)
-    dropped = hit.block_ids[:first] + hit.block_ids[point:]
-    hit.block_ids = [None] * first + hit.block_ids[first:point]
-    left = hit.num_cached_tokens = point * block_size
-    tiers = {}
-    for tier, tokens in hit.tier_tokens.items():  # the device first, then tiers in order
+    left, tiers = point * block_size, {}
+    for tier, tokens in tier_tokens.items():
         if min(tokens, left):
             tiers[tier] = min(tokens, left)
         left -= min(tokens, left)
-    hit.tier_tokens = tiers
-    return dropped
+    kept = [None] * first + block_ids[first:point]
+    return WindowCut(kept, point * block_size, tiers, block_ids[:first] + block_ids[point:])
 
 
 def gather_window(pool: BlockPool, block_ids: list[int | None]) -> list[LayerKV]:
