@@ -368,24 +368,15 @@ class PrefixCache:
         reference: the index takes one more). Returns the ids the index did not keep (the
         keys were cached already: the caller's copy stays private)."""
         new = list(block_ids[start:])
-        fills = self._fills(keys[:start], tokens, block_ids[:start])
-        self.pool.incref(new + fills)
+        self.pool.incref(new)
         self.tenants.track(keys, cache_salt, tenant, self.index.root.children)
-        new_set = set(new)
-        unkept = [b for b in self.index.insert(keys, tokens, block_ids) if b in new_set]
+        new_set, filled = set(new), []
+        unkept = [b for b in self.index.insert(keys, tokens, block_ids, filled) if b in new_set]
+        fills = [b for b in filled if b not in new_set]  # holes before start (window caches)
+        self.pool.incref(fills)  # the index's reference; the caller keeps its own
         self.pool.free(unkept)
         self.tenants.blocks[tenant] += len(new) - len(unkept) + len(fills)
         return unkept
-
-    def _fills(
-        self, keys: list[BlockHash], tokens: np.ndarray, block_ids: Sequence[int | None]
-    ) -> list[int]:
-        """A window cache: the caller's blocks that an insert will put into holes of the
-        path keys (`RadixIndex.insert` fills them; the index takes a reference to each)."""
-        if self.window_blocks is None or not keys:
-            return []
-        held = self.index.peek_prefix(keys, tokens).block_ids
-        return [b for a, b in zip(held, block_ids, strict=False) if a is None and b is not None]
 
     def _take(self, block_ids: Sequence[int | None]) -> None:
         """A window cache's hit takes a reference to each of its blocks: a punch by another

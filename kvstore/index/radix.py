@@ -146,7 +146,11 @@ class RadixIndex:
         return MatchResult(pos, ids, node)
 
     def insert(
-        self, keys: Sequence[bytes], token_ids: np.ndarray, block_ids: Sequence[int]
+        self,
+        keys: Sequence[bytes],
+        token_ids: np.ndarray,
+        block_ids: Sequence[int | None],
+        filled: list[int] | None = None,
     ) -> list[int]:
         """Cache blocks 0..n-1 of a prompt (from the root); returns the caller's block ids the
         index did not keep, for the caller to free.
@@ -154,7 +158,8 @@ class RadixIndex:
         Positions already cached keep the index's block: the caller's id there is returned
         unless it is that same id. If a block's key hits a cached block with different token
         ids (a lookup-key collision), that block and the rest cannot be stored and their ids
-        are returned too.
+        are returned too. A None id is a block the caller does not hold; a hole (`punch`)
+        takes the caller's block there, and `filled` (if given) gets those ids.
         """
         n, joined, tokens = self._prepare(keys, token_ids)
         ids = [None if b is None else int(b) for b in block_ids]
@@ -167,7 +172,7 @@ class RadixIndex:
                 self._add_leaf(node, joined, tokens, ids, pos, n)
                 break
             k = self._num_matching(child, joined, tokens, pos, n)
-            unkept += self._merge(child, ids[pos : pos + k])
+            unkept += self._merge(child, ids[pos : pos + k], filled)
             if k:
                 self.policy.touch(child.id)
             if k == child.num_blocks:
@@ -183,21 +188,25 @@ class RadixIndex:
                 break
         return unkept
 
-    def _merge(self, node: TreeNode, ids: list[int | None]) -> list[int]:
+    def _merge(self, node: TreeNode, ids: list[int | None], filled: list[int] | None) -> list[int]:
         """Blocks ids[i] the caller holds for the node's matched block i: a hole takes the
-        caller's block (the index keeps it); the caller's other ids are returned (unkept)."""
+        caller's block (the index keeps it, and `filled` gets it); the caller's other ids
+        are returned (unkept)."""
         held = node.block_ids
         if node.num_held == node.num_blocks and None not in ids:
             return [b for a, b in zip(held, ids, strict=False) if a != b]
-        unkept, filled = [], 0
+        unkept, fills = [], []
         for i, b in enumerate(ids):
             if b is None or held[i] == b:
                 continue
             if held[i] == HOLE:
-                held[i], filled = b, filled + 1
+                held[i] = b
+                fills.append(b)
             else:
                 unkept.append(b)
-        self._recount(node, filled)
+        self._recount(node, len(fills))
+        if filled is not None:
+            filled += fills
         return unkept
 
     def _recount(self, node: TreeNode, delta: int) -> None:

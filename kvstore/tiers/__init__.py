@@ -128,11 +128,13 @@ class Tiers:
         chunks are copied out of the pool now."""
         n = self.chunk_blocks
         first, end = start // n * n, len(keys) // n * n
+        if not targets or end <= start:
+            return
         ids = list(block_ids[first:end])
         if None in ids:  # a window cache's holes: chunks with one were written when committed
             last_hole = first + len(ids) - 1 - ids[::-1].index(None)
             first = (last_hole // n + 1) * n
-        if not targets or end <= max(start, first):
+        if end <= first:
             return
         bs, hasher = self.pool.block_size, scope.hasher
         digests = hasher.digest_blocks(token_ids, num_blocks=end)
