@@ -269,12 +269,12 @@ class PrefixCache:
     # --- blocks held by a caller (an engine's block tables) ---------------------------------
 
     def hold(self, hit: CacheHit) -> None:
-        """Take a reference to each of the hit's blocks for the caller, who also takes over
-        the hit's lock (`hit.node`): the hit counts as released, the caller ends both with
+        """The caller takes over the hit's reference to each of its blocks and its lock
+        (`hit.node`): the hit counts as released, the caller ends both with
         `drop(hit.node, its block ids)`."""
         with self._lock:
-            if self.window_blocks is None:  # a window cache's hit holds its references
-                self.pool.incref(hit.block_ids)
+            if hit.released:
+                raise ValueError("hold() of a released CacheHit")
             hit.released = True
 
     def allocate(self, n: int, all_or_none: bool = False) -> list[int]:
@@ -379,15 +379,13 @@ class PrefixCache:
         return unkept
 
     def _take(self, block_ids: Sequence[int | None]) -> None:
-        """A window cache's hit takes a reference to each of its blocks: a punch by another
-        request must not free them under it (a plain cache's lock is enough)."""
-        if self.window_blocks is not None:
-            self.pool.incref([b for b in block_ids if b is not None])
+        """A hit takes a reference to each of its blocks (the lock keeps them in the index;
+        a window cache's punch by another request could still free them)."""
+        self.pool.incref([b for b in block_ids if b is not None])
 
     def _give_back(self, block_ids: Sequence[int | None]) -> None:
         """Undo `_take`."""
-        if self.window_blocks is not None:
-            self.pool.free([b for b in block_ids if b is not None])
+        self.pool.free([b for b in block_ids if b is not None])
 
     def _relock(
         self, keys: list[BlockHash], tokens: np.ndarray, node: TreeNode | None
