@@ -299,7 +299,7 @@ class Engine:
     def _table_row(self, blocks: SeqBlocks, start: int, num_new: int) -> Row:
         assert self.runner is not None
         table = blocks.readable_table(self.runner.scratch_block)
-        return Row(table, start, num_new, blocks.num_shared_blocks, blocks.num_dropped)
+        return Row(table, start, num_new, blocks.num_shared_blocks, blocks.num_dropped, blocks)
 
     def _started(self, request: Request) -> bool:
         """Mark a request's first step; False if its future was cancelled meanwhile."""
@@ -344,6 +344,7 @@ class Engine:
         return state.stop(request.output)
 
     def _finish(self, request: Request, reason: str, text: str) -> None:
+        self._keep_tail(request)
         self.scheduler.finish(request)
         result = GenerateResult(
             len(request.token_ids),
@@ -357,6 +358,16 @@ class Engine:
         )
         self._done(request, result)
         request.future.set_result(result)
+
+    def _keep_tail(self, request: Request) -> None:
+        """The finished request's partly filled last block stays for the next turn."""
+        state = request.state
+        if state is None:
+            return
+        limit = state.num_computed  # K/V is written up to here (the last token is not fed)
+        if not self.cache_generated:
+            limit = min(limit, len(request.token_ids))
+        self.tables.keep_tail(state.blocks, request.token_slice(0, limit))
 
     def _done(self, request: Request, result: GenerateResult | None) -> None:
         """The request's `on_done` (its metrics), before its future resolves: whoever sees the
@@ -417,6 +428,7 @@ class Engine:
         if self.runner is not None:
             self.runner.close()
             self.tables.release([self.runner.scratch_block])
+        self.cache.tails.clear()  # nothing will go on from them: the pool holds no request's
         self.cache.close()
 
     def __enter__(self) -> Engine:

@@ -21,11 +21,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 
 from engine.eager_attention import Extras, attend_eager
+
+if TYPE_CHECKING:
+    from engine.decode_mirror import DecodeMirror
 
 
 class PagedAttentionError(RuntimeError):
@@ -41,6 +45,7 @@ class Row:
     num_new: int  # tokens fed this step
     num_shared_blocks: int = 0  # leading blocks entered by reference: never written
     num_dropped: int = 0  # leading blocks a window model's request let go (never read)
+    seq: object | None = field(default=None, compare=False)  # the request's identity, if any
 
     @property
     def end(self) -> int:
@@ -84,6 +89,7 @@ class StepBatch:
     scratch_block: int = 0
     reads: dict[tuple, _Reads] = field(default_factory=dict)  # per (row group, window), lazily
     max_window: int | None = None  # the widest window every row still holds (None: any)
+    mirror: DecodeMirror | None = None  # the one decode row's contiguous K/V (decode_mirror.py)
 
     def prefill_reads(self, i: int, window: int | None) -> _Reads:
         """Prefill row i's blocks and mask under `window` (None: every earlier position)."""
@@ -297,6 +303,16 @@ def _decode_attention(
     return out.reshape(rows, q_heads, dim).to(q.dtype)
 
 
+def _mirror_attention(query: torch.Tensor, kv: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """One query over every key before it: query [1, Hq, 1, D], kv [2, Hkv, S, D] (a view of
+    the mirror) -> [1, 1, Hq, D]. The G query heads of a K/V head are G query rows."""
+    _, q_heads, _, dim = query.shape
+    kv_heads = kv.shape[1]
+    qg = query[0, :, 0].reshape(1, kv_heads, q_heads // kv_heads, dim)  # [1, Hkv, G, D]
+    k, v = (x.unsqueeze(0).to(query.dtype) for x in (kv[0], kv[1]))  # [1, Hkv, S, D]
+    return sdpa(qg, k, v, scale=scale).reshape(1, 1, q_heads, dim)
+
+
 class PagedAttention:
     """The attention function of one runner; `batch` is set for the duration of a forward."""
 
@@ -320,9 +336,14 @@ class PagedAttention:
         **kwargs: object,
     ) -> tuple[torch.Tensor, None]:
         batch, window, extras = self._check(query, kwargs)
-        layer = self.kv[:, self.layer_of(module)]  # [num_blocks, 2, Hkv, bs, D]
+        layer_idx = self.layer_of(module)
+        layer = self.kv[:, layer_idx]  # [num_blocks, 2, Hkv, bs, D]
         new = torch.stack((key[0], value[0]), dim=0).permute(2, 0, 1, 3)  # [T, 2, Hkv, D]
         layer[batch.write_blocks, :, :, batch.write_offsets] = new.to(layer.dtype)
+        if batch.mirror is not None:  # one decode row: its K/V is also kept contiguous
+            seen = batch.mirror.write(layer_idx, batch.decode_rows[0].start, new[0])
+            if window is None and extras.plain:
+                return _mirror_attention(query, seen, scaling), None
         out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
         if batch.decode_index is not None:
             q = query[0, :, batch.decode_index].transpose(0, 1)  # [B, Hq, D]

@@ -25,6 +25,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
 from engine.contract import tolerance_for
+from engine.decode_mirror import DecodeMirror
 from engine.model import LoadedModel, has_window, with_cache
 from engine.paged import PagedAttention, PagedAttentionError, Row, StepBatch, build_step
 from engine.step_cache import StepCache, alibi_of, step_keys
@@ -140,6 +141,8 @@ class PagedRunner:
     def _open(self) -> None:
         self.attention = PagedAttention(self.kv, _layer_of)
         self.dispatch = install_dispatch(self.model.model)
+        # window layers read the pool (their blocks may be dropped): no mirror for them
+        self.mirror = None if has_window(self.model.model.config) else DecodeMirror(self.kv)
 
     def close(self) -> None:
         """Give the model back its plain attention (once no other runner uses it)."""
@@ -162,8 +165,26 @@ class PagedRunner:
         inputs = {"input_ids": ids.unsqueeze(0), "position_ids": positions.unsqueeze(0), **extra}
         with torch.inference_mode():
             batch = build_step(rows, self.block_size, self.scratch_block, device)
-            logits = self._run(rows, batch, inputs).logits[0]
+            batch.mirror = self._mirror_for(rows)
+            try:
+                logits = self._run(rows, batch, inputs).logits[0]
+            except BaseException:
+                if self.mirror is not None:
+                    self.mirror.invalidate()  # some layers may have written it, some not
+                raise
+            if batch.mirror is not None:
+                batch.mirror.advance(rows[0])
         return (logits if extra else logits[keep]).float()
+
+    def _mirror_for(self, rows: Sequence[Row]) -> DecodeMirror | None:
+        """The mirror, ready for this step if it decodes one request alone, else None."""
+        if self.mirror is None:
+            return None
+        row = rows[0]
+        if len(rows) != 1 or row.num_new != 1 or row.num_dropped or row.seq is None:
+            self.mirror.invalidate()  # this step may write the mirrored request's K/V
+            return None
+        return self.mirror.prepare(row)
 
     def _run(self, rows: Sequence[Row], batch: StepBatch, inputs: dict) -> object:
         with self.dispatch.step(self.attention):
@@ -181,6 +202,7 @@ class StepCacheRunner(PagedRunner):
     how = "step cache"
 
     def _open(self) -> None:
+        self.mirror = None  # attention here is the model's own code: nothing writes one
         config = self.model.model.config
         if has_window(config):  # the 4D mask given would replace the model's window masks
             raise PagedAttentionError("sliding-window models need the attention interface")
@@ -248,8 +270,9 @@ def _try(
 
 def self_test(runner: PagedRunner, block_ids: list[int]) -> str | None:
     """Check the paged path against plain forwards on this model: two rows prefilled in one
-    step (one spanning blocks), then one decoded beside the other's next chunk. None when it
-    holds, else why not (the engine then serves one request at a time)."""
+    step (one spanning blocks), then one decoded beside the other's next chunk, then one
+    decoded alone. None when it holds, else why not (the engine then serves one request at a
+    time)."""
     model, bs = runner.model, runner.block_size
     a = [(7 * i + 3) % model.vocab_size for i in range(2 * bs + 3)]
     b = [(5 * i + 1) % model.vocab_size for i in range(bs + 2)]
@@ -263,14 +286,19 @@ def self_test(runner: PagedRunner, block_ids: list[int]) -> str | None:
         second = runner.forward(
             [Row(table_a, len(a) - 1, 1), Row(table_b, 3, len(b) - 3)], [a[-1:], b[3:]], [0, 1]
         )
+        c = [*b, a[0]]  # then b decodes alone: through the decode mirror, where there is one
+        third = runner.forward([Row(table_b, len(b), 1, seq=c)], [c[-1:]], [0])
     except Exception as e:  # any failure of the hook means: not servable this way
         return f"{type(e).__name__}: {e}"
+    finally:
+        if runner.mirror is not None:
+            runner.mirror.invalidate()
     calls, layers = runner.calls, runner.kv.shape[1]
-    if calls != 2 * layers:  # attention computed elsewhere would never read the pool
-        return f"{calls} of {2 * layers} attention calls reached the pool"
-    got = [first[0], first[1], second[0], second[1]]
+    if calls != 3 * layers:  # attention computed elsewhere would never read the pool
+        return f"{calls} of {3 * layers} attention calls reached the pool"
+    got = [first[0], first[1], second[0], second[1], third[0]]
     want = [_reference(model, a[:-1]), _reference(model, b[:3]), _reference(model, a)]
-    want.append(_reference(model, b))
+    want += [_reference(model, b), _reference(model, c)]
     worst = max(float((g - w).abs().max()) for g, w in zip(got, want, strict=True))
     return None if worst <= tol else f"logits differ from a plain forward by {worst:.2e}"
 

@@ -28,6 +28,7 @@ from kvstore.policies import make_policy
 from kvstore.pool import BlockPool, PoolExhausted
 from kvstore.scopes import Scope, Scopes
 from kvstore.stores import SpillStore, make_stores
+from kvstore.tails import TailCache, tail_capacity
 from kvstore.tenants import TenantBlocks
 from kvstore.tiers import Tiers
 from kvstore.window import cut_to_window, gather_window, window_prefix
@@ -106,6 +107,8 @@ class PrefixCache:
         self.hasher = self.scopes.default.hasher
         self.tenants = TenantBlocks(config.tenant_quota_blocks, self.pool.num_blocks)
         self._lock = threading.RLock()
+        capacity = tail_capacity(config.tail_blocks, self.pool.num_blocks, window)
+        self.tails = TailCache(self, capacity, self._lock)  # partial last blocks (tails.py)
 
     @property
     def device(self) -> torch.device:
@@ -292,7 +295,7 @@ class PrefixCache:
     def num_available(self) -> int:
         """Blocks a caller could get now: free, or cached and unlocked (evictable)."""
         with self._lock:
-            return self.pool.num_free_blocks + self.index.num_evictable_blocks
+            return self.pool.num_free_blocks + self.index.num_evictable_blocks + len(self.tails)
 
     def free(self, block_ids: Sequence[int]) -> None:
         """Drop the caller's reference to each block."""
@@ -401,7 +404,9 @@ class PrefixCache:
         """Up to n free blocks, evicting unlocked leaves as needed."""
         short = n - self.pool.num_free_blocks
         if short > 0:
-            self._evict(short)
+            short -= len(self._evict(short))
+        if short > 0:  # tails go last: cheap to lose, but the index's LRU order decides first
+            self.tails.release(short)
         try:
             return self.pool.allocate(n)
         except PoolExhausted:
@@ -438,8 +443,10 @@ class PrefixCache:
             return self.index.snapshot()
 
     def evict_device(self) -> int:
-        """Evict every unlocked block from the device pool (write-back tiers get them)."""
+        """Evict every unlocked block from the device pool (write-back tiers get them), and
+        drop the kept tails; returns the number of index blocks evicted."""
         with self._lock:
+            self.tails.clear()
             return len(self._evict(self.index.num_evictable_blocks))
 
     def load_into(self, hit: CacheHit, dst: torch.Tensor, block_table: Sequence[int]) -> int:
@@ -484,6 +491,7 @@ class PrefixCache:
                 "blocks_free": self.pool.num_free_blocks,
                 "blocks_cached": self.index.num_cached_blocks,
                 "blocks_evictable": self.index.num_evictable_blocks,
+                "blocks_tails": len(self.tails),
             }
         tiers = self.tiers.stats() if self.tiers else {}
         return {

@@ -50,6 +50,7 @@ class CacheConfig:
     tenant_salt: str = ""
     key_bytes: int = 16  # test hook: < 16 truncates lookup keys to force collisions
     tenant_quota_blocks: int | None = None  # most device blocks one owner (tenant) may hold
+    tail_blocks: int | None = None  # partial last blocks kept for the next turn; None: auto
     # --- spill tiers (all off by default) ---
     memory_cache_gb: float = 0.0  # host-RAM tier; 0 = off
     lmdb_dir: str | None = None
@@ -120,6 +121,13 @@ class CacheConfig:
             not isinstance(self.tenant_quota_blocks, int) or self.tenant_quota_blocks < 1
         ):
             raise ConfigError("tenant_quota_blocks", "must be an int >= 1 or None")
+        if self.tail_blocks is not None and (
+            isinstance(self.tail_blocks, bool)
+            or not isinstance(self.tail_blocks, int)
+            or self.tail_blocks < 0
+        ):
+            message = f"must be an int >= 0 or None, got {self.tail_blocks!r}"
+            raise ConfigError("tail_blocks", message)
         if self.redis_ttl_s is not None and self.redis_ttl_s < 1:
             raise ConfigError("redis_ttl_s", "must be >= 1 second or None")
         _positive("write_queue_blocks", self.write_queue_blocks, allow_none=False)

@@ -42,6 +42,9 @@ FIELD_HELP = {
     "a block (at most 256 printable characters)",
     "tenant_quota_blocks": "most device-pool blocks one owner (a server tenant) may hold; a "
     "tenant at its quota stores no more blocks until some of its own are evicted",
+    "tail_blocks": "partial last blocks of finished requests kept on the device, so the next "
+    "turn of a chat reuses the tokens past its last full block; unset: up to 64 (1/16 of the "
+    "pool), 0 turns it off (docs/ARCHITECTURE.md)",
     "memory_cache_gb": "host-RAM tier size in GiB; 0 turns the tier off",
     "lmdb_dir": "directory of the LMDB tier (created if missing); unset turns it off",
     "lmdb_map_size_gb": "LMDB map size in GiB; the store evicts FIFO from 90% down to 80% of it",

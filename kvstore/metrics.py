@@ -47,6 +47,8 @@ CACHE_FAMILIES = (
     Family("prefix_cache_queries_tokens_total", "prompt tokens looked up"),
     Family("prefix_cache_hits_tokens_total", "prompt tokens served from cache, by tier",
            ("tier",), EVERY_TIER),
+    Family("tail_hits_tokens_total",
+           "prompt tokens served from the kept partial last block of an earlier request"),
     Family("stored_blocks_total", "blocks stored into the device pool"),
     Family("promoted_blocks_total", "tier blocks promoted into the device pool"),
     Family("evicted_blocks_total", "blocks evicted from the device pool"),

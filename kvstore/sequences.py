@@ -1,9 +1,11 @@
 """Block tables of running requests: the device pool as an engine's KV memory.
 
 A request `open`s a `SeqBlocks` (a lookup: its cached prefix enters the table by reference,
-no copy), `grow`s it with fresh pool blocks as its tokens are computed, `commit`s full
-blocks to the radix index in place (hashing only the new blocks, continuing the lookup's
-chain), and `close`s it (drops its references; committed blocks stay cached).
+no copy; a kept partial block that goes on from it is copied into a block of its own),
+`grow`s it with fresh pool blocks as its tokens are computed, `commit`s full blocks to the
+radix index in place (hashing only the new blocks, continuing the lookup's chain), hands its
+partly filled last block to the cache's tails when it ends (`keep_tail`), and `close`s it
+(drops its references; committed blocks stay cached).
 
 With a sliding-window cache (`PrefixCache(window=...)`), `slide` drops the blocks that fell
 out of the request's window during decode: the table's leading `num_dropped` entries become
@@ -26,6 +28,7 @@ import numpy as np
 from hashing import BlockHash, as_token_array
 from kvstore.cache import PrefixCache
 from kvstore.index import TreeNode
+from kvstore.metrics import DEVICE_TIER
 
 
 @dataclass(eq=False)
@@ -36,7 +39,7 @@ class SeqBlocks:
     tenant: str
     block_table: list[int | None]  # None: a block the request no longer holds (a window's)
     num_shared_blocks: int  # leading blocks that came from the cache: read only
-    num_cached_tokens: int  # tokens the lookup found (num_shared_blocks * block_size)
+    num_cached_tokens: int  # tokens the lookup found (shared blocks, and a tail's tokens)
     tier_tokens: dict[str, int]  # cached tokens by source tier
     keys: list[BlockHash] = field(default_factory=list)  # lookup keys, keys[i] of block i
     num_committed: int = 0  # leading blocks given to the index
@@ -73,10 +76,32 @@ class BlockTables:
         self.cache.hold(hit)  # the hit's lock and a reference to its blocks are the table's
         n = len(hit.block_ids)
         dropped = next((i for i, b in enumerate(hit.block_ids) if b is not None), n)
-        return SeqBlocks(
+        seq = SeqBlocks(
             cache_salt, tenant, list(hit.block_ids), n, hit.num_cached_tokens,
             dict(hit.tier_tokens), list(hit.keys), n, hit.node, dropped, len(token_ids),
         )  # fmt: skip
+        looked_up = token_ids if whole_prompt else token_ids[:-1]
+        tail = self.cache.tails.take(cache_salt, as_token_array(looked_up), n)
+        if tail is not None:  # a fresh block of ours, the tail's K/V copied in: writable
+            seq.block_table.append(tail.block_id)
+            seq.num_cached_tokens += tail.num_tokens
+            seq.tier_tokens[DEVICE_TIER] = seq.tier_tokens.get(DEVICE_TIER, 0) + tail.num_tokens
+        return seq
+
+    def keep_tail(self, seq: SeqBlocks, token_ids: Sequence[int] | np.ndarray) -> bool:
+        """At a request's end, before `close`: its last, partly filled block becomes a tail
+        of the cache (kvstore/tails.py), for a request that goes on from these tokens.
+        `token_ids`: the tokens whose K/V the table holds that later lookups may reuse. Only
+        when every full block before it is committed (a lookup can then hit them)."""
+        m, r = divmod(len(token_ids), self.block_size)
+        if (
+            not self.cache.tails.capacity or seq.closed or r == 0 or seq.num_dropped
+            or not seq.num_shared_blocks <= m < len(seq.block_table) or seq.num_committed != m
+        ):  # fmt: skip
+            return False
+        block, seq.block_table[m] = seq.block_table[m], None  # `close` skips it: the tail's
+        self.cache.tails.put(seq.cache_salt, as_token_array(token_ids), block)
+        return True
 
     def keys_of(self, token_ids: Sequence[int] | np.ndarray, cache_salt: str) -> list[BlockHash]:
         """Lookup keys of the full blocks of token_ids (what `open` would look up)."""

@@ -80,13 +80,13 @@ class LiveServer(ServerProcess):
         return {series: float(value) for series, _, value in rows if series}
 
     def held_blocks(self) -> int:
-        """Device blocks referenced by a request (0 once every request ended): neither free
-        nor evictable, less the batched runner's one scratch block."""
+        """Device blocks referenced by a request (0 once every request ended): neither free,
+        evictable nor a kept tail, less the batched runner's one scratch block."""
         m = self.metrics()
-        blocks = {
-            s: m[f'kvstore_device_blocks{{state="{s}"}}'] for s in ("total", "free", "evictable")
-        }
-        return int(blocks["total"] - blocks["free"] - blocks["evictable"]) - SCRATCH_BLOCKS
+        states = ("total", "free", "evictable", "tails")
+        blocks = {s: m[f'kvstore_device_blocks{{state="{s}"}}'] for s in states}
+        held = blocks["total"] - blocks["free"] - blocks["evictable"] - blocks["tails"]
+        return int(held) - SCRATCH_BLOCKS
 
     def health(self) -> dict:
         try:

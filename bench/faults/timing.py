@@ -148,7 +148,8 @@ def _figures(runs: dict[tuple[str, str], Run], pairs: int, length: int) -> dict[
     salted = [r for (_, cond), r in runs.items() if cond == "salted"]
     unsalted = [r for (_, cond), r in runs.items() if cond == "unsalted"]
     figures["cross_tenant_tokens"] = sum(r.secret_cached_any for r in salted)
-    figures["full_hits"] = sum(c == length - 1 for r in unsalted for c in r.secret_cached)
+    # every token but the last from the cache (on the device a kept tail may give the last too)
+    figures["full_hits"] = sum(c >= length - 1 for r in unsalted for c in r.secret_cached)
     figures["control_cached_tokens"] = sum(r.control_cached for r in runs.values())
     return figures
 

@@ -36,8 +36,12 @@ def test_demo_outputs_equal_the_no_cache_reference_and_pass_2_hits_lmdb(capsys, 
     assert rows[0]["cached_tokens"] == 0
     for prev, row in itertools.pairwise(rows[:4]):
         # the template renders the history again, the answer included: turn k+1 hits turn
-        # k's prompt and all its generated tokens but the last (blocks of 16)
-        assert row["cached_tokens"] == (prev["prompt_tokens"] + 4 - 1) // 16 * 16
+        # k's prompt and all its generated tokens but the last, in whole blocks of 16 from
+        # the index; the rest comes from turn k's kept partial block as far as the rendered
+        # answer repeats the generated tokens (the byte model's noise may not survive being
+        # decoded and encoded again: SmolLM2's test checks that every token comes back)
+        whole = (prev["prompt_tokens"] + 4 - 1) // 16 * 16
+        assert whole <= row["cached_tokens"] <= prev["prompt_tokens"] + 4 - 1
     # the questions share the system prompt with the chat (1024 tokens of the byte model)
     assert all(r["cached_tokens"] >= 992 for r in rows[4:8])
     # pass 2: a fresh device pool; each prompt's whole blocks come back, the first from LMDB

@@ -71,9 +71,10 @@ def test_second_turn_hits_the_first_turns_generated_tokens(engine: Engine) -> No
     assert first.cached_tokens == 0
     assert len(first.output_token_ids) == 12
     assert greedy_matches_reference(engine.model, turn1, first.output_token_ids)
-    # stored: KV of prompt + 11 generated tokens = 33 tokens -> 8 whole blocks
+    # stored: KV of prompt + 11 generated tokens = 33 tokens -> 8 whole blocks and a tail
+    # holding position 32 (kvstore/tails.py)
     turn2 = [*turn1, *first.output_token_ids, *tokens(10, seed=5)]
-    check_prefill(engine, turn2, expected_cached=32)  # 32 > 22: generated tokens hit
+    check_prefill(engine, turn2, expected_cached=33)  # 33 > 22: generated tokens hit
     second = engine.generate([turn2], params)[0]
     # now turn 2's own blocks are cached too: all 11, a whole-prompt hit (the last token is
     # run again for its logits, its K/V read from the cached block)
@@ -104,7 +105,8 @@ def test_model_loaded_from_a_saved_directory(micro: LoadedModel, tmp_path: Path)
         ids = eng.encode(prompt, SamplingParams())
         assert len(ids) == 45
         first, second = (eng.generate([prompt], SamplingParams(max_new_tokens=1))[0] for _ in "ab")
-        assert (first.cached_tokens, second.cached_tokens) == (0, 44)
+        # the second: 11 whole blocks, and position 44 from the first one's tail
+        assert (first.cached_tokens, second.cached_tokens) == (0, 45)
         assert first.output_token_ids == second.output_token_ids
         check_prefill(eng, ids, expected_cached=44)
 

@@ -13,5 +13,7 @@ def test_a_tenant_at_its_quota_caches_no_more_while_another_tenant_still_can(mic
         assert eng.submit(prompt, params, tenant="x").result().cached_tokens == 20  # 5 blocks
         # no salts here, so y reads x's 5 blocks; the next 5 count against y's own quota
         assert eng.submit(prompt, params, tenant="y").result().cached_tokens == 20
-        assert eng.submit(prompt, params, tenant="y").result().cached_tokens == 40
+        # y's first request committed all 10 blocks and kept its tail (positions 40, 41):
+        # the prompt's 41st token comes from it
+        assert eng.submit(prompt, params, tenant="y").result().cached_tokens == 41
         eng.cache.check_integrity()

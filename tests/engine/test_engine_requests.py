@@ -158,11 +158,12 @@ def test_generated_tokens_are_not_stored_when_cache_generated_is_off(micro: Load
     params = SamplingParams(max_new_tokens=10, ignore_eos=True)
     with Engine(micro, micro_cache_config(), cache_generated=False) as eng:
         out = eng.generate([ids], params)[0].output_token_ids
-        assert eng.generate([[*ids, *out]], params)[0].cached_tokens == 8
+        # the prompt's 10: 2 blocks, and its tail (positions 8, 9); none of the generated
+        assert eng.generate([[*ids, *out]], params)[0].cached_tokens == 10
     with Engine(micro, micro_cache_config()) as eng:
         out = eng.generate([ids], params)[0].output_token_ids
-        # KV of 10 prompt + 9 generated tokens = 19 -> 4 whole blocks
-        assert eng.generate([[*ids, *out]], params)[0].cached_tokens == 16
+        # KV of 10 prompt + 9 generated tokens = 19: 4 whole blocks and a tail of 3
+        assert eng.generate([[*ids, *out]], params)[0].cached_tokens == 19
 
 
 def test_other_weights_with_the_same_config_hash_to_disjoint_keys(micro: LoadedModel) -> None:

@@ -56,7 +56,8 @@ def test_every_probe_request_is_served_and_matches_the_no_cache_reference(timing
 def test_a_salted_probe_gets_no_cached_token_and_a_shared_salt_gets_every_block(timing):
     assert timing.figures["cross_tenant_tokens"] == 0
     assert timing.figures["control_cached_tokens"] == 0
-    # every shared-salt secret: all LENGTH - 1 = 508 tokens from the run's tier, in all 3 runs
+    # every shared-salt secret: at least LENGTH - 1 = 508 tokens from the run's tier (the
+    # device's kept tail may add the 509th), in all 3 runs
     assert timing.figures["full_hits"] == 3 * PAIRS
     assert timing.figures["prompt_tokens"] == LENGTH == 509
 
