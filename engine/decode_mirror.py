@@ -1,13 +1,16 @@
 """One decoding request's K/V kept contiguous, so one-request decode steps read it in place.
 
 A paged step reads each row's keys through its block table: one gather of the row's blocks
-per layer per step (on a 2-core CPU about 3 ms of a 60 ms SmolLM2 decode step at 300 tokens,
-docs/BENCHMARKS.md). With one client there is one row: `DecodeMirror` keeps that request's
+per layer per step (on a 2-core CPU about 2 ms of a 63 ms SmolLM2 decode step at 250 tokens,
+measured in-process). With one client there is one row: `DecodeMirror` keeps that request's
 K/V in one buffer, built from the pool once (one gather of every layer) and then appended by
 each step's new token, so attention reads a view of it and gathers nothing.
 
 The pool is written as always and stays the source of truth; the mirror is a read cache of
-it. It holds positions [0, length) of the request whose `SeqBlocks` is `seq`; a step uses it
+it, outside the pool's memory budget: at most a quarter of the pool's positions (a longer
+request reads the pool), and a device out of memory for it reads the pool too.
+
+It holds positions [0, length) of the request whose `SeqBlocks` is `seq`; a step uses it
 only when its one row is that request's and starts at `length`, else the mirror is built
 again from the pool. That is enough: the blocks a running request holds are written only by
 its own steps (blocks it shares are never written), so between two consecutive steps of one
@@ -21,6 +24,7 @@ import torch
 from engine.paged import Row
 
 _MIN_CAPACITY = 256  # positions; the buffer doubles past it
+POOL_SHARE = 4  # the mirror holds at most 1/POOL_SHARE of the pool's positions
 
 
 class DecodeMirror:
@@ -32,13 +36,24 @@ class DecodeMirror:
         self.seq: object | None = None  # the request (its SeqBlocks) held, None: nothing
         self.length = 0  # positions [0, length) are held
         self.builds = 0  # times the mirror was built from the pool
+        _, _, _, _, block_size, _ = kv.shape
+        self.max_positions = kv.shape[0] * block_size // POOL_SHARE  # bounds its memory
 
-    def prepare(self, row: Row) -> DecodeMirror:
+    def prepare(self, row: Row) -> DecodeMirror | None:
         """Make the mirror hold positions [0, row.start) of `row`'s request, room for its
-        new token included; returns self."""
-        if row.seq is None or row.seq is not self.seq or row.start != self.length:
-            self._rebuild(row)
-        self._reserve(row.end)
+        new token included; returns self, or None (the step reads the pool) when the request
+        is longer than the mirror may be or its memory cannot be had."""
+        if row.seq is None or row.end > self.max_positions:
+            self.invalidate()
+            return None
+        try:
+            if row.seq is not self.seq or row.start != self.length:
+                self._rebuild(row)
+            self._reserve(row.end)
+        except (torch.OutOfMemoryError, MemoryError):  # a device short of memory: the pool path
+            self.invalidate()
+            self.buffer = None
+            return None
         return self
 
     def advance(self, row: Row) -> None:

@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
+from dataclasses import replace
 from typing import NamedTuple
 
 import numpy as np
@@ -247,7 +248,8 @@ class Engine:
             start = seq.num_cached_tokens
             if not self.tables.grow(seq, len(ids)):
                 raise PoolExhaustedError(f"the device pool cannot hold {len(ids)} tokens now")
-            row = self._table_row(seq, start, len(ids) - start)
+            # one forward outside the loop: no decode mirror (it would drop the loop's)
+            row = replace(self._table_row(seq, start, len(ids) - start), seq=None)
             with self._forward_lock:
                 logits = self.runner.forward([row], [ids[start:]], [0])[0]
             if store:

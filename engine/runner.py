@@ -177,7 +177,8 @@ class PagedRunner:
         return (logits if extra else logits[keep]).float()
 
     def _mirror_for(self, rows: Sequence[Row]) -> DecodeMirror | None:
-        """The mirror, ready for this step if it decodes one request alone, else None."""
+        """The mirror, ready for this step if it decodes one request alone (and the request
+        fits it), else None."""
         if self.mirror is None:
             return None
         row = rows[0]

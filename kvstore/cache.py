@@ -405,7 +405,7 @@ class PrefixCache:
         short = n - self.pool.num_free_blocks
         if short > 0:
             short -= len(self._evict(short))
-        if short > 0:  # tails go last: cheap to lose, but the index's LRU order decides first
+        if short > 0:  # tails go last: few, each where some conversation's next turn starts
             self.tails.release(short)
         try:
             return self.pool.allocate(n)

@@ -81,7 +81,11 @@ class BlockTables:
             dict(hit.tier_tokens), list(hit.keys), n, hit.node, dropped, len(token_ids),
         )  # fmt: skip
         looked_up = token_ids if whole_prompt else token_ids[:-1]
-        tail = self.cache.tails.take(cache_salt, as_token_array(looked_up), n)
+        try:
+            tail = self.cache.tails.take(cache_salt, as_token_array(looked_up), n)
+        except BaseException:
+            self.close(seq)  # the hit's references and lock, which the table took
+            raise
         if tail is not None:  # a fresh block of ours, the tail's K/V copied in: writable
             seq.block_table.append(tail.block_id)
             seq.num_cached_tokens += tail.num_tokens

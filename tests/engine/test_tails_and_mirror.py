@@ -119,3 +119,16 @@ def test_a_request_that_stops_decoding_alone_gets_its_mirror_rebuilt(micro) -> N
     assert builds == 2
     assert greedy_matches_reference(micro, a_prompt, a.output_token_ids)
     assert greedy_matches_reference(micro, b_prompt, b.output_token_ids)
+
+
+def test_a_request_longer_than_the_mirror_may_hold_reads_the_pool(micro) -> None:
+    """The mirror holds at most a quarter of the pool's positions (64 of 64 blocks of 4):
+    a request decodes through it up to position 63, then from the pool."""
+    prompt, params = tokens(57, seed=6), SamplingParams(max_new_tokens=14, ignore_eos=True)
+    with Engine(micro, micro_cache_config(device_blocks=64)) as engine:
+        mirror = engine.runner.mirror
+        assert mirror.max_positions == 64
+        builds = mirror.builds
+        out = decode_alone(engine, prompt, params)
+        assert (mirror.builds - builds, mirror.seq, mirror.length) == (1, None, 0)
+    assert greedy_matches_reference(micro, prompt, out)
