@@ -167,8 +167,9 @@ def demo_header(model_name: str, config: CacheConfig, device: torch.device) -> s
 NOTES = (
     "speed-up = no-cache TTFT / TTFT. A first turn has nothing cached: its ratio is noise "
     "around 1x. The questions arrive together and are prefilled in the same engine steps, "
-    "so several share one TTFT. Cached tokens are whole blocks (--block-size): the last "
-    "prompt token is always computed."
+    "so several share one TTFT. Cached tokens are whole blocks (--block-size), and in a "
+    "chat's next turn also the previous turn's partly filled last block; the last prompt "
+    "token is always computed."
 )
 
 
