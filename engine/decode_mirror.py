@@ -19,6 +19,8 @@ request its K/V in the pool cannot change; a preempted request comes back with a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from engine.paged import Row
@@ -39,11 +41,15 @@ class DecodeMirror:
         _, _, _, _, block_size, _ = kv.shape
         self.max_positions = kv.shape[0] * block_size // POOL_SHARE  # bounds its memory
 
-    def prepare(self, row: Row) -> DecodeMirror | None:
-        """Make the mirror hold positions [0, row.start) of `row`'s request, room for its
-        new token included; returns self, or None (the step reads the pool) when the request
-        is longer than the mirror may be or its memory cannot be had."""
-        if row.seq is None or row.end > self.max_positions:
+    def for_step(self, rows: Sequence[Row]) -> DecodeMirror | None:
+        """The mirror, ready for a step of `rows` if it decodes one request alone: holding
+        positions [0, row.start) of its request, room for the new token included. None (the
+        step reads the pool, and may write the mirrored request's K/V: the mirror is
+        dropped) for any other step, a request longer than the mirror may be, or a device
+        without the memory for it."""
+        row = rows[0]
+        single = len(rows) == 1 and row.num_new == 1 and not row.num_dropped
+        if not single or row.seq is None or row.end > self.max_positions:
             self.invalidate()
             return None
         try:

@@ -165,7 +165,7 @@ class PagedRunner:
         inputs = {"input_ids": ids.unsqueeze(0), "position_ids": positions.unsqueeze(0), **extra}
         with torch.inference_mode():
             batch = build_step(rows, self.block_size, self.scratch_block, device)
-            batch.mirror = self._mirror_for(rows)
+            batch.mirror = None if self.mirror is None else self.mirror.for_step(rows)
             try:
                 logits = self._run(rows, batch, inputs).logits[0]
             except BaseException:
@@ -175,17 +175,6 @@ class PagedRunner:
             if batch.mirror is not None:
                 batch.mirror.advance(rows[0])
         return (logits if extra else logits[keep]).float()
-
-    def _mirror_for(self, rows: Sequence[Row]) -> DecodeMirror | None:
-        """The mirror, ready for this step if it decodes one request alone (and the request
-        fits it), else None."""
-        if self.mirror is None:
-            return None
-        row = rows[0]
-        if len(rows) != 1 or row.num_new != 1 or row.num_dropped or row.seq is None:
-            self.mirror.invalidate()  # this step may write the mirrored request's K/V
-            return None
-        return self.mirror.prepare(row)
 
     def _run(self, rows: Sequence[Row], batch: StepBatch, inputs: dict) -> object:
         with self.dispatch.step(self.attention):
