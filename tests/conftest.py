@@ -19,6 +19,11 @@ import redis
 
 from bench.launch import REDIS_READY_TIMEOUT_S, RedisServer
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `-n 2`: two workers share the cores
+    import torch
+
+    torch.set_num_threads(1)
+
 
 def skip_or_fail(message: str) -> None:
     """Skip a test that lacks a service, or fail it under KVSTORE_REQUIRE_REDIS=1 (CI)."""
