@@ -35,6 +35,7 @@ USER_ERRORS = {
     "engine.request": ("InvalidRequestError",),
     "engine.model_files": ("ModelLoadError",),
     "engine.model": ("UnsupportedModelError",),
+    "engine.linear": ("LinearKernelError",),
 }
 
 # --- generate -------------------------------------------------------------------------------

@@ -86,6 +86,14 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         help="tokens fed per step over all requests (prefill chunks + decodes); "
         "default 256 on a CPU, 2048 on an accelerator",
     )
+    parser.add_argument(
+        "--linear-kernel",
+        choices=("auto", "onednn", "dense"),
+        default="auto",
+        help="the model's linear layers in engine steps: onednn (weights packed once, every "
+        "core on a product of few rows; a second copy of the weights in memory), dense "
+        "(torch's own), auto (onednn on a CPU in float32 or bfloat16, else dense)",
+    )
 
 
 def check_cache_config(config: CacheConfig) -> torch.device:
@@ -117,10 +125,13 @@ def load_engine(
     """(LoadedModel, Engine) from model and cache flags; the model goes on the cache device;
     `events` gets the cache's block events."""
     from engine.engine import Engine
+    from engine.linear import LinearConfig
     from engine.scheduler import SchedulerConfig
 
     config = config_from_args(args, **cache_defaults)
     device = check_cache_config(config)
     model = quiet_load_model(args.model, device, args.dtype, args.model_revision)
     steps = SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs)
-    return model, Engine(model, config, scheduler_config=steps, events=events)
+    linears = LinearConfig(args.linear_kernel)
+    engine = Engine(model, config, scheduler_config=steps, events=events, linear_config=linears)
+    return model, engine

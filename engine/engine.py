@@ -21,6 +21,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from engine.linear import LinearConfig
 from engine.model import LoadedModel, shared_window
 from engine.paged import Row
 from engine.request import (
@@ -39,6 +40,7 @@ from engine.request import (
 from engine.runner import start_paged
 from engine.scheduler import QueueStats, Scheduled, Scheduler, SchedulerConfig
 from engine.sequential import SequentialPath
+from engine.threads import LoopCalls
 from hashing import validate_salt
 from kvstore.cache import PrefixCache
 from kvstore.config import CacheConfig
@@ -68,8 +70,10 @@ class Engine:
         cache_generated: bool = True,
         scheduler_config: SchedulerConfig | None = None,
         events: EventSink | None = None,
+        linear_config: LinearConfig | None = None,
     ):
-        """`events` gets the device index's block events (kvstore/events.py)."""
+        """`events` gets the device index's block events (kvstore/events.py);
+        `linear_config` says how steps compute the model's linear layers (engine/linear.py)."""
         self.model = model
         self.cache_config = cache_config
         self.cache_generated = cache_generated
@@ -81,17 +85,27 @@ class Engine:
         self.scheduler = Scheduler(scheduler_config or SchedulerConfig(), self.tables)
         self.sequential = SequentialPath(model, self.cache, cache_generated)
         self._forward_lock = threading.Lock()  # one forward pass at a time
-        self.runner, self.fallback_reason = start_paged(model, self.tables)
+        self.linear_kernel = (linear_config or LinearConfig()).resolve(model.model)
+        self._cond = threading.Condition()
+        self._closed = False
+        self._calls = LoopCalls(self._cond)  # synchronous paths, run on the loop thread
+        # the runner starts (packs, self-tests) on the loop thread, which then runs every
+        # step: one thread does the model's parallel work (engine/threads.py)
+        started: Future = Future()
+        threads = torch.get_num_threads()
+        self._worker = threading.Thread(
+            target=self._main, args=(started, threads), name="kvstore-engine", daemon=True
+        )
+        self._calls.thread = self._worker
+        self._worker.start()
+        self.runner, self.fallback_reason = started.result()
         if self.runner is None:
+            self.linear_kernel = "dense"  # the per-request path runs the model's own layers
             log.warning(
                 "model %s: paged attention unavailable (%s); serving one request at a time",
                 model.name,
                 self.fallback_reason,
             )
-        self._cond = threading.Condition()
-        self._closed = False
-        self._worker = threading.Thread(target=self._loop, name="kvstore-engine", daemon=True)
-        self._worker.start()
 
     @property
     def mode(self) -> str:
@@ -222,8 +236,12 @@ class Engine:
         tenant: str = "",
     ) -> GenerateResult:
         """One request, synchronously, on the per-request path (validated token ids)."""
-        with self._forward_lock:
-            return self.sequential.run(token_ids, params, cache_salt, on_token, tenant)
+
+        def run() -> GenerateResult:
+            with self._forward_lock:
+                return self.sequential.run(token_ids, params, cache_salt, on_token, tenant)
+
+        return self._calls.call(run, self._refusal)
 
     def prefill(self, token_ids: list[int], cache_salt: str = "") -> PrefillResult:
         """Lookup, load and prefill of the rest of validated token ids (the last token is always
@@ -237,6 +255,12 @@ class Engine:
         return pre.logits, pre.cached_tokens
 
     def _prefill(self, ids: list[int], salt: str, store: bool) -> PrefillResult:
+        return self._calls.call(lambda: self._prefill_here(ids, salt, store), self._refusal)
+
+    def _refusal(self) -> EngineClosedError | None:
+        return EngineClosedError("the engine is closed") if self._closed else None
+
+    def _prefill_here(self, ids: list[int], salt: str, store: bool) -> PrefillResult:
         if self.runner is None:
             with self._forward_lock, torch.inference_mode():
                 pre = self.sequential.prefill(ids, salt)
@@ -263,13 +287,27 @@ class Engine:
     def _idle(self) -> bool:
         return self.scheduler.waiting.size == 0 and not self.scheduler.running
 
+    def _main(self, started: Future, threads: int) -> None:
+        """The loop thread: start the runner (`started` gets it, or the error), then loop."""
+        torch.set_num_threads(threads)  # the creator's, not a new thread's default
+        try:
+            started.set_result(start_paged(self.model, self.tables, self.linear_kernel))
+        except BaseException as e:
+            started.set_exception(e)
+            return
+        self._loop()
+
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._closed and self._idle():
+                while not self._closed and self._idle() and not self._calls.pending:
                     self._cond.wait()
-                if self._closed and self._idle():
+                calls = self._calls.take()
+                if self._closed and self._idle() and not calls:
                     return
+            self._calls.run(calls)
+            if self._idle():
+                continue
             try:
                 self._step() if self.runner is not None else self._step_sequential()
             except Exception:  # a bug must not kill the loop silently: fail what ran

@@ -28,6 +28,7 @@ from transformers.cache_utils import DynamicLayer
 
 from engine.gguf_models import BUILTINS, gguf_model_dir
 from engine.model_files import ModelLoadError, attn_implementation, load_tokenizer, read_config
+from engine.threads import on_own_thread
 from hashing import Namespace
 from kvstore.layout import DTYPES as KV_DTYPES
 
@@ -379,7 +380,17 @@ def load_model(
 ) -> LoadedModel:
     """`tiny` builds the pinned model from a fixed seed; a built-in name (`smollm2`) or a
     `.gguf` file is converted once into a cached directory (`engine.gguf_models`); anything
-    else is a local model directory."""
+    else is a local model directory.
+
+    Loads on a thread of its own that ends with the loading: the caller's thread keeps no
+    OpenMP team to slow an engine's steps down (engine/threads.py)."""
+    return on_own_thread(_load_model, name_or_path, dtype, device, model_revision)
+
+
+def _load_model(
+    name_or_path: str, dtype: str | torch.dtype, device: str | torch.device, revision: str | None
+) -> LoadedModel:
+    model_revision = revision
     torch_dtype = resolve_dtype(dtype)
     if name_or_path == TINY_NAME:
         model, tokenizer = random_model(tiny_config()), byte_tokenizer()

@@ -17,7 +17,7 @@ import logging
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 from transformers import AttentionInterface
@@ -26,6 +26,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_
 
 from engine.contract import tolerance_for
 from engine.decode_mirror import DecodeMirror
+from engine.linear import install_linears, uninstall_linears
 from engine.model import LoadedModel, has_window, with_cache
 from engine.paged import PagedAttention, PagedAttentionError, Row, StepBatch, build_step
 from engine.step_cache import StepCache, alibi_of, step_keys
@@ -129,7 +130,11 @@ class PagedRunner:
 
     how = "attention interface"
 
-    def __init__(self, model: LoadedModel, kv: torch.Tensor, scratch_block: int):
+    def __init__(
+        self, model: LoadedModel, kv: torch.Tensor, scratch_block: int, kernel: str = "dense"
+    ):
+        """`kernel`: the linear layers' kernel in a step, `onednn` or `dense`
+        (engine/linear.py)."""
         self.model = model
         self.kv = kv  # [num_blocks, layers, 2, kv_heads, block_size, head_dim]
         self.block_size = kv.shape[4]
@@ -137,6 +142,16 @@ class PagedRunner:
         self.calls = 0  # layer calls that went through the pool: the self-test counts them
         self.closed = False
         self._open()
+        self.linears = install_linears(model.model) if kernel == "onednn" else None
+
+    def linear_step(self) -> AbstractContextManager:
+        """The step's linear kernels for the calling thread (packed, where packed)."""
+        return nullcontext() if self.linears is None else self.linears.step()
+
+    def _close_linears(self) -> None:
+        if self.linears is not None:
+            self.linears = None
+            uninstall_linears(self.model.model)
 
     def _open(self) -> None:
         self.attention = PagedAttention(self.kv, _layer_of)
@@ -149,6 +164,7 @@ class PagedRunner:
         if not self.closed:
             self.closed = True
             uninstall_dispatch(self.model.model)
+            self._close_linears()
 
     def forward(
         self, rows: Sequence[Row], token_ids: Sequence[Sequence[int]], logit_rows: Sequence[int]
@@ -167,7 +183,8 @@ class PagedRunner:
             batch = build_step(rows, self.block_size, self.scratch_block, device)
             batch.mirror = None if self.mirror is None else self.mirror.for_step(rows)
             try:
-                logits = self._run(rows, batch, inputs).logits[0]
+                with self.linear_step():
+                    logits = self._run(rows, batch, inputs).logits[0]
             except BaseException:
                 if self.mirror is not None:
                     self.mirror.invalidate()  # some layers may have written it, some not
@@ -200,6 +217,7 @@ class StepCacheRunner(PagedRunner):
 
     def close(self) -> None:
         self.closed = True
+        self._close_linears()
 
     def _run(self, rows: Sequence[Row], batch: StepBatch, inputs: dict) -> object:
         lm = self.model.model
@@ -219,9 +237,11 @@ class StepCacheRunner(PagedRunner):
 SELF_TEST_BLOCKS = 5
 
 
-def start_paged(model: LoadedModel, tables: BlockTables) -> tuple[PagedRunner | None, str | None]:
+def start_paged(
+    model: LoadedModel, tables: BlockTables, kernel: str = "dense"
+) -> tuple[PagedRunner | None, str | None]:
     """A runner on the tables' pool that passed `self_test` (it holds one scratch block), or
-    None and why not."""
+    None and why not; `kernel`: its linear layers' (engine/linear.py)."""
     pool = tables.pool
     if pool.device != model.device:
         return None, f"the pool is on {pool.device}, the model on {model.device}"
@@ -234,7 +254,7 @@ def start_paged(model: LoadedModel, tables: BlockTables) -> tuple[PagedRunner | 
     reasons = []
     try:
         for kind in (PagedRunner, StepCacheRunner):
-            runner, why = _try(kind, model, pool.kv, scratch[0], ids)
+            runner, why = _try(kind, model, pool.kv, scratch[0], ids, kernel)
             if runner is not None:
                 return runner, None
             reasons.append(f"{kind.how}: {why}")
@@ -245,10 +265,15 @@ def start_paged(model: LoadedModel, tables: BlockTables) -> tuple[PagedRunner | 
 
 
 def _try(
-    kind: type[PagedRunner], model: LoadedModel, kv: torch.Tensor, scratch: int, ids: list[int]
+    kind: type[PagedRunner],
+    model: LoadedModel,
+    kv: torch.Tensor,
+    scratch: int,
+    ids: list[int],
+    kernel: str,
 ) -> tuple[PagedRunner | None, str | None]:
     try:
-        runner = kind(model, kv, scratch)
+        runner = kind(model, kv, scratch, kernel)
     except PagedAttentionError as e:
         return None, str(e)
     why = self_test(runner, ids) if len(ids) == SELF_TEST_BLOCKS else "the pool is full"
@@ -262,7 +287,7 @@ def self_test(runner: PagedRunner, block_ids: list[int]) -> str | None:
     """Check the paged path against plain forwards on this model: two rows prefilled in one
     step (one spanning blocks), then one decoded beside the other's next chunk, then one
     decoded alone. None when it holds, else why not (the engine then serves one request at a
-    time)."""
+    time). The plain forwards run the step's linear kernels too: this tests the paging."""
     model, bs = runner.model, runner.block_size
     a = [(7 * i + 3) % model.vocab_size for i in range(2 * bs + 3)]
     b = [(5 * i + 1) % model.vocab_size for i in range(bs + 2)]
@@ -287,8 +312,8 @@ def self_test(runner: PagedRunner, block_ids: list[int]) -> str | None:
     if calls != 3 * layers:  # attention computed elsewhere would never read the pool
         return f"{calls} of {3 * layers} attention calls reached the pool"
     got = [first[0], first[1], second[0], second[1], third[0]]
-    want = [_reference(model, a[:-1]), _reference(model, b[:3]), _reference(model, a)]
-    want += [_reference(model, b), _reference(model, c)]
+    with runner.linear_step():
+        want = [_reference(model, ids) for ids in (a[:-1], b[:3], a, b, c)]
     worst = max(float((g - w).abs().max()) for g, w in zip(got, want, strict=True))
     return None if worst <= tol else f"logits differ from a plain forward by {worst:.2e}"
 

@@ -1,0 +1,139 @@
+"""Packed (oneDNN) linears in engine steps: same answers as the dense kernels and the
+no-cache reference, used in every step and nowhere else, and the model's work on the
+engine's loop thread."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from engine_helpers import close_to_reference, micro_cache_config, micro_model, reference_logits
+
+from engine.engine import Engine
+from engine.linear import LinearConfig, LinearKernelError
+from engine.request import SamplingParams
+from engine.threads import on_own_thread
+
+PROMPTS = [list(range(40, 63)), list(range(90, 101)), [7, 8, 9, 10, 11, 12, 13]]
+GREEDY = SamplingParams(max_new_tokens=6, ignore_eos=True)
+
+
+def linears_of(model: torch.nn.Module) -> list[torch.nn.Linear]:
+    return [m for m in model.modules() if type(m) is torch.nn.Linear]
+
+
+def outputs(engine: Engine) -> list[list[int]]:
+    futures = [engine.submit(p, GREEDY) for p in PROMPTS]
+    return [f.result().output_token_ids for f in futures]
+
+
+def test_auto_packs_a_cpu_float32_model_and_answers_as_the_dense_kernels_do():
+    micro = micro_model(seed=3)
+    with Engine(micro, micro_cache_config(), linear_config=LinearConfig("dense")) as dense:
+        want = outputs(dense)
+    with Engine(micro, micro_cache_config()) as packed:
+        assert (dense.linear_kernel, packed.linear_kernel) == ("dense", "onednn")
+        assert outputs(packed) == want
+        assert outputs(packed) == want  # warm: every prompt's whole blocks cached
+
+
+def test_prefill_logits_through_packed_linears_meet_the_no_cache_reference():
+    micro = micro_model(seed=4)
+    ids = list(range(30, 57))
+    with Engine(micro, micro_cache_config()) as engine:
+        cold, cold_cached = engine.prefill_logits(ids)
+        warm, warm_cached = engine.prefill_logits(ids)
+    ref = reference_logits(micro, ids)[-1]
+    assert (cold_cached, warm_cached) == (0, 24)
+    assert close_to_reference(cold, ref) and close_to_reference(warm, ref)
+
+
+def test_every_linear_of_every_step_runs_packed():
+    micro = micro_model(seed=5)
+    per_forward = len(linears_of(micro.model))  # 2 layers x 7 projections + the output one
+    assert per_forward == 15
+    with Engine(micro, micro_cache_config()) as engine:
+        linears = micro.model._kvstore_linears
+        before = linears.calls
+        engine.submit(PROMPTS[1], SamplingParams(max_new_tokens=5, ignore_eos=True)).result()
+        # one request alone: its prefill (11 tokens, one step) and 4 decode steps
+        assert linears.calls - before == 5 * per_forward
+
+
+def test_outside_a_step_the_model_keeps_its_own_dense_linears():
+    micro = micro_model(seed=6)
+    ids = torch.tensor([PROMPTS[0]])
+    with torch.inference_mode():
+        before = micro.model(input_ids=ids).logits
+    with Engine(micro, micro_cache_config()) as engine:
+        with torch.inference_mode():
+            during = micro.model(input_ids=ids).logits
+        calls = engine.model.model._kvstore_linears.calls
+        assert torch.equal(before, during)  # bit for bit: not a packed product
+        assert micro.model._kvstore_linears.calls == calls
+
+
+def test_the_last_engine_to_close_gives_every_linear_its_own_forward_back():
+    micro = micro_model(seed=7)
+    first = Engine(micro, micro_cache_config())
+    second = Engine(micro, micro_cache_config())
+    assert micro.model._kvstore_linears.users == 2
+    first.close()
+    assert all("forward" in vars(m) for m in linears_of(micro.model))
+    second.close()
+    assert not hasattr(micro.model, "_kvstore_linears")
+    assert not any("forward" in vars(m) for m in linears_of(micro.model))
+
+
+def test_dense_asked_packs_nothing():
+    micro = micro_model(seed=8)
+    with Engine(micro, micro_cache_config(), linear_config=LinearConfig("dense")) as engine:
+        assert engine.linear_kernel == "dense"
+        assert not hasattr(micro.model, "_kvstore_linears")
+
+
+def test_onednn_asked_of_a_float16_model_is_a_typed_error_naming_the_dtype():
+    micro = micro_model(seed=9)
+    micro.model.to(torch.float16)
+    with pytest.raises(LinearKernelError, match="float16"):
+        LinearConfig("onednn").resolve(micro.model)
+    assert LinearConfig("auto").resolve(micro.model) == "dense"
+
+
+def test_an_unknown_kernel_is_refused():
+    with pytest.raises(ValueError, match="linear kernel must be one of"):
+        LinearConfig("mkl")
+
+
+def test_the_model_runs_on_the_engine_loop_thread_whoever_calls():
+    micro = micro_model(seed=10)
+    seen: set[str] = set()
+    hook = micro.model.register_forward_pre_hook(
+        lambda *_: seen.add(threading.current_thread().name)
+    )
+    try:
+        with Engine(micro, micro_cache_config()) as engine:  # its self-test included
+            engine.prefill_logits(PROMPTS[0])
+            engine.submit(PROMPTS[2], GREEDY).result()
+            engine.run(PROMPTS[1], GREEDY)
+    finally:
+        hook.remove()
+    assert seen == {"kvstore-engine"}
+
+
+def test_a_call_on_a_closed_engine_is_refused():
+    micro = micro_model(seed=11)
+    engine = Engine(micro, micro_cache_config())
+    engine.close()
+    with pytest.raises(Exception, match="closed"):
+        engine.prefill_logits(PROMPTS[0])
+
+
+def test_on_own_thread_returns_the_value_and_raises_the_error_here():
+    assert on_own_thread(lambda a, b: (a + b, threading.current_thread().name), 2, 3) == (
+        5,
+        "kvstore-load",
+    )
+    with pytest.raises(KeyError, match="missing"):
+        on_own_thread(lambda: {}["missing"])
