@@ -98,7 +98,7 @@ class _Demo:
             ids = self.ids(messages)
             result = engine.generate([ids], self.params)[0]
             messages.append({"role": "assistant", "content": result.text})
-            rows.append(self.compare(f"chat turn {turn + 1}", question, ids, result))
+            rows.append(self.compare(engine, f"chat turn {turn + 1}", question, ids, result))
         return rows
 
     def batch(self, engine: Engine, prefix: str = "") -> list[Row]:
@@ -106,15 +106,19 @@ class _Demo:
         prompts = [self.ids([self.system, {"role": "user", "content": q}]) for q in questions]
         results = engine.generate(prompts, self.params)
         return [
-            self.compare(f"{prefix}question {i + 1}", q, ids, result)
+            self.compare(engine, f"{prefix}question {i + 1}", q, ids, result)
             for i, (q, ids, result) in enumerate(zip(questions, prompts, results, strict=True))
         ]
 
-    def compare(self, name: str, question: str, ids: list[int], result: GenerateResult) -> Row:
+    def compare(
+        self, engine: Engine, name: str, question: str, ids: list[int], result: GenerateResult
+    ) -> Row:
+        """The request against a no-cache greedy run, run as the engine runs the model (its
+        thread and linear kernels: the speed-up is the cache's alone)."""
         from engine.sequential import reference_generate
 
-        n = len(result.output_token_ids)
-        ref, ttft_nocache = reference_generate(self.model, ids, n, self.model.eos_token_ids)
+        n, stops = len(result.output_token_ids), self.model.eos_token_ids
+        ref, ttft_nocache = engine.on_loop(lambda: reference_generate(self.model, ids, n, stops))
         row = {
             "name": name, "question": question, "answer": result.text,
             "prompt_tokens": result.prompt_tokens, "cached_tokens": result.cached_tokens,
@@ -139,8 +143,8 @@ def run_demo_requests(
     from engine.sequential import reference_generate
 
     demo = _Demo(model, max_tokens, on_row)
-    reference_generate(model, list(range(64)), 2)  # warm-up, not reported
     with Engine(model, config) as engine:
+        engine.on_loop(lambda: reference_generate(model, list(range(64)), 2))  # warm-up
         rows = demo.chat(engine) + demo.batch(engine)
     if config.lmdb_dir or config.redis_url:  # closing flushed the writes: a fresh device pool
         with Engine(model, config) as engine:

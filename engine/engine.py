@@ -13,10 +13,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from contextlib import nullcontext
 from dataclasses import replace
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -48,6 +49,7 @@ from kvstore.events import EventSink
 from kvstore.sequences import BlockTables, SeqBlocks
 
 log = logging.getLogger("kvstore.engine")
+T = TypeVar("T")
 
 
 class PrefillResult(NamedTuple):
@@ -256,6 +258,19 @@ class Engine:
 
     def _prefill(self, ids: list[int], salt: str, store: bool) -> PrefillResult:
         return self._calls.call(lambda: self._prefill_here(ids, salt, store), self._refusal)
+
+    def on_loop(self, function: Callable[[], T], step_kernels: bool = True) -> T:
+        """`function()` on the engine's loop thread, between steps: model work of the
+        caller's own (a reference, a benchmark's baseline) in the process's one OpenMP team
+        (engine/threads.py); with `step_kernels`, on the linear kernels of the engine's
+        steps too (engine/linear.py), else on the model's own."""
+        packed = step_kernels and self.runner is not None
+
+        def run() -> T:
+            with self.runner.linear_step() if packed else nullcontext():
+                return function()
+
+        return self._calls.call(run, self._refusal)
 
     def _refusal(self) -> EngineClosedError | None:
         return EngineClosedError("the engine is closed") if self._closed else None

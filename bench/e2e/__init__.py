@@ -242,10 +242,10 @@ def warm_up(lm, engine, new_tokens: int, bar_cls) -> None:
     """One unrelated request through each path, outside timing (first-call overheads)."""
     ids = [[(7 * i) % 256 for i in range(48)]]
     with bar_cls(total=4, disable=True) as bar:
-        run_nocache(lm, ids, new_tokens, bar)
+        run_nocache(engine, lm, ids, new_tokens, bar)
         run_kvstore(engine, ids, new_tokens, bar)
         run_prefixes(engine, ids, [32], bar)
-        run_free_prefix(lm, ids, [32], new_tokens, bar)
+        run_free_prefix(engine, lm, ids, [32], new_tokens, bar)
     engine.cache.evict_device()
 
 
@@ -255,12 +255,12 @@ def time_paths(lm, engine, prompts: list[list[int]], args: argparse.Namespace,
     and each request's reusable tokens."""
     t, reusable = Timings([], [], [], [], []), None
     for _ in range(args.repeats):
-        t.nocache.append(run_nocache(lm, prompts, args.new_tokens, bar))
+        t.nocache.append(run_nocache(engine, lm, prompts, args.new_tokens, bar))
         if reusable is None:
             reusable = per_request_reusable(prompts, t.nocache[0].outputs, args.block_size)
         t.engine_nocache.append(run_engine_nocache(engine, prompts, args.new_tokens, bar))
         t.prefix_s.append(run_prefixes(engine, prompts, reusable, bar))
-        t.free_prefix.append(run_free_prefix(lm, prompts, reusable, args.new_tokens, bar))
+        t.free_prefix.append(run_free_prefix(engine, lm, prompts, reusable, args.new_tokens, bar))
         engine.cache.evict_device()  # kvstore starts empty
         t.kvstore.append(run_kvstore(engine, prompts, args.new_tokens, bar))
     return t, reusable or []

@@ -21,11 +21,15 @@ class RunResult(NamedTuple):
     cached_tokens: int
 
 
-def run_nocache(lm, prompts: list[list[int]], new_tokens: int, bar) -> RunResult:
+def run_nocache(engine, lm, prompts: list[list[int]], new_tokens: int, bar) -> RunResult:
+    """HF `generate` as a user runs it (the model's own kernels), on the engine's thread: the
+    process keeps one OpenMP team (engine/threads.py)."""
     outputs, ttfts = [], []
     start = time.perf_counter()
     for ids in prompts:
-        output, ttft = generate_timed(lm, ids, new_tokens)
+        output, ttft = engine.on_loop(
+            lambda ids=ids: generate_timed(lm, ids, new_tokens), step_kernels=False
+        )
         outputs.append(output)
         ttfts.append(ttft)
         bar.update(1)
@@ -93,22 +97,31 @@ def run_kvstore(engine, prompts: list[list[int]], new_tokens: int, bar) -> RunRe
     return RunResult(time.perf_counter() - start, outputs, ttfts, cached)
 
 
-def run_free_prefix(lm, prompts: list[list[int]], reusable: list[int], new_tokens: int,
+def run_free_prefix(engine, lm, prompts: list[list[int]], reusable: list[int], new_tokens: int,
                     bar) -> RunResult:  # fmt: skip
     """The ideal engine of `bench ttft` (docs/BENCHMARKS.md): each request's reusable prefix
     is already in memory as a `DynamicCache` (built untimed), the suffix is prefilled on it
-    and `new_tokens` decoded greedily, as the engine does; no lookup, load or store."""
+    and `new_tokens` decoded greedily, as the engine does (its thread, its linear kernels);
+    no lookup, load or store."""
     total, outputs, ttfts = 0.0, [], []
     for ids, n in zip(prompts, reusable, strict=True):
-        past = DynamicCache(config=lm.model.config)
-        if n:
-            forward_on(lm.model, ids[:n], past)
-        start = time.perf_counter()
-        out = [int(torch.argmax(forward_on(lm.model, ids[n:], past)))]
-        ttfts.append(time.perf_counter() - start)
-        while len(out) < new_tokens:
-            out.append(int(torch.argmax(forward_on(lm.model, out[-1:], past))))
-        total += time.perf_counter() - start
+        run = lambda ids=ids, n=n: _free_prefix(lm, ids, n, new_tokens)  # noqa: E731
+        out, ttft, elapsed = engine.on_loop(run)
+        total += elapsed
+        ttfts.append(ttft)
         outputs.append(out)
         bar.update(1)
     return RunResult(total, outputs, ttfts, sum(reusable))
+
+
+def _free_prefix(lm, ids: list[int], n: int, new_tokens: int) -> tuple[list[int], float, float]:
+    """(tokens, TTFT, seconds) of one request on a prefix of n tokens built untimed."""
+    past = DynamicCache(config=lm.model.config)
+    if n:
+        forward_on(lm.model, ids[:n], past)
+    start = time.perf_counter()
+    out = [int(torch.argmax(forward_on(lm.model, ids[n:], past)))]
+    ttft = time.perf_counter() - start
+    while len(out) < new_tokens:
+        out.append(int(torch.argmax(forward_on(lm.model, out[-1:], past))))
+    return out, ttft, time.perf_counter() - start

@@ -99,11 +99,13 @@ def measure_variants(engine, ids: list[int], kv: list, tier: str, cached: int, a
     """Interleaved rounds of the three variants; medians and the paired kvstore/ideal ratio."""
     model = engine.model.model
 
-    def nocache() -> int:
-        return suffix_first_token(model, ids, DynamicCache(config=model.config))
+    def nocache() -> int:  # as the engine runs the model: its thread, its linear kernels
+        return engine.on_loop(
+            lambda: suffix_first_token(model, ids, DynamicCache(config=model.config))
+        )
 
     def ideal(past: DynamicCache) -> int:
-        return suffix_first_token(model, ids, past)
+        return engine.on_loop(lambda: suffix_first_token(model, ids, past))
 
     def kvstore() -> int:
         pre = engine.prefill(ids)

@@ -137,3 +137,19 @@ def test_on_own_thread_returns_the_value_and_raises_the_error_here():
     )
     with pytest.raises(KeyError, match="missing"):
         on_own_thread(lambda: {}["missing"])
+
+
+def test_on_loop_runs_the_callers_forward_on_the_loop_thread_with_the_steps_kernels():
+    micro = micro_model(seed=12)
+    ids = torch.tensor([PROMPTS[0]])
+    with Engine(micro, micro_cache_config()) as engine:
+        linears = micro.model._kvstore_linears
+        before = linears.calls
+
+        def forward() -> tuple[str, torch.Tensor]:
+            with torch.inference_mode():
+                return threading.current_thread().name, micro.model(input_ids=ids).logits[0, -1]
+
+        name, logits = engine.on_loop(forward)
+        assert (name, linears.calls - before) == ("kvstore-engine", 15)
+    assert close_to_reference(logits, reference_logits(micro, PROMPTS[0])[-1])
