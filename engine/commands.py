@@ -92,7 +92,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="the model's linear layers in engine steps: onednn (weights packed once, every "
         "core on a product of few rows; a second copy of the weights in memory), dense "
-        "(torch's own), auto (onednn on a CPU in float32 or bfloat16, else dense)",
+        "(torch's own), auto (onednn on a CPU in float32, or bfloat16 where the CPU has its "
+        "instructions, else dense)",
     )
 
 

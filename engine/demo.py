@@ -3,7 +3,8 @@ by default (`--model tiny` for the random-weight test model).
 
 The chat goes through the model's own chat template: each turn renders the whole history,
 the earlier answers included, so a turn hits the cache for the previous turn's prompt and
-answer. Every request is compared with a no-cache greedy run of the same model. With a
+answer. Every request is compared with a no-cache greedy run of the same model (a plain
+forward loop without kvstore, on the engine's thread and linear kernels). With a
 shared tier configured (`--lmdb-dir`, `--redis-url`), a second pass replays the questions on
 a fresh engine whose device pool is empty, so its cached tokens come from that tier.
 """

@@ -79,6 +79,7 @@ class Engine:
         self.model = model
         self.cache_config = cache_config
         self.cache_generated = cache_generated
+        self.linear_kernel = (linear_config or LinearConfig()).resolve(model.model)
         # the cache binds the config's codec and tenant salt into the namespace
         namespace = model.namespace(cache_config.block_size)
         window = shared_window(model.model.config)  # a window model's requests drop blocks
@@ -87,7 +88,6 @@ class Engine:
         self.scheduler = Scheduler(scheduler_config or SchedulerConfig(), self.tables)
         self.sequential = SequentialPath(model, self.cache, cache_generated)
         self._forward_lock = threading.Lock()  # one forward pass at a time
-        self.linear_kernel = (linear_config or LinearConfig()).resolve(model.model)
         self._cond = threading.Condition()
         self._closed = False
         self._calls = LoopCalls(self._cond)  # synchronous paths, run on the loop thread
@@ -100,9 +100,17 @@ class Engine:
         )
         self._calls.thread = self._worker
         self._worker.start()
-        self.runner, self.fallback_reason = started.result()
-        if self.runner is None:
+        try:
+            self.runner, self.fallback_reason = started.result()
+        except BaseException:
+            self.cache.close()  # its tier writer and stores
+            raise
+        note = None if self.runner is None else self.runner.linear_note
+        if note is not None:
+            log.warning("model %s: %s; its linear layers run dense", model.name, note)
+        if self.runner is None or self.runner.linears is None:
             self.linear_kernel = "dense"  # the per-request path runs the model's own layers
+        if self.runner is None:
             log.warning(
                 "model %s: paged attention unavailable (%s); serving one request at a time",
                 model.name,
@@ -263,11 +271,15 @@ class Engine:
         """`function()` on the engine's loop thread, between steps: model work of the
         caller's own (a reference, a benchmark's baseline) in the process's one OpenMP team
         (engine/threads.py); with `step_kernels`, on the linear kernels of the engine's
-        steps too (engine/linear.py), else on the model's own."""
+        steps too (engine/linear.py), else on the model's own. The caller's grad and
+        inference modes go with it. `function` must not wait on the engine (a request's
+        result, `close`): the loop runs nothing else meanwhile."""
         packed = step_kernels and self.runner is not None
+        inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
 
         def run() -> T:
-            with self.runner.linear_step() if packed else nullcontext():
+            kernels = self.runner.linear_step() if packed else nullcontext()
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad), kernels:
                 return function()
 
         return self._calls.call(run, self._refusal)
@@ -304,13 +316,20 @@ class Engine:
 
     def _main(self, started: Future, threads: int) -> None:
         """The loop thread: start the runner (`started` gets it, or the error), then loop."""
-        torch.set_num_threads(threads)  # the creator's, not a new thread's default
         try:
+            torch.set_num_threads(threads)  # the creator's, not a new thread's default
             started.set_result(start_paged(self.model, self.tables, self.linear_kernel))
         except BaseException as e:
             started.set_exception(e)
             return
-        self._loop()
+        try:
+            self._loop()
+        finally:  # however the loop ends, no synchronous call is left waiting on it
+            with self._cond:
+                self._closed = True
+                calls = self._calls.take()
+            for _, done in calls:
+                done.set_exception(EngineClosedError("the engine's loop has stopped"))
 
     def _loop(self) -> None:
         while True:

@@ -15,7 +15,7 @@ linear weights' size once more in host memory (a tied output projection included
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -33,7 +33,9 @@ class LinearKernelError(ValueError):
 class LinearConfig:
     """How the engine's steps compute the model's linear layers: `auto` (oneDNN on a CPU
     model in float32, or bfloat16 where the CPU has bfloat16 instructions; dense
-    elsewhere), `onednn` (that, or an error saying why not) or `dense`."""
+    elsewhere), `onednn` (that, or an error saying why not: device, dtype, torch build) or
+    `dense`. Packed weights that fail to pack or fail the check at start
+    (`packed_mismatch`) give way to dense ones, with a warning, `onednn` asked or not."""
 
     kernel: str = "auto"
 
@@ -59,10 +61,11 @@ def onednn_unavailable(model: torch.nn.Module) -> str | None:
     param = next(model.parameters())
     if param.device.type != "cpu":
         return f"the model is on {param.device.type}, oneDNN's packed linear is for CPUs"
-    mkldnn = torch.ops.mkldnn
-    if not torch.backends.mkldnn.is_available() or not hasattr(mkldnn, "_linear_pointwise"):
+    mkldnn, ops = torch.ops.mkldnn, ("_linear_pointwise", "_reorder_linear_weight")
+    if not torch.backends.mkldnn.is_available() or not all(hasattr(mkldnn, o) for o in ops):
         return "this torch build has no oneDNN (mkldnn) linear"
-    if param.dtype == torch.bfloat16 and not mkldnn._is_mkldnn_bf16_supported():
+    bf16 = getattr(mkldnn, "_is_mkldnn_bf16_supported", None)
+    if param.dtype == torch.bfloat16 and (bf16 is None or not bf16()):
         return "this CPU has no bfloat16 instructions for oneDNN"
     if param.dtype not in (torch.float32, torch.bfloat16):
         return f"the model is {str(param.dtype).removeprefix('torch.')}, not float32 or bfloat16"
@@ -75,11 +78,19 @@ class PackedLinears:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.local = threading.local()  # .on: this thread is in an engine step
-        self.modules = [m for m in model.modules() if type(m) is torch.nn.Linear]
+        # a module with a forward of its own instance (a hook's) is left as it is
+        linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+        self.modules = [m for m in linears if "forward" not in vars(m)]
         self.users = 0  # runners on this model; the last to close restores every forward
         self.calls = 0  # packed products computed (tests count them)
-        for module in self.modules:
-            module.forward = self._forward_of(module)
+        self.mismatch: str | None = None  # why they cannot stand in for dense (checked once)
+        self._forwards: dict[torch.nn.Module, Callable] = {}
+        try:
+            for module in self.modules:
+                module.forward = self._forwards[module] = self._forward_of(module)
+        except BaseException:
+            self.restore()
+            raise
 
     def _forward_of(self, module: torch.nn.Linear):
         with torch.no_grad():
@@ -97,16 +108,45 @@ class PackedLinears:
 
     @contextmanager
     def step(self) -> Iterator[None]:
-        self.local.on = True
+        before, self.local.on = getattr(self.local, "on", False), True
         try:
             yield
         finally:
-            self.local.on = False
+            self.local.on = before
 
     def restore(self) -> None:
-        """Every linear's own forward back; the packed copies go with the closures."""
-        for module in self.modules:
-            del module.forward
+        """Every linear's own forward back (where it is still ours); the packed copies go
+        with the closures."""
+        for module, forward in self._forwards.items():
+            if vars(module).get("forward") is forward:
+                del module.forward
+        self._forwards.clear()
+
+
+# How far the packed products may move the logits from the dense ones, relative to the
+# largest logit: rounding only (on SmolLM2 in fp32, 9e-5 of 33: 2.7e-6), never a wrong kernel.
+PACKED_REL_TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+CHECK_TOKENS = 24
+
+
+def packed_mismatch(model: torch.nn.Module, linears: PackedLinears) -> str | None:
+    """Why the packed products cannot stand in for the dense ones on this model (one
+    forward of each over a fixed sequence: the logits too far apart, or another argmax past
+    a near-tie), or None when they can."""
+    vocab = model.config.get_text_config().vocab_size
+    device = next(model.parameters()).device
+    ids = torch.tensor([[(11 * i + 5) % vocab for i in range(CHECK_TOKENS)]], device=device)
+    with torch.inference_mode():
+        dense = model(input_ids=ids, use_cache=False).logits[0, -1].float()
+        with linears.step():
+            packed = model(input_ids=ids, use_cache=False).logits[0, -1].float()
+    dtype = next(model.parameters()).dtype
+    bound = PACKED_REL_TOL.get(dtype, 2e-2) * float(dense.abs().max())
+    diff, top2 = float((packed - dense).abs().max()), torch.topk(dense, 2).values
+    same = int(packed.argmax()) == int(dense.argmax()) or float(top2[0] - top2[1]) <= bound
+    if diff <= bound and same:
+        return None
+    return f"packed linears move the logits by {diff:.2e} (at most {bound:.2e} allowed)"
 
 
 def install_linears(model: torch.nn.Module) -> PackedLinears:
@@ -114,7 +154,12 @@ def install_linears(model: torch.nn.Module) -> PackedLinears:
     linears = getattr(model, "_kvstore_linears", None)
     if linears is None:
         linears = PackedLinears(model)
-        model._kvstore_linears = linears
+        try:
+            linears.mismatch = packed_mismatch(model, linears)
+        except BaseException:
+            linears.restore()
+            raise
+        model._kvstore_linears = linears  # only once packed and checked
     linears.users += 1
     return linears
 

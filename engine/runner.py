@@ -142,7 +142,20 @@ class PagedRunner:
         self.calls = 0  # layer calls that went through the pool: the self-test counts them
         self.closed = False
         self._open()
-        self.linears = install_linears(model.model) if kernel == "onednn" else None
+        self.linears, self.linear_note = None, None  # note: why packed linears gave way
+        if kernel == "onednn":
+            self._pack()
+
+    def _pack(self) -> None:
+        """Packed linears, unless packing fails or they fail their check (then dense)."""
+        try:
+            self.linears = install_linears(self.model.model)
+        except Exception as e:  # optional: any failure means the dense kernels
+            self.linear_note = f"packing the linear weights failed ({type(e).__name__}: {e})"
+            return
+        if self.linears.mismatch is not None:
+            self.linear_note = self.linears.mismatch
+            self._close_linears()
 
     def linear_step(self) -> AbstractContextManager:
         """The step's linear kernels for the calling thread (packed, where packed)."""

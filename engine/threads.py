@@ -29,7 +29,7 @@ def on_own_thread(function: Callable[..., T], *args: object) -> T:
         except BaseException as e:  # raised again in the caller's thread
             box.append((False, e))
 
-    thread = threading.Thread(target=run, name="kvstore-load")
+    thread = threading.Thread(target=run, name="kvstore-load", daemon=True)
     thread.start()
     thread.join()
     ok, value = box[0]

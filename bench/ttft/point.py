@@ -91,7 +91,7 @@ def measure_point(lm, ids: list[int], kv: list, tier: str, cached: int, args) ->
             for store in engine.cache.tiers.stores if engine.cache.tiers else ():
                 store.clear()  # exactly this prefix: nothing left from an earlier point or run
             layers = [(k[:, :, :cached], v[:, :, :cached]) for k, v in kv]
-            engine.cache.store(ids[:cached], layers)
+            engine.on_loop(lambda: engine.cache.store(ids[:cached], layers))
             return measure_variants(engine, ids, kv, tier, cached, args)
 
 
@@ -118,9 +118,10 @@ def measure_variants(engine, ids: list[int], kv: list, tier: str, cached: int, a
     with torch.inference_mode():
         for round_ in range(args.runs + 1):  # round 0 is the warm-up
             for name in round_order(round_):
-                hold_only_in_tier(engine.cache, tier)  # outside the timed region
+                # outside the timed region, and on the engine's thread as all torch work
+                engine.on_loop(lambda: hold_only_in_tier(engine.cache, tier))
                 if name == "ideal":
-                    past = clone_prefix(model, kv, cached)  # outside the timed region
+                    past = engine.on_loop(lambda: clone_prefix(model, kv, cached))
                     elapsed, token = timed(lambda p=past: ideal(p))
                 else:
                     elapsed, token = timed(nocache if name == "nocache" else kvstore)

@@ -10,9 +10,10 @@ import pytest
 import torch
 from engine_helpers import close_to_reference, micro_cache_config, micro_model, reference_logits
 
+import engine.linear as linear_module
 from engine.engine import Engine
-from engine.linear import LinearConfig, LinearKernelError
-from engine.request import SamplingParams
+from engine.linear import LinearConfig, LinearKernelError, PackedLinears, packed_mismatch
+from engine.request import EngineClosedError, SamplingParams
 from engine.threads import on_own_thread
 
 PROMPTS = [list(range(40, 63)), list(range(90, 101)), [7, 8, 9, 10, 11, 12, 13]]
@@ -153,3 +154,84 @@ def test_on_loop_runs_the_callers_forward_on_the_loop_thread_with_the_steps_kern
         name, logits = engine.on_loop(forward)
         assert (name, linears.calls - before) == ("kvstore-engine", 15)
     assert close_to_reference(logits, reference_logits(micro, PROMPTS[0])[-1])
+
+
+def test_the_check_passes_packed_products_and_catches_weights_that_differ():
+    micro = micro_model(seed=13)
+    linears = PackedLinears(micro.model)
+    try:
+        assert packed_mismatch(micro.model, linears) is None
+        with torch.no_grad():  # the dense weights move, the packed copies do not
+            linears.modules[0].weight.mul_(3.0)
+        assert "packed linears move the logits by" in packed_mismatch(micro.model, linears)
+    finally:
+        linears.restore()
+
+
+def test_packed_linears_that_fail_their_check_give_way_to_dense_with_a_warning(monkeypatch, caplog):
+    monkeypatch.setattr(linear_module, "packed_mismatch", lambda model, linears: "forced")
+    micro = micro_model(seed=14)
+    logs = caplog.at_level("WARNING", logger="kvstore.engine")
+    with logs, Engine(micro, micro_cache_config()) as engine:
+        assert (engine.linear_kernel, engine.mode) == ("dense", "paged")
+        assert not hasattr(micro.model, "_kvstore_linears")
+        got = engine.submit(PROMPTS[0], GREEDY).result().output_token_ids
+    assert "forced; its linear layers run dense" in caplog.text
+    with Engine(micro, micro_cache_config(), linear_config=LinearConfig("dense")) as dense:
+        assert dense.submit(PROMPTS[0], GREEDY).result().output_token_ids == got
+
+
+def test_a_failed_check_leaves_no_linear_patched(monkeypatch):
+    def broken(model, linears):
+        raise RuntimeError("oneDNN kernel failed")
+
+    monkeypatch.setattr(linear_module, "packed_mismatch", broken)
+    micro = micro_model(seed=15)
+    with Engine(micro, micro_cache_config()) as engine:
+        assert engine.linear_kernel == "dense"
+        assert "oneDNN kernel failed" in engine.runner.linear_note
+        assert not hasattr(micro.model, "_kvstore_linears")
+        assert not any("forward" in vars(m) for m in linears_of(micro.model))
+
+
+def test_steps_nest_and_a_linear_with_a_forward_of_its_own_is_left_alone():
+    micro = micro_model(seed=16)
+    hooked = linears_of(micro.model)[0]
+    own = hooked.forward
+    hooked.forward = own  # an instance forward, as accelerate's hooks set
+    linears = PackedLinears(micro.model)
+    try:
+        assert hooked not in linears.modules and len(linears.modules) == 14
+        with linears.step():
+            with linears.step():
+                pass
+            assert linears.local.on  # the outer step goes on packed
+        assert not linears.local.on
+    finally:
+        linears.restore()
+    assert vars(hooked)["forward"] is own
+
+
+def test_on_loop_carries_the_callers_inference_mode():
+    micro = micro_model(seed=17)
+    with Engine(micro, micro_cache_config()) as engine:
+        with torch.inference_mode():
+            assert engine.on_loop(torch.is_inference_mode_enabled)
+        assert not engine.on_loop(torch.is_inference_mode_enabled)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_loop_that_died_refuses_calls_instead_of_leaving_them_waiting(monkeypatch):
+    micro = micro_model(seed=18)
+    engine = Engine(micro, micro_cache_config())
+
+    def die() -> None:
+        raise SystemExit("the loop thread ends")
+
+    monkeypatch.setattr(engine, "_step", die)
+    engine.submit(PROMPTS[0], GREEDY)
+    engine._worker.join(timeout=30)
+    assert not engine._worker.is_alive()
+    with pytest.raises(EngineClosedError):
+        engine.prefill_logits(PROMPTS[0])
+    engine.close()
