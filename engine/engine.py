@@ -248,7 +248,8 @@ class Engine:
         """One request, synchronously, on the per-request path (validated token ids)."""
 
         def run() -> GenerateResult:
-            with self._forward_lock:
+            kernels = self.runner.linear_step() if self.runner is not None else nullcontext()
+            with self._forward_lock, kernels:  # the steps' linear kernels, as all engine work
                 return self.sequential.run(token_ids, params, cache_salt, on_token, tenant)
 
         return self._calls.call(run, self._refusal)

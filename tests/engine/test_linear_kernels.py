@@ -235,3 +235,14 @@ def test_a_loop_that_died_refuses_calls_instead_of_leaving_them_waiting(monkeypa
     with pytest.raises(EngineClosedError):
         engine.prefill_logits(PROMPTS[0])
     engine.close()
+
+
+def test_the_per_request_path_runs_on_the_packed_kernels_too():
+    micro = micro_model(seed=19)
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    with Engine(micro, micro_cache_config()) as engine:
+        linears = micro.model._kvstore_linears
+        before = linears.calls
+        ran = engine.run(PROMPTS[1], params).output_token_ids
+        assert linears.calls - before == 3 * 15  # its prefill and 2 decode forwards
+        assert engine.submit(PROMPTS[1], params).result().output_token_ids == ran
