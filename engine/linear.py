@@ -1,12 +1,13 @@
-"""Packed linears: on a CPU, the engine's steps run the model's `nn.Linear` layers through
-oneDNN on weights packed once into its blocked layout.
+"""Packed linears: on a CPU, the engine's model work (its steps, its synchronous paths,
+`Engine.on_loop`) runs the model's `nn.Linear` layers through oneDNN on weights packed once
+into its blocked layout.
 
 PyTorch's dense CPU linear computes a product of few rows (a decode step, a short prefill
 chunk) on one core, well under the memory bandwidth; oneDNN's kernel on a packed weight uses
 every core (docs/BENCHMARKS.md has the figures). The swap is per model object and per
-thread, like the attention dispatch (engine/runner.py): inside an engine step every plain
-`nn.Linear` runs packed; anywhere else (a reference forward, the per-request path, another
-library on the same model object) it is the model's own dense linear. The model's
+thread, like the attention dispatch (engine/runner.py): inside the engine's work every
+plain `nn.Linear` runs packed; anywhere else (a reference forward, another library on the
+same model object) it is the model's own dense linear. The model's
 parameters are never changed, so its fingerprint is not either. The packed copies take the
 linear weights' size once more in host memory (a tied output projection included);
 `LinearConfig(kernel="dense")` (`--linear-kernel dense`) keeps the dense kernels.
