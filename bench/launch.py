@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -40,15 +41,32 @@ def _port_free(port: int) -> bool:
         return True
 
 
+# Parallel test workers (pytest-xdist `gwN`) draw ports from a range of their own, below
+# the kernel's ephemeral range: a port one worker found free and has not bound yet is then
+# never handed to a server of another worker.
+WORKER_PORTS, WORKER_BASE_PORT = 2500, 10000
+
+
+def _candidate_port() -> int:
+    """A port to try: the kernel's pick, or under a test worker one of its own range."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if worker.startswith("gw") and worker[2:].isdigit() and int(worker[2:]) < 4:
+        first = WORKER_BASE_PORT + int(worker[2:]) * WORKER_PORTS
+        return random.randrange(first, first + WORKER_PORTS)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def free_port(cluster_bus: bool = False) -> int:
     """A free loopback port (and port + 10000 free too when `cluster_bus`)."""
     for _ in range(200):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = _candidate_port()
+        if not _port_free(port):
+            continue
         if not cluster_bus or (port + 10000 < 65536 and _port_free(port + 10000)):
             return port
-    raise RuntimeError("no free port pair found for a cluster node")
+    raise RuntimeError("no free port (pair, for a cluster node) found")
 
 
 class ServerProcess:

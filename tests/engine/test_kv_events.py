@@ -4,7 +4,6 @@ snapshots, gaps, restarts and silence."""
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable, Iterator
 
@@ -14,6 +13,7 @@ import pytest
 import torch
 import zmq
 
+from bench.launch import free_port
 from engine.kv_events import (
     EventsConfig,
     EventSubscriber,
@@ -93,12 +93,6 @@ def caught_up(sub: EventSubscriber, pub: ZmqEventPublisher, tee: Tee) -> Callabl
     wait_until(lambda: pub.published_events == len(tee.events) - len(tee.dropped))
     target = pub.last_seq
     return lambda: sub.synced and sub.last_seq >= target
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Replica:
