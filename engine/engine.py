@@ -79,7 +79,7 @@ class Engine:
         self.model = model
         self.cache_config = cache_config
         self.cache_generated = cache_generated
-        self.linear_kernel = (linear_config or LinearConfig()).resolve(model.model)
+        kernel = (linear_config or LinearConfig()).resolve(model.model)
         # the cache binds the config's codec and tenant salt into the namespace
         namespace = model.namespace(cache_config.block_size)
         window = shared_window(model.model.config)  # a window model's requests drop blocks
@@ -96,7 +96,7 @@ class Engine:
         started: Future = Future()
         threads = torch.get_num_threads()
         self._worker = threading.Thread(
-            target=self._main, args=(started, threads), name="kvstore-engine", daemon=True
+            target=self._main, args=(started, threads, kernel), name="kvstore-engine", daemon=True
         )
         self._calls.thread = self._worker
         self._worker.start()
@@ -108,14 +108,18 @@ class Engine:
         note = None if self.runner is None else self.runner.linear_note
         if note is not None:
             log.warning("model %s: %s; its linear layers run dense", model.name, note)
-        if self.runner is None or self.runner.linears is None:
-            self.linear_kernel = "dense"  # the per-request path runs the model's own layers
         if self.runner is None:
             log.warning(
                 "model %s: paged attention unavailable (%s); serving one request at a time",
                 model.name,
                 self.fallback_reason,
             )
+
+    @property
+    def linear_kernel(self) -> str:
+        """`onednn` when the engine's work runs packed linears (engine/linear.py), else
+        `dense` (asked, given way, or the per-request fallback: the model's own layers)."""
+        return "onednn" if self.runner is not None and self.runner.linears is not None else "dense"
 
     @property
     def mode(self) -> str:
@@ -245,14 +249,14 @@ class Engine:
         on_token: TokenCallback | None = None,
         tenant: str = "",
     ) -> GenerateResult:
-        """One request, synchronously, on the per-request path (validated token ids)."""
+        """One request, synchronously, on the per-request path (validated token ids), on the
+        loop thread and its linear kernels."""
 
         def run() -> GenerateResult:
-            kernels = self.runner.linear_step() if self.runner is not None else nullcontext()
-            with self._forward_lock, kernels:  # the steps' linear kernels, as all engine work
+            with self._forward_lock:
                 return self.sequential.run(token_ids, params, cache_salt, on_token, tenant)
 
-        return self._calls.call(run, self._refusal)
+        return self.on_loop(run)
 
     def prefill(self, token_ids: list[int], cache_salt: str = "") -> PrefillResult:
         """Lookup, load and prefill of the rest of validated token ids (the last token is always
@@ -315,11 +319,11 @@ class Engine:
     def _idle(self) -> bool:
         return self.scheduler.waiting.size == 0 and not self.scheduler.running
 
-    def _main(self, started: Future, threads: int) -> None:
+    def _main(self, started: Future, threads: int, kernel: str) -> None:
         """The loop thread: start the runner (`started` gets it, or the error), then loop."""
         try:
             torch.set_num_threads(threads)  # the creator's, not a new thread's default
-            started.set_result(start_paged(self.model, self.tables, self.linear_kernel))
+            started.set_result(start_paged(self.model, self.tables, kernel))
         except BaseException as e:
             started.set_exception(e)
             return
@@ -328,9 +332,7 @@ class Engine:
         finally:  # however the loop ends, no synchronous call is left waiting on it
             with self._cond:
                 self._closed = True
-                calls = self._calls.take()
-            for _, done in calls:
-                done.set_exception(EngineClosedError("the engine's loop has stopped"))
+                self._calls.close(EngineClosedError("the engine's loop has stopped"))
 
     def _loop(self) -> None:
         while True:

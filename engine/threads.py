@@ -21,21 +21,21 @@ T = TypeVar("T")
 
 def on_own_thread(function: Callable[..., T], *args: object) -> T:
     """`function(*args)` on a new thread, joined; its exception is raised here."""
-    box: list[tuple[bool, object]] = []
-
-    def run() -> None:
-        try:
-            box.append((True, function(*args)))
-        except BaseException as e:  # raised again in the caller's thread
-            box.append((False, e))
-
-    thread = threading.Thread(target=run, name="kvstore-load", daemon=True)
+    done: Future = Future()
+    thread = threading.Thread(
+        target=settle, args=(lambda: function(*args), done), name="kvstore-load", daemon=True
+    )
     thread.start()
     thread.join()
-    ok, value = box[0]
-    if not ok:
-        raise value  # type: ignore[misc]
-    return value  # type: ignore[return-value]
+    return done.result()
+
+
+def settle(function: Callable[[], object], done: Future) -> None:
+    """`done` gets what `function()` returns, or what it raises."""
+    try:
+        done.set_result(function())
+    except BaseException as e:  # the waiting thread's to handle
+        done.set_exception(e)
 
 
 class LoopCalls:
@@ -69,7 +69,10 @@ class LoopCalls:
     @staticmethod
     def run(calls: list[tuple[Callable[[], object], Future]]) -> None:
         for function, done in calls:
-            try:
-                done.set_result(function())
-            except BaseException as e:  # the caller's to handle
-                done.set_exception(e)
+            settle(function, done)
+
+    def close(self, error: BaseException) -> None:
+        """The loop is gone: every call still pending fails with `error` (the caller holds
+        the condition, and has made `refuse` refuse new ones)."""
+        for _, done in self.take():
+            done.set_exception(error)

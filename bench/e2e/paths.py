@@ -5,6 +5,7 @@ prefix handed over for free in memory, and kvstore."""
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -27,9 +28,8 @@ def run_nocache(engine, lm, prompts: list[list[int]], new_tokens: int, bar) -> R
     outputs, ttfts = [], []
     start = time.perf_counter()
     for ids in prompts:
-        output, ttft = engine.on_loop(
-            lambda ids=ids: generate_timed(lm, ids, new_tokens), step_kernels=False
-        )
+        timed = partial(generate_timed, lm, ids, new_tokens)
+        output, ttft = engine.on_loop(timed, step_kernels=False)
         outputs.append(output)
         ttfts.append(ttft)
         bar.update(1)
@@ -105,8 +105,7 @@ def run_free_prefix(engine, lm, prompts: list[list[int]], reusable: list[int], n
     no lookup, load or store."""
     total, outputs, ttfts = 0.0, [], []
     for ids, n in zip(prompts, reusable, strict=True):
-        run = lambda ids=ids, n=n: _free_prefix(lm, ids, n, new_tokens)  # noqa: E731
-        out, ttft, elapsed = engine.on_loop(run)
+        out, ttft, elapsed = engine.on_loop(partial(_free_prefix, lm, ids, n, new_tokens))
         total += elapsed
         ttfts.append(ttft)
         outputs.append(out)
