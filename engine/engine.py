@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from engine.linear import LinearConfig
-from engine.model import LoadedModel, shared_window
+from engine.model import LoadedModel, hybrid_window, shared_window
 from engine.paged import Row
 from engine.request import (
     EngineClosedError,
@@ -42,7 +42,7 @@ from engine.runner import start_paged
 from engine.scheduler import QueueStats, Scheduled, Scheduler, SchedulerConfig
 from engine.sequential import SequentialPath
 from engine.threads import LoopCalls
-from hashing import validate_salt
+from hashing import Namespace, validate_salt
 from kvstore.cache import PrefixCache
 from kvstore.config import CacheConfig
 from kvstore.events import EventSink
@@ -56,6 +56,19 @@ class PrefillResult(NamedTuple):
     logits: torch.Tensor  # [vocab] float32, last prompt position
     cached_tokens: int
     cached_by_tier: dict[str, int]
+
+
+def _cache_for(
+    model: LoadedModel, config: CacheConfig, namespace: Namespace, events: EventSink | None
+) -> PrefixCache:
+    """The model's cache: a window model's requests drop the blocks that leave their window,
+    a hybrid model's the window layers' part of them (docs/ARCHITECTURES.md)."""
+    hybrid = hybrid_window(model.model.config)
+    if hybrid is not None:
+        window, layers = hybrid
+        return PrefixCache(config, namespace, events=events, window=window, window_layers=layers)
+    window = shared_window(model.model.config)
+    return PrefixCache(config, namespace, events=events, window=window)
 
 
 class PoolExhaustedError(RuntimeError):
@@ -82,8 +95,7 @@ class Engine:
         kernel = (linear_config or LinearConfig()).resolve(model.model)
         # the cache binds the config's codec and tenant salt into the namespace
         namespace = model.namespace(cache_config.block_size)
-        window = shared_window(model.model.config)  # a window model's requests drop blocks
-        self.cache = PrefixCache(cache_config, namespace, events=events, window=window)
+        self.cache = _cache_for(model, cache_config, namespace, events)
         self.tables = BlockTables(self.cache)
         self.scheduler = Scheduler(scheduler_config or SchedulerConfig(), self.tables)
         self.sequential = SequentialPath(model, self.cache, cache_generated)
@@ -376,7 +388,10 @@ class Engine:
     def _table_row(self, blocks: SeqBlocks, start: int, num_new: int) -> Row:
         assert self.runner is not None
         table = blocks.readable_table(self.runner.scratch_block)
-        return Row(table, start, num_new, blocks.num_shared_blocks, blocks.num_dropped, blocks)
+        return Row(
+            table, start, num_new, blocks.num_shared_blocks, blocks.num_dropped, blocks,
+            blocks.num_window_dropped,
+        )  # fmt: skip
 
     def _started(self, request: Request) -> bool:
         """Mark a request's first step; False if its future was cancelled meanwhile."""

@@ -164,6 +164,17 @@ def shared_window(config: PretrainedConfig) -> int | None:
     return window
 
 
+def hybrid_window(config: PretrainedConfig) -> tuple[int, list[int]] | None:
+    """A hybrid model's sliding window (tokens) and its window layers' indices, when some
+    layers attend through the window and others to the whole prefix; None otherwise."""
+    cfg = _text_config(config)
+    window, layer_types = getattr(cfg, "sliding_window", None), getattr(cfg, "layer_types", None)
+    if not layer_types or not isinstance(window, int) or window < 1:
+        return None
+    layers = [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
+    return (window, layers) if 0 < len(layers) < len(layer_types) else None
+
+
 def check_supported(config: PretrainedConfig) -> None:
     """Raise `UnsupportedModelError` unless every layer is full or sliding-window attention
     with equal K/V dims."""

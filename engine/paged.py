@@ -46,6 +46,7 @@ class Row:
     num_shared_blocks: int = 0  # leading blocks entered by reference: never written
     num_dropped: int = 0  # leading blocks a window model's request let go (never read)
     seq: object | None = field(default=None, compare=False)  # the request's identity, if any
+    num_window_dropped: int = 0  # a hybrid model's: leading blocks without window parts
 
     @property
     def end(self) -> int:
@@ -90,6 +91,25 @@ class StepBatch:
     reads: dict[tuple, _Reads] = field(default_factory=dict)  # per (row group, window), lazily
     max_window: int | None = None  # the widest window every row still holds (None: any)
     mirror: DecodeMirror | None = None  # the one decode row's contiguous K/V (decode_mirror.py)
+    # a hybrid model's window plane: block id -> slot ([num_blocks] long), the widest window
+    # its rows' window parts still cover
+    slot_map: torch.Tensor | None = None
+    max_plane_window: int | None = None
+    _plane_writes: torch.Tensor | None = None
+
+    def plane_writes(self) -> torch.Tensor:
+        """The window-plane slot each new token's K/V goes to."""
+        if self._plane_writes is None:
+            self._plane_writes = self.slot_map[self.write_blocks]  # type: ignore[index]
+        return self._plane_writes
+
+    def plane_reads(self, reads: _Reads, key: tuple) -> _Reads:
+        """`reads` through the slot map (a window-plane layer's)."""
+        key = ("plane", *key)
+        if key not in self.reads:
+            tables = self.slot_map[reads.tables]  # type: ignore[index]
+            self.reads[key] = _Reads(tables, reads.context, reads.mask)
+        return self.reads[key]
 
     def prefill_reads(self, i: int, window: int | None) -> _Reads:
         """Prefill row i's blocks and mask under `window` (None: every earlier position)."""
@@ -138,8 +158,11 @@ def build_step(
     )  # fmt: skip
     if decode_rows:
         _add_decode(batch, decode_rows, block_size, scratch_block, device)
-    held = [row.start + 1 - row.num_dropped * block_size for row in rows if row.num_dropped]
+    bs = block_size
+    held = [row.start + 1 - row.num_dropped * bs for row in rows if row.num_dropped]
     batch.max_window = min(held) if held else None
+    held = [row.start + 1 - row.num_window_dropped * bs for row in rows if row.num_window_dropped]
+    batch.max_plane_window = min(held) if held else None
     return batch
 
 
@@ -318,8 +341,14 @@ class PagedAttention:
 
     UNSUPPORTED_KWARGS = ("position_bias",)
 
-    def __init__(self, kv: torch.Tensor, layer_of: Callable[[torch.nn.Module], int]):
-        self.kv = kv  # [num_blocks, layers, 2, kv_heads, block_size, head_dim]
+    def __init__(
+        self,
+        layers: Sequence[tuple[torch.Tensor, bool]],
+        layer_of: Callable[[torch.nn.Module], int],
+    ):
+        # per layer: [num_blocks (or window slots), 2, kv_heads, block_size, head_dim], and
+        # whether it is in a hybrid pool's window plane (`BlockPool.layer_views`)
+        self.layers = layers
         self.layer_of = layer_of
         self.batch: StepBatch | None = None
         self.calls = 0  # attention calls served: the self-test checks every layer came here
@@ -335,11 +364,12 @@ class PagedAttention:
         dropout: float = 0.0,
         **kwargs: object,
     ) -> tuple[torch.Tensor, None]:
-        batch, window, extras = self._check(query, kwargs)
         layer_idx = self.layer_of(module)
-        layer = self.kv[:, layer_idx]  # [num_blocks, 2, Hkv, bs, D]
+        layer, plane = self.layers[layer_idx]  # [num_blocks or slots, 2, Hkv, bs, D]
+        batch, window, extras = self._check(query, kwargs, plane)
         new = torch.stack((key[0], value[0]), dim=0).permute(2, 0, 1, 3)  # [T, 2, Hkv, D]
-        layer[batch.write_blocks, :, :, batch.write_offsets] = new.to(layer.dtype)
+        writes = batch.plane_writes() if plane else batch.write_blocks
+        layer[writes, :, :, batch.write_offsets] = new.to(layer.dtype)
         if batch.mirror is not None:  # one decode row: its K/V is also kept contiguous
             seen = batch.mirror.write(layer_idx, batch.decode_rows[0].start, new[0])
             if window is None and extras.plain:
@@ -351,6 +381,8 @@ class PagedAttention:
                 out[0, batch.decode_index] = _decode_attention(q, layer, batch, scaling)
             else:
                 reads = batch.decode_reads(window)
+                if plane:
+                    reads = batch.plane_reads(reads, ("decode", window))
                 o = self._attend_reads(q.unsqueeze(2), layer, reads, scaling, extras)
                 out[0, batch.decode_index] = o.squeeze(2)
         for i, row in enumerate(batch.prefills):
@@ -359,6 +391,8 @@ class PagedAttention:
                 reads = _Reads(row.table, row.context, row.mask)
             else:
                 reads = batch.prefill_reads(i, window)
+            if plane:
+                reads = batch.plane_reads(reads, ("prefill", i, window))
             o = self._attend_reads(q, layer, reads, scaling, extras)
             out[:, row.offset : row.offset + row.num_new] = o.transpose(1, 2)
         return out, None
@@ -379,8 +413,11 @@ class PagedAttention:
             return attend_eager(q, k, v, reads.mask, scale, extras)
         return _attend(q, k, v, _sdpa_mask(reads.mask, q.dtype), scale)
 
-    def _check(self, query: torch.Tensor, kwargs: dict) -> tuple[StepBatch, int | None, Extras]:
-        """The step's batch, the layer's window (None: full) and what else it asks."""
+    def _check(
+        self, query: torch.Tensor, kwargs: dict, plane: bool
+    ) -> tuple[StepBatch, int | None, Extras]:
+        """The step's batch, the layer's window (None: full) and what else it asks; `plane`:
+        the layer's K/V is in a hybrid pool's window plane."""
         batch = self.batch
         if batch is None:
             raise PagedAttentionError("paged attention called outside a runner step")
@@ -394,10 +431,16 @@ class PagedAttention:
             window = None  # how some models spell "no window"
         if window is not None and (not isinstance(window, int) or window < 1):
             raise PagedAttentionError(f"sliding_window {window!r} is not a positive int")
-        if batch.max_window is not None and (window is None or window > batch.max_window):
+        if plane and (window is None or batch.slot_map is None):
+            raise PagedAttentionError(
+                "a layer whose K/V is in the window plane attends every key, or the step "
+                "has no slot map (the cache's window layers are not the model's)"
+            )
+        held = batch.max_plane_window if plane else batch.max_window
+        if held is not None and (window is None or window > held):
             raise PagedAttentionError(
                 f"a layer attends {window or 'every'} keys back, past blocks a request "
-                f"dropped after they left the model's sliding window ({batch.max_window})"
+                f"dropped after they left the model's sliding window ({held})"
             )
         sinks = kwargs.get("s_aux", kwargs.get("sinks"))
         self.calls += 1

@@ -30,6 +30,7 @@ from engine.linear import install_linears, uninstall_linears
 from engine.model import LoadedModel, has_window, with_cache
 from engine.paged import PagedAttention, PagedAttentionError, Row, StepBatch, build_step
 from engine.step_cache import StepCache, alibi_of, step_keys
+from kvstore.pool import BlockPool
 from kvstore.sequences import BlockTables
 
 log = logging.getLogger("kvstore.engine")
@@ -131,13 +132,14 @@ class PagedRunner:
     how = "attention interface"
 
     def __init__(
-        self, model: LoadedModel, kv: torch.Tensor, scratch_block: int, kernel: str = "dense"
+        self, model: LoadedModel, pool: BlockPool, scratch_block: int, kernel: str = "dense"
     ):
         """`kernel`: the linear layers' kernel in a step, `onednn` or `dense`
         (engine/linear.py)."""
         self.model = model
-        self.kv = kv  # [num_blocks, layers, 2, kv_heads, block_size, head_dim]
-        self.block_size = kv.shape[4]
+        self.pool = pool
+        self.kv = pool.kv  # [num_blocks, layers, 2, kv_heads, block_size, head_dim]
+        self.block_size = pool.block_size
         self.scratch_block = scratch_block
         self.calls = 0  # layer calls that went through the pool: the self-test counts them
         self.closed = False
@@ -167,7 +169,7 @@ class PagedRunner:
             uninstall_linears(self.model.model)
 
     def _open(self) -> None:
-        self.attention = PagedAttention(self.kv, _layer_of)
+        self.attention = PagedAttention(self.pool.layer_views(), _layer_of)
         self.dispatch = install_dispatch(self.model.model)
         # window layers read the pool (their blocks may be dropped): no mirror for them
         self.mirror = None if has_window(self.model.model.config) else DecodeMirror(self.kv)
@@ -194,6 +196,8 @@ class PagedRunner:
         inputs = {"input_ids": ids.unsqueeze(0), "position_ids": positions.unsqueeze(0), **extra}
         with torch.inference_mode():
             batch = build_step(rows, self.block_size, self.scratch_block, device)
+            if self.pool.window is not None:  # a hybrid model: its window layers' slots
+                batch.slot_map = self.pool.window.slot_map(self.scratch_block)
             batch.mirror = None if self.mirror is None else self.mirror.for_step(rows)
             try:
                 with self.linear_step():
@@ -224,7 +228,8 @@ class StepCacheRunner(PagedRunner):
     def _open(self) -> None:
         self.mirror = None  # attention here is the model's own code: nothing writes one
         config = self.model.model.config
-        if has_window(config):  # the 4D mask given would replace the model's window masks
+        if has_window(config) or self.pool.window is not None:  # the 4D mask given would
+            # replace the model's window masks
             raise PagedAttentionError("sliding-window models need the attention interface")
         self.alibi = alibi_of(self.model.model.base_model)
 
@@ -267,7 +272,7 @@ def start_paged(
     reasons = []
     try:
         for kind in (PagedRunner, StepCacheRunner):
-            runner, why = _try(kind, model, pool.kv, scratch[0], ids, kernel)
+            runner, why = _try(kind, model, pool, scratch[0], ids, kernel)
             if runner is not None:
                 return runner, None
             reasons.append(f"{kind.how}: {why}")
@@ -280,13 +285,13 @@ def start_paged(
 def _try(
     kind: type[PagedRunner],
     model: LoadedModel,
-    kv: torch.Tensor,
+    pool: BlockPool,
     scratch: int,
     ids: list[int],
     kernel: str,
 ) -> tuple[PagedRunner | None, str | None]:
     try:
-        runner = kind(model, kv, scratch, kernel)
+        runner = kind(model, pool, scratch, kernel)
     except PagedAttentionError as e:
         return None, str(e)
     why = self_test(runner, ids) if len(ids) == SELF_TEST_BLOCKS else "the pool is full"
@@ -321,7 +326,7 @@ def self_test(runner: PagedRunner, block_ids: list[int]) -> str | None:
     finally:
         if runner.mirror is not None:
             runner.mirror.invalidate()
-    calls, layers = runner.calls, runner.kv.shape[1]
+    calls, layers = runner.calls, runner.pool.layout.num_layers
     if calls != 3 * layers:  # attention computed elsewhere would never read the pool
         return f"{calls} of {3 * layers} attention calls reached the pool"
     got = [first[0], first[1], second[0], second[1], third[0]]

@@ -319,7 +319,8 @@ class Scheduler:
         state = Running(blocks, min(blocks.num_cached_tokens, len(tokens) - 1))
         num_new = min(len(tokens) - state.num_computed, budget)
         room = self.tables.num_available() >= need - len(blocks.block_table)
-        if not (room or not self.running) or not self.tables.grow(blocks, len(tokens)):
+        first = state.num_computed + num_new  # the positions its first step computes
+        if not (room or not self.running) or not self.tables.grow(blocks, len(tokens), first):
             self.tables.close(blocks)  # not now: it stays at the head of its queue
             return None
         if not self.waiting.take(request):  # cancelled or displaced while it was looked up

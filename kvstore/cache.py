@@ -21,6 +21,7 @@ import torch
 from hashing import BlockHash, Namespace, as_token_array
 from kvstore.config import CacheConfig
 from kvstore.events import BlockStored, EventSink
+from kvstore.hybrid import IndexWindows
 from kvstore.index import MatchResult, RadixIndex, TreeNode
 from kvstore.layout import LayerKV
 from kvstore.metrics import DEVICE_TIER, CacheMetrics
@@ -50,6 +51,7 @@ class CacheHit:
     node: TreeNode | None = None
     keys: list[BlockHash] = field(default_factory=list)  # lookup keys of the prompt's blocks
     released: bool = False
+    window_from: int = 0  # a hybrid model's hit holds window parts of block_ids[window_from:]
 
 
 class Commit(NamedTuple):
@@ -70,6 +72,7 @@ class PrefixCache:
         stores: Sequence[SpillStore] | None = None,
         events: EventSink | None = None,
         window: int | None = None,
+        window_layers: Sequence[int] | None = None,
     ):
         """`stores` overrides the spill tiers the config names (fastest first); `events` gets
         the device index's block events (kvstore/events.py), under the cache's lock.
@@ -77,11 +80,18 @@ class PrefixCache:
         `window`: the sliding window (in tokens) of every attention layer of the model, None
         when some layer attends to the whole prefix. A window cache lets a running request
         drop the blocks that slid out of its window (`punch`), and a hit needs only the
-        window's blocks before the hit point (docs/ARCHITECTURES.md)."""
+        window's blocks before the hit point (docs/ARCHITECTURES.md).
+
+        `window_layers`: with `window`, the layers that attend through it when others attend
+        to the whole prefix (a hybrid model). Their K/V go to a window plane of their own
+        (`window_share` slots per block), and what slides out of a request's window lets go
+        of that part only (kvstore/hybrid.py)."""
         if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
             raise TypeError(f"window must be an int or None, got {window!r}")
         if window is not None and window < 1:
             raise ValueError(f"window must be >= 1 token, got {window}")
+        if window_layers and window is None:
+            raise ValueError("window_layers needs the window they attend through")
         namespace = config.bind(namespace)
         self.config = config
         self.namespace = namespace
@@ -91,12 +101,14 @@ class PrefixCache:
         # last token (a whole-prompt hit re-runs it), sees keys back to point - window
         self.window_blocks = None if window is None else -(-window // config.block_size)
         self.punch_align = 1  # a window cache drops whole tier chunks (set with the tiers)
-        self.pool = BlockPool.from_config(config, namespace)
+        self.pool = BlockPool.from_config(config, namespace, window_layers or ())
         self.index = RadixIndex(
             config.block_size,
             make_policy(config.eviction_policy, self.pool.num_blocks),
             events,
         )
+        # a hybrid model's cache: which cached blocks let go of their window part
+        self.windows = None if self.pool.window is None else IndexWindows(self.pool, self.index)
         self.metrics = CacheMetrics()
         if stores is None and config.has_tiers:
             stores = make_stores(config, namespace)
@@ -136,16 +148,18 @@ class PrefixCache:
         with self._lock:
             match = self.index.match_prefix(keys, tokens)
             self.index.lock(match.last_node)
-            self._take(match.block_ids)
+            windows = self._take(match.block_ids)
         num_device = match.num_blocks * self.block_size
         tier_tokens = {DEVICE_TIER: num_device} if num_device else {}
         hit = CacheHit(len(tokens), num_device, match.block_ids, tier_tokens, match.last_node, keys)
         if self.tiers:
-            self.tiers.on_hit(scope, keys, tokens, hit.block_ids)
-            start = self._promote_from(hit.block_ids)
+            self.tiers.on_hit(scope, keys, tokens, self._readable(hit.block_ids, windows))
+            start = self._promote_from(hit.block_ids, windows)
             if start < len(keys):
-                self._promote(scope, hit, tokens, tenant, start)
-        if self.window_blocks is not None:
+                windows = self._promote(scope, hit, tokens, tenant, start, windows)
+        if self.windows is not None:
+            self._cut_hybrid(hit, windows)
+        elif self.window_blocks is not None:
             cut = cut_to_window(hit.block_ids, hit.tier_tokens, self.window_blocks, self.block_size)
             hit.block_ids, hit.tier_tokens = cut.block_ids, cut.tier_tokens
             hit.num_cached_tokens = cut.num_tokens
@@ -162,32 +176,69 @@ class PrefixCache:
         keys = self.scopes.get(cache_salt).hasher.hash_blocks(tokens[:usable])
         with self._lock:
             ids = self.index.peek_prefix(keys, tokens).block_ids
+            if self.windows is not None:
+                return self.windows.hit_point(ids, self.window_blocks) * self.block_size
         if self.window_blocks is not None:
             return window_prefix(ids, self.window_blocks) * self.block_size
         return len(ids) * self.block_size
 
-    def _promote_from(self, block_ids: list[int | None]) -> int:
+    def _cut_hybrid(self, hit: CacheHit, windows: list[int]) -> None:
+        """A hybrid model's hit cut to its longest usable prefix (kvstore/hybrid.py): it
+        keeps the window parts of its last window's blocks (of `windows`, those it took)
+        and lets go of the others, and of the blocks after."""
+        with self._lock:
+            point = self.windows.hit_point(hit.block_ids, self.window_blocks, windows)
+            first = max(0, point - self.window_blocks)
+            keep = set(hit.block_ids[first:point])
+            self._give_back(hit.block_ids[point:], [b for b in windows if b not in keep])
+            self.windows.touch(hit.block_ids[first:point])
+        bs = self.block_size
+        cut = cut_to_window(hit.block_ids[:point], hit.tier_tokens, point, bs)
+        hit.block_ids, hit.window_from = hit.block_ids[:point], first
+        hit.num_cached_tokens, hit.tier_tokens = point * bs, cut.tier_tokens
+
+    def _promote_from(self, block_ids: list[int | None], windows: list[int]) -> int:
         """Where a promotion starts: past the device match, or, when holes in the window
-        before that match leave a window cache a shorter hit, at that window (tier blocks
-        fill the holes)."""
+        before that match leave a window cache a shorter hit (a hybrid cache: window parts
+        missing, its hit holds `windows`), at that window (tier blocks fill the holes)."""
         n, window = len(block_ids), self.window_blocks
-        if window is None or window_prefix(block_ids, window) == n:
+        if window is None:
             return n
-        return max(0, n - window)
+        if self.windows is not None:
+            point = self.windows.hit_point(block_ids, window, windows)  # type: ignore[arg-type]
+        else:
+            point = window_prefix(block_ids, window)
+        return n if point == n else max(0, n - window)
+
+    def _readable(self, block_ids: list[int | None], windows: list[int]) -> list[int | None]:
+        """A hit's blocks a tier write may read: on a hybrid cache, those whose window parts
+        the hit holds (None for the others: the write skips their chunks)."""
+        if self.windows is None:
+            return block_ids
+        held = set(windows)
+        return [b if b in held else None for b in block_ids]
 
     def _promote(
-        self, scope: Scope, hit: CacheHit, tokens: np.ndarray, tenant: str, start: int
-    ) -> None:
+        self,
+        scope: Scope,
+        hit: CacheHit,
+        tokens: np.ndarray,
+        tenant: str,
+        start: int,
+        windows: list[int],
+    ) -> list[int]:
         """Copy verified tier blocks from block `start` on into fresh pool blocks, index them,
-        move the hit's lock."""
+        move the hit's lock (and its `windows`: returns those it holds now)."""
         new_ids: list[int] = []
+        staged: list[torch.Tensor | memoryview] = []  # a hybrid pool's: written after
 
         def allocate(n: int) -> list[torch.Tensor | memoryview]:
             with self._lock:
                 n = min(n, self.tenants.quota_left(tenant) - len(new_ids))
                 ids = self._allocate(n) if n > 0 else []
             new_ids.extend(ids)
-            return self.pool.destinations(ids)
+            staged.extend(self.pool.destinations(ids))
+            return staged[len(staged) - len(ids) :]
 
         num_device = len(hit.block_ids)
         try:
@@ -196,21 +247,25 @@ class PrefixCache:
             self.free(new_ids)
             raise
         got = sum(segment.num_blocks for segment in segments)
+        if self.windows is not None and got:
+            self.pool.write_blocks(new_ids[:got], staged[:got])
         with self._lock:
             self.pool.free(new_ids[got:])  # allocated for blocks that did not verify
             ids = hit.block_ids[:start] + new_ids[:got]
             self._insert(hit.keys[: start + got], tokens, ids, start, scope.cache_salt, tenant)
             self.pool.free(new_ids[:got])  # the index holds them now
             match = self._relock(hit.keys[: max(start + got, num_device)], tokens, hit.node)
-            self._take(match.block_ids)
-            self._give_back(hit.block_ids)
+            taken = self._take(match.block_ids)
+            self._give_back(hit.block_ids, windows)
         hit.node, hit.block_ids = match.last_node, match.block_ids
         hit.num_cached_tokens = match.num_blocks * self.block_size
         promoted = {seg.tier: seg.num_blocks * self.block_size for seg in segments}
         device = hit.num_cached_tokens - sum(promoted.values())
         hit.tier_tokens = ({DEVICE_TIER: device} if device > 0 else {}) | promoted
-        self.tiers.on_promote(scope, segments, hit.keys, tokens, start, hit.block_ids)
+        readable = self._readable(hit.block_ids, taken)
+        self.tiers.on_promote(scope, segments, hit.keys, tokens, start, readable)
         self.metrics.inc("promoted_blocks_total", got)
+        return taken
 
     def load(self, hit: CacheHit) -> KVPrefix:
         """Per-layer K/V of the hit, gathered from the device pool into contiguous tensors."""
@@ -218,8 +273,9 @@ class PrefixCache:
             raise ValueError("load() of a released CacheHit")
         if not hit.block_ids:
             return KVPrefix(0, [])
-        if None not in hit.block_ids:
-            return KVPrefix(hit.num_cached_tokens, self.pool.gather(hit.block_ids))
+        if None not in hit.block_ids:  # (a hybrid hit: zeros where no window layer looks)
+            layers = self.pool.gather(hit.block_ids, hit.window_from)
+            return KVPrefix(hit.num_cached_tokens, layers)
         return KVPrefix(hit.num_cached_tokens, gather_window(self.pool, hit.block_ids))
 
     def release(self, hit: CacheHit) -> None:
@@ -228,7 +284,7 @@ class PrefixCache:
             if not hit.released:
                 if hit.node is not None:
                     self.index.unlock(hit.node)
-                self._give_back(hit.block_ids)
+                self._give_back(hit.block_ids, hit.block_ids[hit.window_from :])
             hit.released = True
 
     def store(
@@ -280,27 +336,47 @@ class PrefixCache:
                 raise ValueError("hold() of a released CacheHit")
             hit.released = True
 
-    def allocate(self, n: int, all_or_none: bool = False) -> list[int]:
+    def allocate(self, n: int, all_or_none: bool = False, window: bool = True) -> list[int]:
         """Up to n fresh blocks owned by the caller (evicting unlocked cached blocks as
-        needed); with `all_or_none`, n blocks or none."""
+        needed); with `all_or_none`, n blocks or none. On a hybrid model's pool, `window`
+        gives each its window part too; without, the caller adds them (`assign_windows`)."""
         with self._lock:
             if all_or_none and self.num_available() < n:
                 return []
-            ids = self._allocate(n)
+            ids = self._allocate(n, window)
             if all_or_none and len(ids) < n:
-                self.pool.free(ids)
+                self.pool.free(ids, window=window)
                 return []
             return ids
 
+    def assign_windows(self, block_ids: Sequence[int]) -> bool:
+        """Give the caller's blocks (allocated without) their window parts, all or none:
+        free slots, then slots only the index holds (a hybrid model's pool)."""
+        with self._lock:
+            if self.windows is None or not block_ids:
+                return True
+            if self._window_room(len(block_ids)) < len(block_ids):
+                return False
+            self.pool.assign_window(block_ids)
+            return True
+
     def num_available(self) -> int:
-        """Blocks a caller could get now: free, or cached and unlocked (evictable)."""
+        """Blocks a caller could get now: free, or cached and unlocked (evictable). (A hybrid
+        model's window slots are asked for apart: `assign_windows`.)"""
         with self._lock:
             return self.pool.num_free_blocks + self.index.num_evictable_blocks + len(self.tails)
 
-    def free(self, block_ids: Sequence[int]) -> None:
-        """Drop the caller's reference to each block."""
+    def free(self, block_ids: Sequence[int], window: bool = True) -> None:
+        """Drop the caller's reference to each block (on a hybrid model's pool, with its
+        window part unless not `window`)."""
         with self._lock:
-            self.pool.free(block_ids)
+            self.pool.free(block_ids, window=window)
+
+    def drop_window(self, block_ids: Sequence[int]) -> None:
+        """The caller keeps each block but lets go of its window part (a hybrid model's
+        request whose window slid past them)."""
+        with self._lock:
+            self.pool.drop_window(block_ids)
 
     def commit(
         self,
@@ -329,12 +405,15 @@ class PrefixCache:
         self.metrics.inc("stored_blocks_total", kept)
         return Commit(match.last_node, n, kept)
 
-    def drop(self, node: TreeNode | None, block_ids: Sequence[int]) -> None:
-        """Unlock `node` (if any) and drop the caller's reference to each block."""
+    def drop(
+        self, node: TreeNode | None, block_ids: Sequence[int], windows: Sequence[int] | None = None
+    ) -> None:
+        """Unlock `node` (if any) and drop the caller's reference to each block; a hybrid
+        model's caller holds the window parts of `windows` only (None: of every block)."""
         with self._lock:
             if node is not None:
                 self.index.unlock(node)
-            self.pool.free(block_ids)
+            self._give_back(block_ids, block_ids if windows is None else windows)
 
     def punch(self, node: TreeNode, lo: int, hi: int) -> int:
         """A window cache's running request at `node` slid past blocks [lo, hi) of its path:
@@ -342,12 +421,11 @@ class PrefixCache:
         Returns the number of blocks freed."""
         if self.window_blocks is None:
             raise ValueError("punch() needs a cache built with a window")
+        if self.windows is not None:
+            return self._punch_windows(node, lo, hi)
         with self._lock:
             if self.tiers and self.tiers.writes_evicted:
-                keys, ids = self.index.path_keys(node), self.index.path_block_ids(node)
-                tokens = self.index.path_token_ids(node)
-                cache_salt, _ = self.tenants.path(self._first_key(node))
-                self.tiers.on_evict(self.scopes.get(cache_salt), keys[:hi], tokens, lo, ids[:hi])
+                self._write_back_path(node, lo, hi)
             freed = self.index.punch(node, lo, hi, self.window_blocks, self.punch_align)
             if freed:
                 _, tenant = self.tenants.path(self._first_key(node))
@@ -355,6 +433,22 @@ class PrefixCache:
                 self.pool.free(freed)
         self.metrics.inc("windowed_out_blocks_total", len(freed))
         return len(freed)
+
+    def _punch_windows(self, node: TreeNode, lo: int, hi: int) -> int:
+        """`punch` for a hybrid model: the index lets go of the window parts only (their
+        full parts stay cached; every tier wrote them whole when they were committed)."""
+        with self._lock:
+            ids = self.index.punchable(node, lo, hi, self.window_blocks, self.punch_align)
+            ids = self.windows.punch(ids)
+        self.metrics.inc("windowed_out_blocks_total", len(ids))
+        return len(ids)
+
+    def _write_back_path(self, node: TreeNode, lo: int, hi: int) -> None:
+        """Write-back tiers get blocks [lo, hi) of `node`'s path, before they lose a part."""
+        keys, ids = self.index.path_keys(node), self.index.path_block_ids(node)
+        tokens = self.index.path_token_ids(node)
+        cache_salt, _ = self.tenants.path(self._first_key(node))
+        self.tiers.on_evict(self.scopes.get(cache_salt), keys[:hi], tokens, lo, ids[:hi])
 
     # --- internals (the caller holds the lock) ---------------------------------------------
 
@@ -371,24 +465,50 @@ class PrefixCache:
         reference: the index takes one more). Returns the ids the index did not keep (the
         keys were cached already: the caller's copy stays private)."""
         new = list(block_ids[start:])
-        self.pool.incref(new)
+        self._index_take(new)
         self.tenants.track(keys, cache_salt, tenant, self.index.root.children)
         new_set, filled = set(new), []
         unkept = [b for b in self.index.insert(keys, tokens, block_ids, filled) if b in new_set]
         fills = [b for b in filled if b not in new_set]  # holes before start (window caches)
         self.pool.incref(fills)  # the index's reference; the caller keeps its own
-        self.pool.free(unkept)
+        self._index_free(unkept)
+        if unkept and self.windows is not None:  # cached blocks that lost their window part
+            cached = self.index.peek_prefix(keys, tokens).block_ids[start:]
+            self.windows.fill(cached, new[: len(cached)])
         self.tenants.blocks[tenant] += len(new) - len(unkept) + len(fills)
         return unkept
 
-    def _take(self, block_ids: Sequence[int | None]) -> None:
-        """A hit takes a reference to each of its blocks (the lock keeps them in the index;
-        a window cache's punch by another request could still free them)."""
-        self.pool.incref([b for b in block_ids if b is not None])
+    def _index_take(self, block_ids: Sequence[int]) -> None:
+        """The index's reference to each block (a hybrid model's: with the window part if
+        the block still has it)."""
+        if self.windows is None:
+            self.pool.incref(block_ids)
+        else:
+            self.windows.take(block_ids)
 
-    def _give_back(self, block_ids: Sequence[int | None]) -> None:
-        """Undo `_take`."""
-        self.pool.free([b for b in block_ids if b is not None])
+    def _index_free(self, block_ids: Sequence[int]) -> None:
+        """Undo `_index_take` (evicted blocks, or duplicates the index did not keep)."""
+        if self.windows is None:
+            self.pool.free(block_ids)
+        else:
+            self.windows.free(block_ids)
+
+    def _take(self, block_ids: Sequence[int | None]) -> list[int]:
+        """A hit takes a reference to each of its blocks (the lock keeps them in the index;
+        a window cache's punch by another request could still free them), and on a hybrid
+        model's pool the window parts of those that have one: returns those."""
+        ids = [b for b in block_ids if b is not None]
+        self.pool.incref(ids, window=False)
+        if self.windows is None or not ids:
+            return []
+        held = [b for b, h in zip(ids, self.pool.window.held(ids), strict=True) if h]
+        self.pool.window.take(held)
+        return held
+
+    def _give_back(self, block_ids: Sequence[int | None], windows: Sequence[int] = ()) -> None:
+        """Undo `_take` (`windows`: the window parts the hit holds)."""
+        self.pool.drop_window(windows)
+        self.pool.free([b for b in block_ids if b is not None], window=False)
 
     def _relock(
         self, keys: list[BlockHash], tokens: np.ndarray, node: TreeNode | None
@@ -400,23 +520,33 @@ class PrefixCache:
             self.index.unlock(node)
         return match
 
-    def _allocate(self, n: int) -> list[int]:
-        """Up to n free blocks, evicting unlocked leaves as needed."""
+    def _allocate(self, n: int, window: bool = True) -> list[int]:
+        """Up to n free blocks, evicting unlocked leaves as needed (on a hybrid model's pool
+        with `window`, as many as there are window slots for: `_window_room`)."""
+        if window and self.windows is not None:
+            n = min(n, self._window_room(n))
         short = n - self.pool.num_free_blocks
         if short > 0:
             short -= len(self._evict(short))
         if short > 0:  # tails go last: few, each where some conversation's next turn starts
             self.tails.release(short)
         try:
-            return self.pool.allocate(n)
+            return self.pool.allocate(n, window)
         except PoolExhausted:
-            return self.pool.allocate(self.pool.num_free_blocks)
+            return self.pool.allocate(min(n, self.pool.num_free_blocks), window)
+
+    def _window_room(self, n: int) -> int:
+        """Free window slots, after taking back up to what n needs from those only the
+        index holds (least recently hit first)."""
+        if n > self.pool.window.num_free:
+            self.windows.reclaim(n - self.pool.window.num_free)
+        return self.pool.window.num_free
 
     def _evict(self, n: int) -> list[int]:
         """Evict up to n unlocked blocks and free them."""
         if n > 0:
             evicted = self.index.evict(n, self._on_evict)
-            self.pool.free(evicted)
+            self._index_free(evicted)
             self.metrics.inc("evicted_blocks_total", len(evicted))
             return evicted
         return []
@@ -458,14 +588,13 @@ class PrefixCache:
         if hit.released:
             raise ValueError("load_into() of a released CacheHit")
         n = len(hit.block_ids)
-        if None in hit.block_ids:
+        if None in hit.block_ids or self.windows is not None:
             raise ValueError("load_into() of a sliding-window hit: copy its blocks with load()")
         if len(block_table) < n:
             raise ValueError(f"block_table has {len(block_table)} entries, the hit needs {n}")
-        if dst.shape[1:] != self.pool.kv.shape[1:] or dst.dtype != self.pool.dtype:
-            raise ValueError(
-                f"dst must be [N, {', '.join(map(str, self.pool.kv.shape[1:]))}] {self.pool.dtype}"
-            )
+        shape = self.pool.layout.block_shape
+        if dst.shape[1:] != shape or dst.dtype != self.pool.dtype:
+            raise ValueError(f"dst must be [N, {', '.join(map(str, shape))}] {self.pool.dtype}")
         table = torch.as_tensor(list(block_table[:n]), dtype=torch.long, device=dst.device)
         dst.index_copy_(0, table, self.pool.read_blocks(hit.block_ids).to(dst.device))
         return n * self.block_size
@@ -483,6 +612,8 @@ class PrefixCache:
             held = int(np.count_nonzero(self.pool.ref_cnt)) - len(cached)
             if len(free) + len(cached) + held != self.pool.num_blocks or held < 0:
                 raise AssertionError("free + cached + held != total blocks")
+            if self.windows is not None:
+                self.windows.check(cached)
 
     def stats(self) -> dict:
         with self._lock:
@@ -493,6 +624,9 @@ class PrefixCache:
                 "blocks_evictable": self.index.num_evictable_blocks,
                 "blocks_tails": len(self.tails),
             }
+            if self.pool.window is not None:
+                device["window_slots_total"] = self.pool.window.num_slots
+                device["window_slots_free"] = self.pool.window.num_free
         tiers = self.tiers.stats() if self.tiers else {}
         return {
             "namespace": self.namespace.id,

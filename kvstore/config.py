@@ -51,6 +51,7 @@ class CacheConfig:
     key_bytes: int = 16  # test hook: < 16 truncates lookup keys to force collisions
     tenant_quota_blocks: int | None = None  # most device blocks one owner (tenant) may hold
     tail_blocks: int | None = None  # partial last blocks kept for the next turn; None: auto
+    window_share: float = 0.5  # a hybrid model's window-layer slots per pool block, in (0, 1]
     # --- spill tiers (all off by default) ---
     memory_cache_gb: float = 0.0  # host-RAM tier; 0 = off
     lmdb_dir: str | None = None
@@ -128,6 +129,9 @@ class CacheConfig:
         ):
             message = f"must be an int >= 0 or None, got {self.tail_blocks!r}"
             raise ConfigError("tail_blocks", message)
+        share = self.window_share
+        if isinstance(share, bool) or not isinstance(share, int | float) or not 0 < share <= 1:
+            raise ConfigError("window_share", f"must be a number in (0, 1], got {share!r}")
         if self.redis_ttl_s is not None and self.redis_ttl_s < 1:
             raise ConfigError("redis_ttl_s", "must be >= 1 second or None")
         _positive("write_queue_blocks", self.write_queue_blocks, allow_none=False)

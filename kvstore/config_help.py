@@ -45,6 +45,10 @@ FIELD_HELP = {
     "tail_blocks": "partial last blocks of finished requests kept on the device, so the next "
     "turn of a chat reuses the tokens past its last full block; unset: up to 64 (1/16 of the "
     "pool), 0 turns it off (docs/ARCHITECTURE.md)",
+    "window_share": "a hybrid model's (full and sliding-window layers) window-layer slots per "
+    "pool block: a block keeps its window layers' K/V only while a window can see it, so "
+    "fewer slots than blocks hold them; the pool's bytes are split to match "
+    "(docs/ARCHITECTURES.md)",
     "memory_cache_gb": "host-RAM tier size in GiB; 0 turns the tier off",
     "lmdb_dir": "directory of the LMDB tier (created if missing); unset turns it off",
     "lmdb_map_size_gb": "LMDB map size in GiB; the store evicts FIFO from 90% down to 80% of it",

@@ -9,7 +9,12 @@ partly filled last block to the cache's tails when it ends (`keep_tail`), and `c
 
 With a sliding-window cache (`PrefixCache(window=...)`), `slide` drops the blocks that fell
 out of the request's window during decode: the table's leading `num_dropped` entries become
-None, so a request holds at most the window's blocks plus the one it writes.
+None, so a request holds at most the window's blocks plus the one it writes. A hybrid model's
+request (`PrefixCache(window=..., window_layers=...)`) keeps every block's full layers and
+holds the window layers' part of blocks [num_window_dropped, num_window_end) only: two
+block tables in one, the window layers' read through the pool's slot map. `grow` gives
+blocks their window parts as the steps that compute them come (`compute_to`), and `slide`
+lets go of those that left the window.
 
 Invariants (checked by `PrefixCache.check_integrity`, since every block here is counted by
 the pool's ref counts): a block in a table holds one reference of that request; a committed
@@ -46,6 +51,8 @@ class SeqBlocks:
     node: TreeNode | None = None  # the locked index node of the committed path
     num_dropped: int = 0  # leading table entries that are None
     num_prompt_tokens: int = 0  # the tokens `open` looked up
+    num_window_dropped: int = 0  # a hybrid model's: leading blocks without window parts
+    num_window_end: int = 0  # a hybrid model's: blocks from here on have none yet
     closed: bool = False
 
     def readable_table(self, filler: int) -> list[int]:
@@ -79,6 +86,7 @@ class BlockTables:
         seq = SeqBlocks(
             cache_salt, tenant, list(hit.block_ids), n, hit.num_cached_tokens,
             dict(hit.tier_tokens), list(hit.keys), n, hit.node, dropped, len(token_ids),
+            hit.window_from, n,
         )  # fmt: skip
         looked_up = token_ids if whole_prompt else token_ids[:-1]
         try:
@@ -118,19 +126,39 @@ class BlockTables:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def grow(self, seq: SeqBlocks, num_tokens: int) -> bool:
+    def grow(self, seq: SeqBlocks, num_tokens: int, compute_to: int | None = None) -> bool:
         """Make the table hold `num_tokens` positions, evicting unlocked cached blocks as
-        needed; False (and nothing taken) when the pool cannot give enough."""
+        needed; False (and nothing taken) when the pool cannot give enough. A hybrid model's
+        blocks get their window parts up to position `compute_to` (default `num_tokens`):
+        the positions the next step computes."""
         need = self.blocks_for(num_tokens) - len(seq.block_table)
-        if need <= 0:
-            return True
-        ids = self.cache.allocate(need, all_or_none=True)
-        if not ids:
+        hybrid = self.cache.windows is not None
+        ids = []
+        if need > 0:
+            ids = self.cache.allocate(need, all_or_none=True, window=not hybrid)
+            if not ids:
+                return False
+            # attention reads the last block whole (masked past the row's end): it must hold
+            # no NaN from earlier use or never-written memory; those before it get written
+            self.pool.zero(ids[-1:])
+            seq.block_table.extend(ids)
+        if hybrid and not self._reach(seq, num_tokens if compute_to is None else compute_to):
+            if ids:
+                del seq.block_table[-len(ids) :]
+                self.cache.free(ids, window=False)
             return False
-        # attention reads the last block whole (masked past the row's end): it must hold no
-        # NaN from earlier use or from never-written memory; the blocks before it get written
-        self.pool.kv[ids[-1]].zero_()
-        seq.block_table.extend(ids)
+        return True
+
+    def _reach(self, seq: SeqBlocks, num_tokens: int) -> bool:
+        """Window parts for the blocks of positions up to `num_tokens` (a hybrid model's)."""
+        end = min(self.blocks_for(num_tokens), len(seq.block_table))
+        ids = seq.block_table[seq.num_window_end : end]
+        if not ids:
+            return True
+        if not self.cache.assign_windows(ids):  # type: ignore[arg-type]
+            return False
+        self.pool.zero_window(ids[-1:])  # type: ignore[arg-type]  # (as above)
+        seq.num_window_end = end
         return True
 
     def commit(self, seq: SeqBlocks, token_ids: Sequence[int] | np.ndarray, num_tokens: int) -> int:
@@ -160,12 +188,25 @@ class BlockTables:
         upto = min(max(0, num_computed - window + 1) // self.block_size, len(seq.block_table))
         n = self.cache.punch_align  # whole tier chunks: write-back tiers get them whole
         upto = min(upto, self._chunk_start(seq)) // n * n
+        if self.cache.windows is not None:
+            return self._slide_window_parts(seq, upto)
         if upto <= seq.num_dropped:
             return 0
         lo, mine = seq.num_dropped, seq.block_table[seq.num_dropped : upto]
         seq.block_table[lo:upto] = [None] * (upto - lo)
         seq.num_dropped = upto
         self.cache.free([b for b in mine if b is not None])
+        self._punch_committed(seq, lo, min(upto, seq.num_committed))
+        return upto - lo
+
+    def _slide_window_parts(self, seq: SeqBlocks, upto: int) -> int:
+        """`slide` for a hybrid model: the request (and the index, for committed blocks)
+        lets go of the window parts of blocks before `upto`; their full parts stay."""
+        lo, upto = seq.num_window_dropped, min(upto, seq.num_window_end)
+        if upto <= lo:
+            return 0
+        seq.num_window_dropped = upto
+        self.cache.drop_window(seq.block_table[lo:upto])  # type: ignore[arg-type]
         self._punch_committed(seq, lo, min(upto, seq.num_committed))
         return upto - lo
 
@@ -194,7 +235,7 @@ class BlockTables:
     def reserve(self, n: int) -> list[int]:
         """Up to n zeroed blocks held outside any table (an engine's scratch, a self-test)."""
         ids = self.cache.allocate(n)
-        self.pool.kv[ids] = 0
+        self.pool.zero(ids)
         return ids
 
     def release(self, block_ids: list[int]) -> None:
@@ -204,5 +245,9 @@ class BlockTables:
     def close(self, seq: SeqBlocks) -> None:
         """Drop the request's references and lock. Idempotent."""
         if not seq.closed:
-            self.cache.drop(seq.node, [b for b in seq.block_table if b is not None])
+            ids = [b for b in seq.block_table if b is not None]
+            windows = None  # every block whole, or (a hybrid model's) its window parts:
+            if self.cache.windows is not None:
+                windows = seq.block_table[seq.num_window_dropped : seq.num_window_end]
+            self.cache.drop(seq.node, ids, windows)  # type: ignore[arg-type]
         seq.closed, seq.node, seq.block_table = True, None, []

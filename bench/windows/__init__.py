@@ -3,7 +3,8 @@ window, for window-only models, a hybrid model and a full-attention control (mic
 2 layers, block size 4), and the pool's blocks in use beside them. A window-only model's
 request drops the blocks that slid out of its window (docs/ARCHITECTURES.md): it holds at
 most the window's blocks plus one. A hybrid model's full layers read the whole prefix, so
-its request holds every block, as a full model's does."""
+its request holds every block's full layers; their window layers' part is in the pool's
+window plane, and the request holds that part of its window's blocks only (plus one)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from engine.model import (
 )
 from engine.request import Request, SamplingParams
 from kvstore.config import CacheConfig
+from kvstore.sequences import SeqBlocks
 
 BLOCK_SIZE = 4
 MICRO = {
@@ -38,37 +40,65 @@ MODELS = {  # name -> (model_type, config)
                                "max_window_layers": 0}),
     "qwen2-hybrid": ("qwen2", {"use_sliding_window": True, "sliding_window": 16,
                                "max_window_layers": 1}),
+    # 1 full layer and 5 window layers, Gemma 3's mix
+    "qwen2-hybrid-5:1": ("qwen2", {"use_sliding_window": True, "sliding_window": 16,
+                                   "max_window_layers": 1, "num_hidden_layers": 6}),
     "llama": ("llama", {}),
 }  # fmt: skip
 
 
 def micro_config(name: str) -> PretrainedConfig:
     model_type, values = MODELS[name]
-    return AutoConfig.for_model(model_type, **MICRO, **values)
+    return AutoConfig.for_model(model_type, **(MICRO | values))
 
 
 def held_during_decode(arch: str, prompt_len: int, new_tokens: int, marks: list[int]) -> dict:
-    """Blocks the request holds, and pool blocks in use (the engine's scratch block aside),
-    when it has generated each of `marks` tokens."""
+    """When the request has generated each of `marks` tokens: the blocks it holds
+    ("held"; a hybrid model's: their full layers), the window-layer parts of those
+    ("window_held"; a window-only model's: every block it holds), the pool's blocks in use
+    ("in_use", the engine's scratch block aside) and window-layer parts in use
+    ("window_in_use"), its KV bytes held ("bytes") and those of
+    its whole sequence in every layer ("whole_bytes")."""
     model = wrap_model(random_model(micro_config(arch), seed=0), byte_tokenizer(), arch)
     config = CacheConfig(block_size=BLOCK_SIZE, device="cpu", device_blocks=1024)
-    seen: dict[int, int] = {}
-    in_use: dict[int, int] = {}
+    names = ("held", "window_held", "in_use", "window_in_use", "bytes", "whole_bytes")
+    seen: dict[str, dict[int, int]] = {name: {} for name in names}
     request: Request | None = None
 
     def on_token(_: int) -> None:
         done = len(request.output)  # the token is in it already
         if done in marks and request.state is not None:
-            seen[done] = sum(b is not None for b in request.state.blocks.block_table)
-            in_use[done] = pool.num_blocks - pool.num_free_blocks - 1
+            for name, value in _held(engine, request.state.blocks).items():
+                seen[name][done] = value
 
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     with Engine(model, config) as engine, torch.inference_mode():
-        pool = engine.cache.pool
         request = Request(list(range(1, prompt_len + 1)), params, on_token=on_token)
         engine.add_requests([request])[0].future.result(600)
     window = getattr(model.model.config, "sliding_window", None)
-    return {"window": window, "held": seen, "in_use": in_use}
+    return {"window": window, **seen}
+
+
+def _held(engine: Engine, blocks: SeqBlocks) -> dict[str, int]:
+    """A running request's blocks, their window parts, the pool's blocks in use and the
+    request's KV bytes."""
+    pool = engine.cache.pool
+    held = sum(b is not None for b in blocks.block_table)
+    per_layer = pool.bytes_per_block // pool.layout.num_layers
+    in_use = pool.num_blocks - pool.num_free_blocks - 1
+    if pool.window is None:
+        window_held = held if engine.cache.window else 0
+        window_in_use = in_use if engine.cache.window else 0
+        size = held * pool.bytes_per_block
+    else:
+        window_held = held - blocks.num_window_dropped
+        window_in_use = pool.window.num_slots - pool.window.num_free - 1
+        size = per_layer * (held * len(pool.full_layers) + window_held * len(pool.window_layers))
+    whole = len(blocks.block_table) * pool.bytes_per_block
+    return {
+        "held": held, "window_held": window_held, "in_use": in_use,
+        "window_in_use": window_in_use, "bytes": size, "whole_bytes": whole,
+    }  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,17 +107,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=256)
     args = parser.parse_args(argv)
     marks = sorted({1, 16, 64, args.new_tokens // 2, args.new_tokens})
-    title = f"blocks held by one request / pool blocks in use (prompt {args.prompt}, block size 4)"
+    title = (
+        "blocks one request holds / their window-layer parts / pool blocks in use "
+        f"(prompt {args.prompt}, block size 4)"
+    )
     table = Table(title=title)
-    for col in ("model", "window", "layers", "bound", *[f"after {m}" for m in marks]):
+    columns = ("model", "window", "layers", "bound", *[f"after {m}" for m in marks], "KiB held")
+    for col in columns:
         table.add_column(col, justify="right")
     for arch in MODELS:
         r = held_during_decode(arch, args.prompt, args.new_tokens, marks)
-        windowed = shared_window(micro_config(arch)) is not None
-        bound = str(math.ceil(r["window"] / BLOCK_SIZE) + 1) if windowed else "-"
-        layers = "window" if windowed else "window + full" if r["window"] else "full"
-        cells = [f"{r['held'].get(m, '?')} / {r['in_use'].get(m, '?')}" for m in marks]
-        table.add_row(arch, str(r["window"] or "-"), layers, bound, *cells)
-    Console(width=130).print(table)
-    print("bound: a window-only model's window in blocks + 1; 'after n': after n new tokens")
+        table.add_row(arch, str(r["window"] or "-"), *_cells(arch, r, marks))
+    Console(width=150).print(table)
+    print(
+        "bound: the window in blocks + 1, for the blocks (window-only) or window-layer parts "
+        "(hybrid) a request holds; 'after n': after n new tokens; KiB held: the request's KV "
+        "after the last mark / its whole sequence's in every layer"
+    )
     return 0
+
+
+def _cells(arch: str, r: dict, marks: list[int]) -> list[str]:
+    config = micro_config(arch)
+    windowed = shared_window(config) is not None
+    full = len([t for t in getattr(config, "layer_types", ()) if t == "full_attention"])
+    layers = "window" if windowed else f"{config.num_hidden_layers - full} window + {full} full"
+    layers = layers if r["window"] else "full"
+    bound = str(math.ceil(r["window"] / BLOCK_SIZE) + 1) if r["window"] else "-"
+    cells = [
+        f"{r['held'].get(m, '?')} / {r['window_held'].get(m, '?')} / {r['in_use'].get(m, '?')}"
+        for m in marks
+    ]
+    last = marks[-1]
+    kib = f"{r['bytes'].get(last, 0) / 1024:.0f} / {r['whole_bytes'].get(last, 0) / 1024:.0f}"
+    return [layers, bound, *cells, kib]

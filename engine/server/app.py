@@ -137,11 +137,12 @@ def _tier_names(engine: Engine) -> list[str]:
 def describe_engine(engine: Engine) -> str:
     """The start-up line: model, device, dtype, pool size, tiers and batching mode."""
     model, pool = engine.model, engine.cache.pool
-    pool_bytes = pool.num_blocks * pool.bytes_per_block
+    pool_bytes = pool.nbytes
     batching = "continuous batching" if engine.mode == "paged" else "one request at a time"
+    slots = "" if pool.window is None else f" (+ {pool.window.num_slots} window-layer slots)"
     return (
         f"model {model.name} ({model.layout.num_layers} layers, {model.kv_dtype}) on "
-        f"{model.device}; pool {pool.num_blocks} blocks of {pool.block_size} tokens = "
+        f"{model.device}; pool {pool.num_blocks} blocks of {pool.block_size} tokens{slots} = "
         f"{pool_bytes:,} bytes ({pool_bytes / 2**20:.1f} MiB); tiers: "
         f"{', '.join(_tier_names(engine))}; {batching}"
     )

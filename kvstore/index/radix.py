@@ -373,14 +373,30 @@ class RadixIndex:
         node with two or more children) stay, for a prompt that branches there later,
         widened to whole runs of `align` blocks (tier chunks). Returns the freed ids; no
         event is emitted, since every key stays matchable."""
+        freed: list[int] = []
+        for run, a, b in self._punch_spans(node, lo, hi, keep, align):
+            freed += self._punch_run(run, a, b)
+        return freed
+
+    def punchable(self, node: TreeNode, lo: int, hi: int, keep: int, align: int = 1) -> list[int]:
+        """The held ids `punch` would drop, left in place (a hybrid model's cache lets go of
+        their window layers' part only)."""
+        return [
+            i for run, a, b in self._punch_spans(node, lo, hi, keep, align) for i in run.held(a, b)
+        ]
+
+    def _punch_spans(
+        self, node: TreeNode, lo: int, hi: int, keep: int, align: int
+    ) -> list[tuple[TreeNode, int, int]]:
+        """(run, first, end) within each run of the path: blocks [lo, hi) less the kept
+        windows before branch points."""
         path = self._path(node)
         kept = [_widen(r.start + r.num_blocks, keep, align) for r in path if len(r.children) > 1]
-        freed: list[int] = []
+        spans = []
         for run in path:
             a, b = max(lo, run.start), min(hi, run.start + run.num_blocks)
-            for x, y in _minus(a, b, kept):
-                freed += self._punch_run(run, x - run.start, y - run.start)
-        return freed
+            spans += [(run, x - run.start, y - run.start) for x, y in _minus(a, b, kept)]
+        return spans
 
     def _punch_run(self, node: TreeNode, a: int, b: int) -> list[int]:
         ids = node.held(a, b)

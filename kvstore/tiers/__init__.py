@@ -50,7 +50,7 @@ class Tiers:
         self.config, self.pool, self.metrics = config, pool, metrics
         self.stores = list(stores)
         self.chunk_blocks = config.chunk_blocks
-        self.policies = WritePolicies(config, self.stores)
+        self.policies = WritePolicies(config, self.stores, hybrid=pool.window is not None)
         self.reader = TierReader(self.stores, pool.layout, config.chunk_blocks, metrics)
         self.writer = TierWriter(self.stores, config.codec, config.write_queue_blocks, metrics)
         _flush_at_exit(self)
@@ -130,8 +130,9 @@ class Tiers:
         first, end = start // n * n, len(keys) // n * n
         if not targets or end <= start:
             return
-        ids = list(block_ids[first:end])
-        if None in ids:  # a window cache's holes: chunks with one were written when committed
+        ids = self.pool.whole(block_ids[first:end])  # None: a hole, or a hybrid model's
+        # block without its window part; chunks with one were written before it went
+        if None in ids:
             last_hole = first + len(ids) - 1 - ids[::-1].index(None)
             first = (last_hole // n + 1) * n
         if end <= first:

@@ -24,6 +24,11 @@ def _pool(seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.randn(40, LAYERS, 2, KV_HEADS, BS, DIM, generator=generator).to(dtype)
 
 
+def _views(kv: torch.Tensor) -> list[tuple[torch.Tensor, bool]]:
+    """Per layer, its view of a one-plane pool (`BlockPool.layer_views`)."""
+    return [(kv[:, i], False) for i in range(kv.shape[1])]
+
+
 def _rows() -> list[Row]:
     """Three decode rows on the shared blocks (ends in different blocks), one prefill chunk."""
     return [
@@ -51,7 +56,7 @@ def _paged(kv: torch.Tensor, rows: list[Row]) -> tuple[torch.Tensor, torch.Tenso
     generator = torch.Generator().manual_seed(5)
     query = torch.randn(1, Q_HEADS, total, DIM, generator=generator).to(kv.dtype)
     key, value = torch.randn(2, 1, KV_HEADS, total, DIM, generator=generator).to(kv.dtype)
-    attention = PagedAttention(kv, lambda module: module.layer_idx)
+    attention = PagedAttention(_views(kv), lambda module: module.layer_idx)
     attention.batch = build_step(rows, BS, scratch_block=0, device=torch.device("cpu"))
     out, _ = attention(_Layer(), query, key, value, None)
     return out[0], query[0]
@@ -107,7 +112,7 @@ def test_a_layer_reaching_past_a_rows_dropped_blocks_is_refused() -> None:
     assert batch.max_window == 6
     query = torch.zeros(1, Q_HEADS, 2, DIM)
     key = value = torch.zeros(1, KV_HEADS, 2, DIM)
-    attention = PagedAttention(_pool(seed=6), lambda module: module.layer_idx)
+    attention = PagedAttention(_views(_pool(seed=6)), lambda module: module.layer_idx)
     attention.batch = batch
     attention(_Layer(), query, key, value, None, sliding_window=6)  # served
     for window in (7, None):

@@ -53,10 +53,10 @@ def test_a_mixed_batch_through_lmdb_meets_each_requests_reference(arch: str, tmp
         assert greedy_matches_reference(model, prompt, result.output_token_ids)
 
 
-def perturbed_prefill(arch: str, block: int) -> bool:
-    """Cache 40 tokens, add 0.5 to one block the index holds (every layer, K and V), prefill
-    the same 40 again (36 cached: queries at 36..39). Whether the logits still meet the
-    reference."""
+def perturbed_prefill(arch: str, block: int, layers: str = "every") -> bool:
+    """Cache 40 tokens, add 0.5 to one block the index holds (K and V of `layers`: "every"
+    layer, or a hybrid model's "window" layers), prefill the same 40 again (36 cached:
+    queries at 36..39). Whether the logits still meet the reference."""
     model, ids = model_of(arch), tokens(40, seed=7)
     with Engine(model, micro_cache_config()) as engine:
         assert engine.mode == "paged"  # the paged attention's window, not HF's
@@ -66,7 +66,10 @@ def perturbed_prefill(arch: str, block: int) -> bool:
             assert hit.num_cached_tokens == 36
             held = engine.cache.index.path_block_ids(hit.node)
             assert None not in held  # a synchronous prefill drops nothing
-            engine.cache.pool.kv[held[block]] += 0.5
+            pool = engine.cache.pool
+            perturbed = pool.read_blocks(held[block : block + 1])
+            perturbed[:, pool.window_layers if layers == "window" else slice(None)] += 0.5
+            pool.write_blocks(held[block : block + 1], perturbed)
         finally:
             engine.cache.release(hit)
         logits, cached = engine.prefill_logits(ids)
@@ -88,6 +91,36 @@ def test_a_window_model_never_reads_a_block_outside_its_window(block: int) -> No
 @pytest.mark.parametrize("arch", ["gemma2", "qwen2-hybrid"])
 def test_a_hybrid_models_full_layers_read_the_whole_prefix(arch: str) -> None:
     assert not perturbed_prefill(arch, block=0)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "qwen2-hybrid"])
+def test_a_hybrid_models_window_layers_read_their_window_from_the_window_plane(arch: str) -> None:
+    # windows of 6 and 5 keys: the queries at 36..39 see keys from 31 (30) on
+    assert not perturbed_prefill(arch, block=8, layers="window")  # 32..35
+    assert perturbed_prefill(arch, block=6, layers="window")  # 24..27: no window sees them
+
+
+def test_a_hybrid_models_shared_prefix_is_recomputed_once_then_kept_at_its_branch() -> None:
+    # window 6, blocks of 4: a hit at block 6 (the 24-token system prompt) needs the window
+    # parts of blocks 4 and 5
+    model, system = model_of("gemma2"), tokens(24, seed=1)
+    prompts = [system + tokens(5, 2), system + tokens(6, 3), system + tokens(7, 4)]
+    with Engine(model, micro_cache_config()) as engine:
+        results = [engine.generate([p], GREEDY)[0] for p in prompts]
+        engine.cache.check_integrity()
+        windowed_out = engine.cache.metrics.get("windowed_out_blocks_total")
+        cached_blocks = engine.cache.index.num_cached_blocks
+    # a decoded past block 4, so its index let go of window parts 0..4 (5 and 6: its
+    # prompt's window); b recomputes the system prompt, its commit gives blocks 0..5 their
+    # window parts back, and its branch point keeps 4 and 5's from then on: c hits
+    assert [r.cached_tokens for r in results] == [0, 0, 24]
+    # let go as each request slid on (40, 41, 42 positions: to blocks 8, 9, 9), less the
+    # window before each prompt's end (5, 6) and before the branch (4, 5): a 0..4 and 7,
+    # b 0..3 (filled back by its commit), 7 and 8, c 7 and 8
+    assert windowed_out == 14
+    assert cached_blocks == 6 + 3 * 4  # every full part: the system prompt, 4 blocks each
+    for prompt, result in zip(prompts, results, strict=True):
+        assert greedy_matches_reference(model, prompt, result.output_token_ids)
 
 
 def test_gemma2_softcapping_changes_the_output_and_the_engine_applies_it() -> None:
@@ -194,3 +227,22 @@ def test_the_per_request_path_meets_the_reference_on_a_hit_with_dropped_blocks()
 
 def test_the_per_request_path_reads_the_windows_blocks() -> None:
     assert not per_request_run_on_dropped_blocks(perturb=True)
+
+
+def test_a_hybrid_prompt_longer_than_the_window_slots_is_served_in_chunks() -> None:
+    # 12 window slots for 48 blocks: a 100-token prompt (25 blocks) gets window parts
+    # chunk by chunk and lets go of them as its window slides; 2 requests at once
+    model = model_of("gemma2")
+    config = micro_cache_config(device_blocks=48, window_share=0.25)
+    sched = SchedulerConfig(max_num_batched_tokens=16)
+    prompts = [tokens(100, seed=21), tokens(9, seed=22)]
+    with Engine(model, config, scheduler_config=sched) as engine:
+        assert engine.cache.pool.window.num_slots == 12
+        requests = engine.add_requests([Request(p, GREEDY) for p in prompts])
+        results = [r.future.result(60) for r in requests]  # (admitted at all: no hang)
+        again = engine.generate(prompts[:1], GREEDY)[0]
+        engine.cache.check_integrity()
+        assert engine.cache.metrics.get("evicted_blocks_total") == 0
+    assert again.cached_tokens == 100  # its prompt's window kept its window parts
+    for prompt, result in zip(prompts + prompts[:1], [*results, again], strict=True):
+        assert greedy_matches_reference(model, prompt, result.output_token_ids)

@@ -1,0 +1,127 @@
+"""The index side of a hybrid model's window plane (kvstore/window_plane.py).
+
+A hybrid model's cache never drops a block's full layers while the block is cached: its
+full layers' queries read the whole prefix. What slides out of a running request's window is
+the block's window layers' part, which the request lets go of and the index too (but the
+window before a branch point or a prompt's end, as a window-only cache keeps). So a cached
+block either holds both parts or only its full part; `IndexWindows.punched` lists the latter.
+
+Hit rule: a prefix of P blocks is a hit when its blocks are cached (full parts: the index
+path) and the last ceil(W / block_size) of them still hold their window parts
+(`window_prefix` over the window plane).
+
+When window slots run short, the window parts only the index holds go first, least recently
+hit first (`reclaim`); their blocks' full parts stay cached.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from kvstore.index import RadixIndex
+from kvstore.pool import BlockPool
+from kvstore.window import window_prefix
+
+
+class IndexWindows:
+    """Which cached blocks the index holds without their window part; the index's references
+    taken and dropped with the right part. The caller holds the cache's lock."""
+
+    def __init__(self, pool: BlockPool, index: RadixIndex):
+        if pool.window is None:
+            raise ValueError("IndexWindows needs a pool with a window plane")
+        self.pool, self.plane, self.index = pool, pool.window, index
+        self.punched: set[int] = set()  # cached blocks whose window part the index let go
+        # cached blocks whose window part the index holds, least recently hit first
+        self._held: OrderedDict[int, None] = OrderedDict()
+
+    def take(self, block_ids: Sequence[int]) -> None:
+        """The index takes a reference to each block, with its window part if it has one."""
+        held = self.plane.held(block_ids)
+        with_part = [b for b, h in zip(block_ids, held, strict=True) if h]
+        without = [b for b, h in zip(block_ids, held, strict=True) if not h]
+        self.pool.incref(with_part)
+        self.pool.incref(without, window=False)
+        self._held.update(dict.fromkeys(with_part))
+        self.punched.update(without)
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        """The index lets go of each block (evicted, or a duplicate it did not keep)."""
+        without = [b for b in block_ids if b in self.punched]
+        with_part = [b for b in block_ids if b not in self.punched]
+        self.punched.difference_update(without)
+        for b in with_part:
+            del self._held[b]
+        self.pool.free(without, window=False)
+        self.pool.free(with_part)
+
+    def punch(self, block_ids: Sequence[int]) -> list[int]:
+        """The index lets go of the window part of each block (it keeps the full part);
+        returns the blocks it let go of (those it still held)."""
+        ids = [b for b in dict.fromkeys(block_ids) if b not in self.punched]
+        for b in ids:
+            del self._held[b]
+        self.punched.update(ids)
+        self.pool.drop_window(ids)
+        return ids
+
+    def touch(self, block_ids: Sequence[int]) -> None:
+        """A hit used these blocks' window parts: they go last when slots run short."""
+        for b in block_ids:
+            if b in self._held:
+                self._held.move_to_end(b)
+
+    def fill(self, index_ids: Sequence[int], caller_ids: Sequence[int]) -> int:
+        """After an insert found keys cached: each index block that let go of its window part
+        gets a copy of the caller's block for the same key (its K/V for the same tokens).
+        Returns how many were filled (each needs a free slot)."""
+        filled = 0
+        for b, c in zip(index_ids, caller_ids, strict=True):
+            if b != c and b in self.punched and self.plane.fill(b, c):
+                self.punched.discard(b)
+                self._held[b] = None
+                filled += 1
+        return filled
+
+    def reclaim(self, n: int) -> int:
+        """Free up to n window slots that only the index holds (no running request's or
+        hit's window sees them), least recently hit first; returns how many were freed."""
+        ids = []
+        for b in self._held:
+            if len(ids) == n:
+                break
+            if self.plane.ref_cnt[b] == 1:
+                ids.append(b)
+        return len(self.punch(ids))
+
+    def hit_point(
+        self, block_ids: Sequence[int], window_blocks: int, held: Sequence[int] | None = None
+    ) -> int:
+        """The longest prefix of a matched path a hybrid model can use, in blocks: the window
+        parts of its last `window_blocks` blocks are held (now, or in `held`)."""
+        if held is None:
+            mask = self.plane.held(block_ids)
+        else:
+            mask = [b in set(held) for b in block_ids] if held else [False] * len(block_ids)
+        masked = [b if h else None for b, h in zip(block_ids, mask, strict=True)]
+        return window_prefix(masked, window_blocks)
+
+    def check(self, cached: Sequence[int]) -> None:
+        """Invariants: a cached block holds its window part unless punched; every slot is
+        free or a block's, once; no block counts more window owners than owners."""
+        plane, cached_set = self.plane, set(cached)
+        if not self.punched <= cached_set:
+            raise AssertionError("a punched block is not cached")
+        if set(self._held) != cached_set - self.punched:
+            raise AssertionError("the index's window parts are not its cached, unpunched blocks")
+        holding = list(cached_set - self.punched)
+        if holding and not plane.held(holding).all():
+            raise AssertionError("a cached block lost the window part the index holds")
+        slots = [int(s) for s in plane.slot if s >= 0] + plane.free_slots()
+        if sorted(slots) != list(range(plane.num_slots)):
+            raise AssertionError("window slots: free + assigned != total, or one twice")
+        if ((plane.ref_cnt > 0) != (plane.slot >= 0)).any():
+            raise AssertionError("a window slot without an owner, or an owner without a slot")
+        if (plane.ref_cnt > self.pool.ref_cnt).any():
+            raise AssertionError("a block has more window owners than owners")
