@@ -314,17 +314,33 @@ class Engine:
         seq = self.tables.open(ids, salt, "", whole_prompt=False)
         try:
             start = seq.num_cached_tokens
-            if not self.tables.grow(seq, len(ids)):
-                raise PoolExhaustedError(f"the device pool cannot hold {len(ids)} tokens now")
-            # one forward outside the loop: no decode mirror (it would drop the loop's)
-            row = replace(self._table_row(seq, start, len(ids) - start), seq=None)
-            with self._forward_lock:
-                logits = self.runner.forward([row], [ids[start:]], [0])[0]
+            logits = self._forward_here(seq, ids, start, store)
             if store:
                 self.tables.commit(seq, ids, len(ids))
             return PrefillResult(logits, start, dict(seq.tier_tokens))
         finally:
             self.tables.close(seq)
+
+    def _forward_here(
+        self, seq: SeqBlocks, ids: list[int], start: int, store: bool
+    ) -> torch.Tensor:
+        """Last-position logits of ids[start:], in one forward outside the loop (no decode
+        mirror: it would drop the loop's); a hybrid model's in the chunks its window slots
+        hold, each committed (with `store`) before its window slides on."""
+        pos = start
+        while True:
+            num_new = self.tables.fit(seq, len(ids), pos, len(ids) - pos)
+            if num_new is None:
+                raise PoolExhaustedError(f"the device pool cannot hold {len(ids)} tokens now")
+            row = replace(self._table_row(seq, pos, num_new), seq=None)
+            with self._forward_lock:
+                logits = self.runner.forward([row], [ids[pos : pos + num_new]], [0])[0]
+            pos += num_new
+            if pos == len(ids):
+                return logits
+            if store:
+                self.tables.commit(seq, ids, pos)
+            self.tables.slide(seq, pos)
 
     # --- the loop -------------------------------------------------------------------------
 

@@ -197,6 +197,7 @@ class PagedRunner:
         with torch.inference_mode():
             batch = build_step(rows, self.block_size, self.scratch_block, device)
             if self.pool.window is not None:  # a hybrid model: its window layers' slots
+                _check_window_parts(rows, self.pool, self.block_size)
                 batch.slot_map = self.pool.window.slot_map(self.scratch_block)
             batch.mirror = None if self.mirror is None else self.mirror.for_step(rows)
             try:
@@ -217,6 +218,17 @@ class PagedRunner:
             out = self.model.model(use_cache=False, **inputs)
             self.calls += self.attention.calls
         return out
+
+
+def _check_window_parts(rows: Sequence[Row], pool: BlockPool, block_size: int) -> None:
+    """Every block a row's window layers may read or write holds its window part (the slot
+    map would send a block without one to the scratch block's: wrong keys, not an error)."""
+    for row in rows:
+        ids = list(row.block_table[row.num_window_dropped : -(-row.end // block_size)])
+        if ids and not pool.window.held(ids).all():  # type: ignore[union-attr]
+            raise PagedAttentionError(
+                f"a row reaching position {row.end - 1} has blocks without window parts"
+            )
 
 
 class StepCacheRunner(PagedRunner):

@@ -280,12 +280,12 @@ class Scheduler:
         state: Running = request.state
         start = state.num_computed
         num_new = min(request.num_tokens - start, budget)
-        while not self.tables.grow(state.blocks, start + num_new):
+        while (fitted := self.tables.fit(state.blocks, start + num_new, start, num_new)) is None:
             victim = self.running[-1]
             self.preempt(victim)
             if victim is request:
                 return None
-        return Scheduled(request, start, num_new)
+        return Scheduled(request, start, fitted)
 
     def preempt(self, request: Request) -> None:
         """Release a running request's blocks; it resumes from the cache later."""
@@ -319,10 +319,14 @@ class Scheduler:
         state = Running(blocks, min(blocks.num_cached_tokens, len(tokens) - 1))
         num_new = min(len(tokens) - state.num_computed, budget)
         room = self.tables.num_available() >= need - len(blocks.block_table)
-        first = state.num_computed + num_new  # the positions its first step computes
-        if not (room or not self.running) or not self.tables.grow(blocks, len(tokens), first):
+        fitted = None
+        if room or not self.running:  # every block of the prompt; a first step's worth of
+            # a hybrid model's window parts
+            fitted = self.tables.fit(blocks, len(tokens), state.num_computed, num_new)
+        if fitted is None:
             self.tables.close(blocks)  # not now: it stays at the head of its queue
             return None
+        num_new = fitted
         if not self.waiting.take(request):  # cancelled or displaced while it was looked up
             self.tables.close(blocks)
             return Scheduled(request, 0, 0)

@@ -92,6 +92,7 @@ class PrefixCache:
             raise ValueError(f"window must be >= 1 token, got {window}")
         if window_layers and window is None:
             raise ValueError("window_layers needs the window they attend through")
+        min_slots = None if window is None else -(-window // config.block_size) + 3
         namespace = config.bind(namespace)
         self.config = config
         self.namespace = namespace
@@ -101,7 +102,9 @@ class PrefixCache:
         # last token (a whole-prompt hit re-runs it), sees keys back to point - window
         self.window_blocks = None if window is None else -(-window // config.block_size)
         self.punch_align = 1  # a window cache drops whole tier chunks (set with the tiers)
-        self.pool = BlockPool.from_config(config, namespace, window_layers or ())
+        # a hybrid pool's window plane holds at least a request's window (the blocks a
+        # query sees, the one it writes) and the engine's scratch block
+        self.pool = BlockPool.from_config(config, namespace, window_layers or (), min_slots)
         self.index = RadixIndex(
             config.block_size,
             make_policy(config.eviction_policy, self.pool.num_blocks),
@@ -158,7 +161,7 @@ class PrefixCache:
             if start < len(keys):
                 windows = self._promote(scope, hit, tokens, tenant, start, windows)
         if self.windows is not None:
-            self._cut_hybrid(hit, windows)
+            self._cut_hybrid(hit, windows, tokens)
         elif self.window_blocks is not None:
             cut = cut_to_window(hit.block_ids, hit.tier_tokens, self.window_blocks, self.block_size)
             hit.block_ids, hit.tier_tokens = cut.block_ids, cut.tier_tokens
@@ -182,16 +185,18 @@ class PrefixCache:
             return window_prefix(ids, self.window_blocks) * self.block_size
         return len(ids) * self.block_size
 
-    def _cut_hybrid(self, hit: CacheHit, windows: list[int]) -> None:
+    def _cut_hybrid(self, hit: CacheHit, windows: list[int], tokens: np.ndarray) -> None:
         """A hybrid model's hit cut to its longest usable prefix (kvstore/hybrid.py): it
         keeps the window parts of its last window's blocks (of `windows`, those it took)
-        and lets go of the others, and of the blocks after."""
+        and lets go of the others, and of the blocks after, whose lock goes too."""
         with self._lock:
             point = self.windows.hit_point(hit.block_ids, self.window_blocks, windows)
             first = max(0, point - self.window_blocks)
             keep = set(hit.block_ids[first:point])
             self._give_back(hit.block_ids[point:], [b for b in windows if b not in keep])
             self.windows.touch(hit.block_ids[first:point])
+            if point < len(hit.block_ids):
+                hit.node = self._relock(hit.keys[:point], tokens, hit.node).last_node
         bs = self.block_size
         cut = cut_to_window(hit.block_ids[:point], hit.tier_tokens, point, bs)
         hit.block_ids, hit.window_from = hit.block_ids[:point], first
@@ -310,6 +315,8 @@ class PrefixCache:
             match = self.index.match_prefix(keys, tokens)
             self.index.lock(match.last_node)
             try:
+                if self.windows is not None:  # cached blocks that lost their window part
+                    self._refill_windows(match.block_ids, layers)
                 want = min(len(keys) - match.num_blocks, self.tenants.quota_left(tenant))
                 new_ids = self._allocate(max(want, 0))
                 if new_ids:
@@ -324,6 +331,16 @@ class PrefixCache:
                 self.index.unlock(match.last_node)
         self.metrics.inc("stored_blocks_total", len(new_ids))
         return len(new_ids)
+
+    def _refill_windows(self, block_ids: list[int], layers: Sequence[LayerKV]) -> None:
+        """`store` of a prefix whose cached blocks lost their window part: give them one
+        from the caller's K/V (block i holds its positions), slots permitting."""
+        wanted = [(i, b) for i, b in enumerate(block_ids) if b in self.windows.punched]
+        wanted = wanted[: self._window_room(len(wanted))]
+        for i, b in wanted:
+            self.pool.assign_window([b])  # the index's now
+            self.pool.scatter([b], layers, start_token=i * self.block_size)
+        self.windows.refilled([b for _, b in wanted])
 
     # --- blocks held by a caller (an engine's block tables) ---------------------------------
 
@@ -348,6 +365,12 @@ class PrefixCache:
                 self.pool.free(ids, window=window)
                 return []
             return ids
+
+    def window_room(self, n: int) -> int:
+        """Window slots free for a caller, after freeing up to n that only the index holds
+        (a hybrid model's pool)."""
+        with self._lock:
+            return 0 if self.windows is None else self._window_room(n)
 
     def assign_windows(self, block_ids: Sequence[int]) -> bool:
         """Give the caller's blocks (allocated without) their window parts, all or none:
@@ -473,10 +496,20 @@ class PrefixCache:
         self.pool.incref(fills)  # the index's reference; the caller keeps its own
         self._index_free(unkept)
         if unkept and self.windows is not None:  # cached blocks that lost their window part
-            cached = self.index.peek_prefix(keys, tokens).block_ids[start:]
-            self.windows.fill(cached, new[: len(cached)])
+            self._fill_windows(keys, tokens, new, start)
         self.tenants.blocks[tenant] += len(new) - len(unkept) + len(fills)
         return unkept
+
+    def _fill_windows(
+        self, keys: list[BlockHash], tokens: np.ndarray, block_ids: Sequence[int], start: int
+    ) -> None:
+        """Cached blocks keys[start:] without their window part get a copy of the caller's
+        (`block_ids`, its blocks for the same keys), slots permitting."""
+        cached = self.index.peek_prefix(keys, tokens).block_ids[start:]
+        wanted = [b for b in cached if b in self.windows.punched]
+        if wanted:
+            self._window_room(len(wanted))
+            self.windows.fill(cached, block_ids[: len(cached)])
 
     def _index_take(self, block_ids: Sequence[int]) -> None:
         """The index's reference to each block (a hybrid model's: with the window part if

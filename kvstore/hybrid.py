@@ -66,6 +66,12 @@ class IndexWindows:
         self.pool.drop_window(ids)
         return ids
 
+    def refilled(self, block_ids: Sequence[int]) -> None:
+        """Cached blocks the index had let go of the window parts of hold them again (given
+        slots and K/V by the caller: the index's)."""
+        self.punched.difference_update(block_ids)
+        self._held.update(dict.fromkeys(block_ids))
+
     def touch(self, block_ids: Sequence[int]) -> None:
         """A hit used these blocks' window parts: they go last when slots run short."""
         for b in block_ids:
@@ -103,7 +109,8 @@ class IndexWindows:
         if held is None:
             mask = self.plane.held(block_ids)
         else:
-            mask = [b in set(held) for b in block_ids] if held else [False] * len(block_ids)
+            held_set = set(held)
+            mask = [b in held_set for b in block_ids]
         masked = [b if h else None for b, h in zip(block_ids, mask, strict=True)]
         return window_prefix(masked, window_blocks)
 

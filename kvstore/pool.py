@@ -57,6 +57,24 @@ def window_slots(config: CacheConfig, num_blocks: int) -> int:
     return max(1, math.ceil(num_blocks * config.window_share))
 
 
+def _window_split(
+    config: CacheConfig, namespace: Namespace, num_window_layers: int, min_slots: int
+) -> tuple[int, int]:
+    """(window slots, blocks) of a hybrid pool: `window_share` slots per block, at least
+    `min_slots`; those past the share come out of a byte budget's blocks."""
+    num_blocks = pool_blocks(config, namespace, num_window_layers)
+    slots = window_slots(config, num_blocks)
+    if slots >= min_slots:
+        return slots, num_blocks
+    if config.device_blocks is not None:
+        return min_slots, num_blocks
+    gb = 1.0 if config.device_cache_gb is None else config.device_cache_gb
+    per_layer = bytes_per_block(namespace) / namespace.num_layers
+    left = gb * 2**30 - min_slots * per_layer * num_window_layers
+    num_full = namespace.num_layers - num_window_layers
+    return min_slots, max(0, int(left // (per_layer * num_full)))
+
+
 class BlockPool:
     """Paged KV storage. A block's ref_cnt counts its owners (the index, queued writes, ...);
     a block is on the free list iff its ref_cnt is 0.
@@ -101,10 +119,24 @@ class BlockPool:
 
     @classmethod
     def from_config(
-        cls, config: CacheConfig, namespace: Namespace, window_layers: Sequence[int] = ()
+        cls,
+        config: CacheConfig,
+        namespace: Namespace,
+        window_layers: Sequence[int] = (),
+        min_window_slots: int | None = None,
     ) -> BlockPool:
-        num_blocks = pool_blocks(config, namespace, len(window_layers))
-        slots = window_slots(config, num_blocks) if window_layers else None
+        """The configured pool; a hybrid pool with at least `min_window_slots` slots."""
+        num_blocks, slots = pool_blocks(config, namespace), None
+        if window_layers:
+            want = min_window_slots or 1
+            slots, num_blocks = _window_split(config, namespace, len(window_layers), want)
+            if slots > num_blocks:
+                field = "device_blocks" if config.device_blocks is not None else "device_cache_gb"
+                raise ConfigError(
+                    field,
+                    f"the pool holds {num_blocks} blocks, fewer than a request's window and "
+                    f"the blocks around it ({slots} blocks of {config.block_size} tokens)",
+                )
         device = resolve_device(config.device)
         return cls(num_blocks, namespace, device, window_layers, slots)
 

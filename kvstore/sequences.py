@@ -133,6 +133,8 @@ class BlockTables:
         the positions the next step computes."""
         need = self.blocks_for(num_tokens) - len(seq.block_table)
         hybrid = self.cache.windows is not None
+        if hybrid and not self._window_room(seq, num_tokens if compute_to is None else compute_to):
+            return False  # (before any block is taken: a grow that fails evicts nothing)
         ids = []
         if need > 0:
             ids = self.cache.allocate(need, all_or_none=True, window=not hybrid)
@@ -148,6 +150,22 @@ class BlockTables:
                 self.cache.free(ids, window=False)
             return False
         return True
+
+    def fit(self, seq: SeqBlocks, num_tokens: int, start: int, num_new: int) -> int | None:
+        """`grow` for a step that computes `num_new` positions from `start`: how many it
+        can (a hybrid model's step shrinks by halves to what its window slots hold), or
+        None when the pool cannot give even one."""
+        while not self.grow(seq, num_tokens, start + num_new):
+            if self.cache.windows is None or num_new <= 1:
+                return None
+            num_new = (num_new + 1) // 2
+        return num_new
+
+    def _window_room(self, seq: SeqBlocks, num_tokens: int) -> bool:
+        """Whether the window slots can hold the blocks of positions up to `num_tokens`
+        that have none yet (freeing slots only the index holds as needed)."""
+        need = self.blocks_for(num_tokens) - seq.num_window_end
+        return need <= 0 or self.cache.window_room(need) >= need
 
     def _reach(self, seq: SeqBlocks, num_tokens: int) -> bool:
         """Window parts for the blocks of positions up to `num_tokens` (a hybrid model's)."""

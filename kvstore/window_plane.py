@@ -52,6 +52,8 @@ class WindowPlane:
         if len(block_ids) > len(self._free):
             raise WindowPlaneError(f"need {len(block_ids)} window slots, {self.num_free} free")
         for block_id in block_ids:
+            if self.slot[block_id] != NO_SLOT:
+                raise WindowPlaneError(f"block {block_id} holds a window part already")
             self.slot[block_id] = self._free.pop()
             self.ref_cnt[block_id] = 1
 

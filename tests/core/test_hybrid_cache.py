@@ -44,6 +44,12 @@ def prefill(tables: BlockTables, ids: np.ndarray, seed: int = 0) -> SeqBlocks:
     return seq
 
 
+def as_layer(blocks: torch.Tensor) -> torch.Tensor:
+    """One layer's K (or V) of whole blocks [n, heads, BS, dim] -> [1, heads, n * BS, dim]."""
+    n, heads, _, dim = blocks.shape
+    return blocks.permute(1, 0, 2, 3).reshape(1, heads, n * BS, dim)
+
+
 def slots_in_use(cache: PrefixCache) -> int:
     return cache.pool.window.num_slots - cache.pool.window.num_free
 
@@ -312,3 +318,57 @@ def test_window_layers_that_are_every_layer_are_refused() -> None:
         PrefixCache(config, NS, window=WINDOW, window_layers=[0, 1, 2])
     with pytest.raises(ValueError, match="needs the window"):
         PrefixCache(config, NS, window_layers=[0])
+
+
+def test_a_hit_cut_short_unlocks_the_blocks_it_cannot_use() -> None:
+    cache = hybrid_cache()
+    tables = BlockTables(cache)
+    ids = tokens(48)
+    seq = prefill(tables, ids)
+    tables.slide(seq, 48)
+    tables.close(seq)
+    assert cache.index.num_evictable_blocks == 12
+    hit = cache.lookup(np.concatenate([ids[:24], tokens(9, seed=3)]))  # cut to 0 (above)
+    assert (hit.num_cached_tokens, hit.block_ids) == (0, [])
+    assert cache.index.num_evictable_blocks == 12  # its 6 matched blocks are not locked
+    cache.release(hit)
+    cache.check_integrity()
+
+
+def test_a_commit_refills_window_parts_even_when_the_index_holds_every_slot() -> None:
+    cache = hybrid_cache(blocks=40, window_share=0.5)  # 20 window slots
+    tables = BlockTables(cache)
+    ids = tokens(48)
+    seq = prefill(tables, ids, seed=1)
+    tables.slide(seq, 48)  # blocks 0..8 lose theirs
+    tables.close(seq)
+    for seed in range(3):  # other prompts' window parts fill the plane
+        tables.close(prefill(tables, tokens(20, seed=40 + seed)))
+    assert cache.pool.window.num_free == 20 - 3 - 15
+    other = np.concatenate([ids[:24], tokens(9, seed=3)])
+    b = prefill(tables, other, seed=2)  # recomputes 0..5: their window parts come back
+    assert not cache.windows.punched & set(cache.index.path_block_ids(b.node)[:6])
+    tables.close(b)
+    hit = cache.lookup(np.concatenate([ids[:24], tokens(9, seed=4)]))
+    assert hit.num_cached_tokens == 24
+    cache.release(hit)
+    cache.check_integrity()
+
+
+def test_store_refills_the_window_parts_of_a_cached_prefix_from_the_callers_kv() -> None:
+    cache = hybrid_cache()
+    tables = BlockTables(cache)
+    ids = tokens(48)
+    seq = prefill(tables, ids, seed=8)
+    want = cache.pool.read_blocks(seq.block_table)
+    tables.slide(seq, 48)
+    tables.close(seq)
+    prefix = np.concatenate([ids[:24], tokens(9, seed=3)])
+    assert cache.peek(prefix) == 0
+    layers = [tuple(as_layer(want[:, i, kv]) for kv in (0, 1)) for i in range(LAYERS)]
+    assert cache.store(ids, layers) == 0  # every block is cached: none new
+    assert cache.peek(prefix) == 24  # and blocks 0..8 hold their window parts again
+    hit = cache.lookup(prefix)
+    assert torch.equal(cache.pool.read_blocks(hit.block_ids), want[:6])
+    cache.release(hit)
+    cache.check_integrity()

@@ -234,9 +234,8 @@ def test_a_hybrid_prompt_longer_than_the_window_slots_is_served_in_chunks() -> N
     # chunk by chunk and lets go of them as its window slides; 2 requests at once
     model = model_of("gemma2")
     config = micro_cache_config(device_blocks=48, window_share=0.25)
-    sched = SchedulerConfig(max_num_batched_tokens=16)
     prompts = [tokens(100, seed=21), tokens(9, seed=22)]
-    with Engine(model, config, scheduler_config=sched) as engine:
+    with Engine(model, config) as engine:  # a step budget of 256 tokens: steps shrink
         assert engine.cache.pool.window.num_slots == 12
         requests = engine.add_requests([Request(p, GREEDY) for p in prompts])
         results = [r.future.result(60) for r in requests]  # (admitted at all: no hang)
@@ -246,3 +245,37 @@ def test_a_hybrid_prompt_longer_than_the_window_slots_is_served_in_chunks() -> N
     assert again.cached_tokens == 100  # its prompt's window kept its window parts
     for prompt, result in zip(prompts + prompts[:1], [*results, again], strict=True):
         assert greedy_matches_reference(model, prompt, result.output_token_ids)
+
+
+def test_a_hybrid_synchronous_prefill_longer_than_the_window_slots_runs_in_chunks() -> None:
+    model, prompt = model_of("qwen2-hybrid"), tokens(100, seed=23)
+    config = micro_cache_config(device_blocks=48, window_share=0.25)  # 12 slots
+    with Engine(model, config) as engine:
+        logits, cached = engine.prefill_logits(prompt)
+        # chunks of 25, 38 and 37 tokens (halved until their blocks' window parts fit);
+        # the index keeps those of the last chunk's 11 blocks, the scratch block has one
+        plane = engine.cache.pool.window
+        assert (plane.num_free, len(engine.cache.windows.punched)) == (0, 14)
+        again, cached_again = engine.prefill_logits(prompt)  # slots come back from the index
+        assert (plane.num_free, len(engine.cache.windows.punched)) == (1, 15)
+        engine.cache.check_integrity()
+    assert (cached, cached_again) == (0, 96)
+    want = reference_logits(model, prompt)[-1]
+    assert close_to_reference(logits, want) and close_to_reference(again, want)
+
+
+def test_a_step_reading_a_block_without_its_window_part_is_refused() -> None:
+    from engine.paged import PagedAttentionError, Row
+
+    with Engine(model_of("gemma2"), micro_cache_config()) as engine:
+        block = engine.cache.allocate(1, window=False)
+        with pytest.raises(PagedAttentionError, match="without window parts"):
+            engine.on_loop(lambda: engine.runner.forward([Row(block, 0, 3)], [[1, 2, 3]], [0]))
+        engine.cache.free(block, window=False)
+
+
+def test_a_hybrid_pool_smaller_than_a_window_is_refused_at_start() -> None:
+    from kvstore.config import ConfigError
+
+    with pytest.raises(ConfigError, match="fewer than a request's window"):
+        Engine(model_of("gemma2"), micro_cache_config(device_blocks=4))  # window: 2 blocks + 3
