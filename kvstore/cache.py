@@ -21,6 +21,7 @@ import torch
 from hashing import BlockHash, Namespace, as_token_array
 from kvstore.config import CacheConfig
 from kvstore.events import BlockStored, EventSink
+from kvstore.held import HeldBlocks
 from kvstore.hybrid import IndexWindows
 from kvstore.index import MatchResult, RadixIndex, TreeNode
 from kvstore.layout import LayerKV
@@ -54,15 +55,7 @@ class CacheHit:
     window_from: int = 0  # a hybrid model's hit holds window parts of block_ids[window_from:]
 
 
-class Commit(NamedTuple):
-    """Where a `PrefixCache.commit` left a caller's path."""
-
-    node: TreeNode | None  # the locked last node of the committed path
-    num_blocks: int  # leading blocks committed (the path's length)
-    kept: int  # new blocks the index kept
-
-
-class PrefixCache:
+class PrefixCache(HeldBlocks):
     """Prefix-caching KV store for one namespace (model, KV format, tenant)."""
 
     def __init__(
@@ -190,11 +183,7 @@ class PrefixCache:
         keeps the window parts of its last window's blocks (of `windows`, those it took)
         and lets go of the others, and of the blocks after, whose lock goes too."""
         with self._lock:
-            point = self.windows.hit_point(hit.block_ids, self.window_blocks, windows)
-            first = max(0, point - self.window_blocks)
-            keep = set(hit.block_ids[first:point])
-            self._give_back(hit.block_ids[point:], [b for b in windows if b not in keep])
-            self.windows.touch(hit.block_ids[first:point])
+            point, first = self.windows.cut(hit.block_ids, windows, self.window_blocks)
             if point < len(hit.block_ids):
                 hit.node = self._relock(hit.keys[:point], tokens, hit.node).last_node
         bs = self.block_size
@@ -316,7 +305,7 @@ class PrefixCache:
             self.index.lock(match.last_node)
             try:
                 if self.windows is not None:  # cached blocks that lost their window part
-                    self._refill_windows(match.block_ids, layers)
+                    self.windows.refill(match.block_ids, layers)
                 want = min(len(keys) - match.num_blocks, self.tenants.quota_left(tenant))
                 new_ids = self._allocate(max(want, 0))
                 if new_ids:
@@ -331,147 +320,6 @@ class PrefixCache:
                 self.index.unlock(match.last_node)
         self.metrics.inc("stored_blocks_total", len(new_ids))
         return len(new_ids)
-
-    def _refill_windows(self, block_ids: list[int], layers: Sequence[LayerKV]) -> None:
-        """`store` of a prefix whose cached blocks lost their window part: give them one
-        from the caller's K/V (block i holds its positions), slots permitting."""
-        wanted = [(i, b) for i, b in enumerate(block_ids) if b in self.windows.punched]
-        wanted = wanted[: self._window_room(len(wanted))]
-        for i, b in wanted:
-            self.pool.assign_window([b])  # the index's now
-            self.pool.scatter([b], layers, start_token=i * self.block_size)
-        self.windows.refilled([b for _, b in wanted])
-
-    # --- blocks held by a caller (an engine's block tables) ---------------------------------
-
-    def hold(self, hit: CacheHit) -> None:
-        """The caller takes over the hit's reference to each of its blocks and its lock
-        (`hit.node`): the hit counts as released, the caller ends both with
-        `drop(hit.node, its block ids)`."""
-        with self._lock:
-            if hit.released:
-                raise ValueError("hold() of a released CacheHit")
-            hit.released = True
-
-    def allocate(self, n: int, all_or_none: bool = False, window: bool = True) -> list[int]:
-        """Up to n fresh blocks owned by the caller (evicting unlocked cached blocks as
-        needed); with `all_or_none`, n blocks or none. On a hybrid model's pool, `window`
-        gives each its window part too; without, the caller adds them (`assign_windows`)."""
-        with self._lock:
-            if all_or_none and self.num_available() < n:
-                return []
-            ids = self._allocate(n, window)
-            if all_or_none and len(ids) < n:
-                self.pool.free(ids, window=window)
-                return []
-            return ids
-
-    def window_room(self, n: int) -> int:
-        """Window slots free for a caller, after freeing up to n that only the index holds
-        (a hybrid model's pool)."""
-        with self._lock:
-            return 0 if self.windows is None else self._window_room(n)
-
-    def assign_windows(self, block_ids: Sequence[int]) -> bool:
-        """Give the caller's blocks (allocated without) their window parts, all or none:
-        free slots, then slots only the index holds (a hybrid model's pool)."""
-        with self._lock:
-            if self.windows is None or not block_ids:
-                return True
-            if self._window_room(len(block_ids)) < len(block_ids):
-                return False
-            self.pool.assign_window(block_ids)
-            return True
-
-    def num_available(self) -> int:
-        """Blocks a caller could get now: free, or cached and unlocked (evictable). (A hybrid
-        model's window slots are asked for apart: `assign_windows`.)"""
-        with self._lock:
-            return self.pool.num_free_blocks + self.index.num_evictable_blocks + len(self.tails)
-
-    def free(self, block_ids: Sequence[int], window: bool = True) -> None:
-        """Drop the caller's reference to each block (on a hybrid model's pool, with its
-        window part unless not `window`)."""
-        with self._lock:
-            self.pool.free(block_ids, window=window)
-
-    def drop_window(self, block_ids: Sequence[int]) -> None:
-        """The caller keeps each block but lets go of its window part (a hybrid model's
-        request whose window slid past them)."""
-        with self._lock:
-            self.pool.drop_window(block_ids)
-
-    def commit(
-        self,
-        keys: list[BlockHash],
-        token_ids: np.ndarray,
-        block_ids: Sequence[int],
-        start: int,
-        cache_salt: str,
-        tenant: str,
-        node: TreeNode | None,
-    ) -> Commit:
-        """Give the index the caller's blocks keys[start:] (written, full; block_ids[i] holds
-        keys[i], the leading `start` are the caller's committed path, locked at `node`).
-        The caller keeps its references; the lock moves to the new path's last node. Fewer
-        blocks are committed when `tenant` is at its quota."""
-        with self._lock:
-            n = min(len(keys), start + max(self.tenants.quota_left(tenant), 0))
-            if n <= start:
-                return Commit(node, start, 0)
-            unkept = self._insert(keys[:n], token_ids, block_ids[:n], start, cache_salt, tenant)
-            match = self._relock(keys[:n], token_ids, node)
-            if self.tiers:  # write-through: an independent copy of whole chunks, taken now
-                scope = self.scopes.get(cache_salt)
-                self.tiers.on_store(scope, keys[:n], token_ids, start, block_ids[:n])
-        kept = n - start - len(unkept)
-        self.metrics.inc("stored_blocks_total", kept)
-        return Commit(match.last_node, n, kept)
-
-    def drop(
-        self, node: TreeNode | None, block_ids: Sequence[int], windows: Sequence[int] | None = None
-    ) -> None:
-        """Unlock `node` (if any) and drop the caller's reference to each block; a hybrid
-        model's caller holds the window parts of `windows` only (None: of every block)."""
-        with self._lock:
-            if node is not None:
-                self.index.unlock(node)
-            self._give_back(block_ids, block_ids if windows is None else windows)
-
-    def punch(self, node: TreeNode, lo: int, hi: int) -> int:
-        """A window cache's running request at `node` slid past blocks [lo, hi) of its path:
-        drop the index's copies (`RadixIndex.punch`; write-back tiers get them first).
-        Returns the number of blocks freed."""
-        if self.window_blocks is None:
-            raise ValueError("punch() needs a cache built with a window")
-        if self.windows is not None:
-            return self._punch_windows(node, lo, hi)
-        with self._lock:
-            if self.tiers and self.tiers.writes_evicted:
-                self._write_back_path(node, lo, hi)
-            freed = self.index.punch(node, lo, hi, self.window_blocks, self.punch_align)
-            if freed:
-                _, tenant = self.tenants.path(self._first_key(node))
-                self.tenants.blocks[tenant] -= len(freed)
-                self.pool.free(freed)
-        self.metrics.inc("windowed_out_blocks_total", len(freed))
-        return len(freed)
-
-    def _punch_windows(self, node: TreeNode, lo: int, hi: int) -> int:
-        """`punch` for a hybrid model: the index lets go of the window parts only (their
-        full parts stay cached; every tier wrote them whole when they were committed)."""
-        with self._lock:
-            ids = self.index.punchable(node, lo, hi, self.window_blocks, self.punch_align)
-            ids = self.windows.punch(ids)
-        self.metrics.inc("windowed_out_blocks_total", len(ids))
-        return len(ids)
-
-    def _write_back_path(self, node: TreeNode, lo: int, hi: int) -> None:
-        """Write-back tiers get blocks [lo, hi) of `node`'s path, before they lose a part."""
-        keys, ids = self.index.path_keys(node), self.index.path_block_ids(node)
-        tokens = self.index.path_token_ids(node)
-        cache_salt, _ = self.tenants.path(self._first_key(node))
-        self.tiers.on_evict(self.scopes.get(cache_salt), keys[:hi], tokens, lo, ids[:hi])
 
     # --- internals (the caller holds the lock) ---------------------------------------------
 
@@ -496,20 +344,9 @@ class PrefixCache:
         self.pool.incref(fills)  # the index's reference; the caller keeps its own
         self._index_free(unkept)
         if unkept and self.windows is not None:  # cached blocks that lost their window part
-            self._fill_windows(keys, tokens, new, start)
+            self.windows.fill(self.index.peek_prefix(keys, tokens).block_ids[start:], new)
         self.tenants.blocks[tenant] += len(new) - len(unkept) + len(fills)
         return unkept
-
-    def _fill_windows(
-        self, keys: list[BlockHash], tokens: np.ndarray, block_ids: Sequence[int], start: int
-    ) -> None:
-        """Cached blocks keys[start:] without their window part get a copy of the caller's
-        (`block_ids`, its blocks for the same keys), slots permitting."""
-        cached = self.index.peek_prefix(keys, tokens).block_ids[start:]
-        wanted = [b for b in cached if b in self.windows.punched]
-        if wanted:
-            self._window_room(len(wanted))
-            self.windows.fill(cached, block_ids[: len(cached)])
 
     def _index_take(self, block_ids: Sequence[int]) -> None:
         """The index's reference to each block (a hybrid model's: with the window part if
@@ -555,9 +392,9 @@ class PrefixCache:
 
     def _allocate(self, n: int, window: bool = True) -> list[int]:
         """Up to n free blocks, evicting unlocked leaves as needed (on a hybrid model's pool
-        with `window`, as many as there are window slots for: `_window_room`)."""
+        with `window`, as many as there are window slots for)."""
         if window and self.windows is not None:
-            n = min(n, self._window_room(n))
+            n = min(n, self.windows.room(n))
         short = n - self.pool.num_free_blocks
         if short > 0:
             short -= len(self._evict(short))
@@ -567,13 +404,6 @@ class PrefixCache:
             return self.pool.allocate(n, window)
         except PoolExhausted:
             return self.pool.allocate(min(n, self.pool.num_free_blocks), window)
-
-    def _window_room(self, n: int) -> int:
-        """Free window slots, after taking back up to what n needs from those only the
-        index holds (least recently hit first)."""
-        if n > self.pool.window.num_free:
-            self.windows.reclaim(n - self.pool.window.num_free)
-        return self.pool.window.num_free
 
     def _evict(self, n: int) -> list[int]:
         """Evict up to n unlocked blocks and free them."""

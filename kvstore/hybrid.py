@@ -20,6 +20,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from kvstore.index import RadixIndex
+from kvstore.layout import LayerKV
 from kvstore.pool import BlockPool
 from kvstore.window import window_prefix
 
@@ -66,11 +67,38 @@ class IndexWindows:
         self.pool.drop_window(ids)
         return ids
 
-    def refilled(self, block_ids: Sequence[int]) -> None:
-        """Cached blocks the index had let go of the window parts of hold them again (given
-        slots and K/V by the caller: the index's)."""
-        self.punched.difference_update(block_ids)
-        self._held.update(dict.fromkeys(block_ids))
+    def refill(self, block_ids: Sequence[int], layers: Sequence[LayerKV]) -> None:
+        """A caller's K/V of a cached path (`block_ids`; block i holds positions from
+        i * block_size): its blocks without their window part get one, slots permitting."""
+        wanted = [(i, b) for i, b in enumerate(block_ids) if b in self.punched]
+        wanted = wanted[: self.room(len(wanted))]
+        for i, b in wanted:
+            self.pool.assign_window([b])  # the index's
+            self.pool.scatter([b], layers, start_token=i * self.pool.block_size)
+            self.punched.discard(b)
+            self._held[b] = None
+
+    def room(self, n: int) -> int:
+        """Free window slots, after taking back up to what n needs from those only the
+        index holds (`reclaim`)."""
+        if n > self.plane.num_free:
+            self.reclaim(n - self.plane.num_free)
+        return self.plane.num_free
+
+    def cut(
+        self, block_ids: Sequence[int], windows: Sequence[int], window_blocks: int
+    ) -> tuple[int, int]:
+        """A hit of `block_ids` holding the window parts of `windows`, cut to its usable
+        prefix: (its point, its first window block). It keeps the window parts of blocks
+        [first, point) (counted as hit), lets go of the others and of the blocks past the
+        point (their references: a hit holds every block's full part)."""
+        point = self.hit_point(block_ids, window_blocks, windows)
+        first = max(0, point - window_blocks)
+        keep = set(block_ids[first:point])
+        self.pool.drop_window([b for b in windows if b not in keep])
+        self.pool.free(block_ids[point:], window=False)
+        self.touch(block_ids[first:point])
+        return point, first
 
     def touch(self, block_ids: Sequence[int]) -> None:
         """A hit used these blocks' window parts: they go last when slots run short."""
@@ -80,8 +108,10 @@ class IndexWindows:
 
     def fill(self, index_ids: Sequence[int], caller_ids: Sequence[int]) -> int:
         """After an insert found keys cached: each index block that let go of its window part
-        gets a copy of the caller's block for the same key (its K/V for the same tokens).
-        Returns how many were filled (each needs a free slot)."""
+        gets a copy of the caller's block for the same key (its K/V for the same tokens),
+        slots permitting (`room`). Returns how many were filled."""
+        caller_ids = caller_ids[: len(index_ids)]
+        self.room(sum(b in self.punched for b in index_ids))
         filled = 0
         for b, c in zip(index_ids, caller_ids, strict=True):
             if b != c and b in self.punched and self.plane.fill(b, c):
