@@ -50,6 +50,20 @@ def as_layer(blocks: torch.Tensor) -> torch.Tensor:
     return blocks.permute(1, 0, 2, 3).reshape(1, heads, n * BS, dim)
 
 
+def decoded_past_its_window(cache: PrefixCache, seed: int = 0) -> tuple[np.ndarray, torch.Tensor]:
+    """A request that prefilled 48 tokens and slid to position 48 (it let go of the window
+    parts of blocks 0..9, the index of 0..8: 9..11 are its prompt's window), then closed:
+    its tokens and its 12 blocks' K/V as written."""
+    tables = BlockTables(cache)
+    ids = tokens(48)
+    seq = prefill(tables, ids, seed)
+    written = cache.pool.read_blocks(seq.block_table)
+    cache.flush()  # (write-through tiers: written while every part is held)
+    tables.slide(seq, 48)
+    tables.close(seq)
+    return ids, written
+
+
 def slots_in_use(cache: PrefixCache) -> int:
     return cache.pool.window.num_slots - cache.pool.window.num_free
 
@@ -134,12 +148,7 @@ def test_a_request_decoding_past_its_window_holds_every_full_part_and_its_window
 
 def test_a_hit_ends_where_its_windows_parts_are_held_and_loads_the_cached_bytes() -> None:
     cache = hybrid_cache()
-    tables = BlockTables(cache)
-    ids = tokens(48)
-    seq = prefill(tables, ids)
-    want = cache.pool.read_blocks(seq.block_table)
-    tables.slide(seq, 48)  # the request and the index let go of blocks 0..9's window parts
-    tables.close(seq)
+    ids, want = decoded_past_its_window(cache)
     # the whole prompt hits: the window before its end (blocks 10, 11) is held
     hit = cache.lookup(ids, whole_prompt=True)
     assert (hit.num_cached_tokens, hit.window_from) == (48, 10)
@@ -162,10 +171,7 @@ def test_a_hit_ends_where_its_windows_parts_are_held_and_loads_the_cached_bytes(
 def test_a_recomputed_prefix_gives_the_cached_blocks_their_window_parts_back() -> None:
     cache = hybrid_cache()
     tables = BlockTables(cache)
-    ids = tokens(48)
-    a = prefill(tables, ids, seed=1)
-    tables.slide(a, 48)
-    tables.close(a)
+    ids, _ = decoded_past_its_window(cache, seed=1)
     other = np.concatenate([ids[:24], tokens(9, seed=3)])
     b = prefill(tables, other, seed=2)  # misses (above), recomputes blocks 0..5, commits
     assert b.num_cached_tokens == 0
@@ -215,12 +221,7 @@ def test_a_hybrid_hit_cannot_be_copied_block_for_block() -> None:
 
 def test_lmdb_gives_back_every_layer_of_a_block_whose_window_part_left_the_device(tmp_path) -> None:
     cache = hybrid_cache(lmdb_dir=str(tmp_path / "kv"))
-    tables = BlockTables(cache)
-    ids = tokens(48)
-    seq = prefill(tables, ids, seed=5)
-    want = cache.pool.read_blocks(seq.block_table)  # written through while both parts held
-    tables.slide(seq, 48)
-    tables.close(seq)
+    ids, want = decoded_past_its_window(cache, seed=5)
     cache.flush()
     assert cache.evict_device() == 12
     hit = cache.lookup(ids, whole_prompt=True)
@@ -295,13 +296,8 @@ def test_blocks_without_window_parts_are_given_them_all_or_none() -> None:
 
 def test_a_tier_gives_back_window_parts_the_device_let_go_of(tmp_path) -> None:
     cache = hybrid_cache(lmdb_dir=str(tmp_path / "kv"))
-    tables = BlockTables(cache)
-    ids = tokens(48)
-    seq = prefill(tables, ids, seed=7)
-    want = cache.pool.read_blocks(seq.block_table[4:6])
-    cache.flush()
-    tables.slide(seq, 48)  # blocks 0..8 lose their window parts on the device
-    tables.close(seq)
+    ids, written = decoded_past_its_window(cache, seed=7)  # 0..8 lose theirs on the device
+    want = written[4:6]
     # a prompt leaving the path after block 5 needs 4's and 5's: LMDB has them whole
     hit = cache.lookup(np.concatenate([ids[:24], tokens(9, seed=3)]))
     assert (hit.num_cached_tokens, hit.tier_tokens) == (24, {"device": 16, "lmdb": 8})
@@ -322,11 +318,7 @@ def test_window_layers_that_are_every_layer_are_refused() -> None:
 
 def test_a_hit_cut_short_unlocks_the_blocks_it_cannot_use() -> None:
     cache = hybrid_cache()
-    tables = BlockTables(cache)
-    ids = tokens(48)
-    seq = prefill(tables, ids)
-    tables.slide(seq, 48)
-    tables.close(seq)
+    ids, _ = decoded_past_its_window(cache)
     assert cache.index.num_evictable_blocks == 12
     hit = cache.lookup(np.concatenate([ids[:24], tokens(9, seed=3)]))  # cut to 0 (above)
     assert (hit.num_cached_tokens, hit.block_ids) == (0, [])
@@ -338,10 +330,7 @@ def test_a_hit_cut_short_unlocks_the_blocks_it_cannot_use() -> None:
 def test_a_commit_refills_window_parts_even_when_the_index_holds_every_slot() -> None:
     cache = hybrid_cache(blocks=40, window_share=0.5)  # 20 window slots
     tables = BlockTables(cache)
-    ids = tokens(48)
-    seq = prefill(tables, ids, seed=1)
-    tables.slide(seq, 48)  # blocks 0..8 lose theirs
-    tables.close(seq)
+    ids, _ = decoded_past_its_window(cache, seed=1)
     for seed in range(3):  # other prompts' window parts fill the plane
         tables.close(prefill(tables, tokens(20, seed=40 + seed)))
     assert cache.pool.window.num_free == 20 - 3 - 15
@@ -357,12 +346,7 @@ def test_a_commit_refills_window_parts_even_when_the_index_holds_every_slot() ->
 
 def test_store_refills_the_window_parts_of_a_cached_prefix_from_the_callers_kv() -> None:
     cache = hybrid_cache()
-    tables = BlockTables(cache)
-    ids = tokens(48)
-    seq = prefill(tables, ids, seed=8)
-    want = cache.pool.read_blocks(seq.block_table)
-    tables.slide(seq, 48)
-    tables.close(seq)
+    ids, want = decoded_past_its_window(cache, seed=8)
     prefix = np.concatenate([ids[:24], tokens(9, seed=3)])
     assert cache.peek(prefix) == 0
     layers = [tuple(as_layer(want[:, i, kv]) for kv in (0, 1)) for i in range(LAYERS)]

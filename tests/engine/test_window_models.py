@@ -100,27 +100,35 @@ def test_a_hybrid_models_window_layers_read_their_window_from_the_window_plane(a
     assert perturbed_prefill(arch, block=6, layers="window")  # 24..27: no window sees them
 
 
-def test_a_hybrid_models_shared_prefix_is_recomputed_once_then_kept_at_its_branch() -> None:
-    # window 6, blocks of 4: a hit at block 6 (the 24-token system prompt) needs the window
-    # parts of blocks 4 and 5
-    model, system = model_of("gemma2"), tokens(24, seed=1)
+def shared_system_prompt(arch: str) -> tuple[list[int], int, int]:
+    """Three prompts sharing a 24-token system prompt, one after another, each meeting its
+    reference: their cached tokens, the blocks (a hybrid model's window parts) the index
+    let go of, and the blocks it holds at the end."""
+    model, system = model_of(arch), tokens(24, seed=1)
     prompts = [system + tokens(5, 2), system + tokens(6, 3), system + tokens(7, 4)]
     with Engine(model, micro_cache_config()) as engine:
         results = [engine.generate([p], GREEDY)[0] for p in prompts]
         engine.cache.check_integrity()
         windowed_out = engine.cache.metrics.get("windowed_out_blocks_total")
         cached_blocks = engine.cache.index.num_cached_blocks
+    for prompt, result in zip(prompts, results, strict=True):
+        assert greedy_matches_reference(model, prompt, result.output_token_ids)
+    return [r.cached_tokens for r in results], windowed_out, cached_blocks
+
+
+def test_a_hybrid_models_shared_prefix_is_recomputed_once_then_kept_at_its_branch() -> None:
+    # window 6, blocks of 4: a hit at block 6 (the 24-token system prompt) needs the window
+    # parts of blocks 4 and 5
+    cached, windowed_out, cached_blocks = shared_system_prompt("gemma2")
     # a decoded past block 4, so its index let go of window parts 0..4 (5 and 6: its
     # prompt's window); b recomputes the system prompt, its commit gives blocks 0..5 their
     # window parts back, and its branch point keeps 4 and 5's from then on: c hits
-    assert [r.cached_tokens for r in results] == [0, 0, 24]
+    assert cached == [0, 0, 24]
     # let go as each request slid on (40, 41, 42 positions: to blocks 8, 9, 9), less the
     # window before each prompt's end (5, 6) and before the branch (4, 5): a 0..4 and 7,
     # b 0..3 (filled back by its commit), 7 and 8, c 7 and 8
     assert windowed_out == 14
     assert cached_blocks == 6 + 3 * 4  # every full part: the system prompt, 4 blocks each
-    for prompt, result in zip(prompts, results, strict=True):
-        assert greedy_matches_reference(model, prompt, result.output_token_ids)
 
 
 def test_gemma2_softcapping_changes_the_output_and_the_engine_applies_it() -> None:
@@ -182,21 +190,14 @@ def test_a_window_models_pool_keeps_its_window_and_lmdb_every_position(tmp_path)
 
 def test_a_window_models_shared_prefix_is_recomputed_once_then_kept_at_its_branch() -> None:
     # window 7, blocks of 4: a hit at block 6 (the 24-token system prompt) needs blocks 4, 5
-    model, system = model_of("mistral-window"), tokens(24, seed=1)
-    prompts = [system + tokens(5, 2), system + tokens(6, 3), system + tokens(7, 4)]
-    with Engine(model, micro_cache_config()) as engine:
-        results = [engine.generate([p], GREEDY)[0] for p in prompts]
-        engine.cache.check_integrity()
-        windowed_out = engine.cache.metrics.get("windowed_out_blocks_total")
+    cached, windowed_out, _ = shared_system_prompt("mistral-window")
     # a decoded past block 5, dropping it: b recomputes the prompt and its branch point
     # keeps blocks 4 and 5 from then on, so c hits the whole system prompt
-    assert [r.cached_tokens for r in results] == [0, 0, 24]
+    assert cached == [0, 0, 24]
     # dropped from the index as each request slid on (40, 41, 42 positions: blocks 0..7,
     # 0..7, 4..8), less the window before each prompt's end (5, 6) and before the branch
     # point (4, 5): a 0-4 and 7, b 0-3 and 7, c 7 and 8
     assert windowed_out == 13
-    for prompt, result in zip(prompts, results, strict=True):
-        assert greedy_matches_reference(model, prompt, result.output_token_ids)
 
 
 def per_request_run_on_dropped_blocks(perturb: bool) -> bool:
