@@ -11,8 +11,8 @@ _EXPORTS = {
     "CacheConfig": "kvstore.config",
     "ConfigError": "kvstore.config",
     "PrefixCache": "kvstore.cache",
-    "CacheHit": "kvstore.cache",
-    "KVPrefix": "kvstore.cache",
+    "CacheHit": "kvstore.hits",
+    "KVPrefix": "kvstore.hits",
 }
 __all__ = list(_EXPORTS)
 

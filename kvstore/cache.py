@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -22,6 +20,7 @@ from hashing import BlockHash, Namespace, as_token_array
 from kvstore.config import CacheConfig
 from kvstore.events import BlockStored, EventSink
 from kvstore.held import HeldBlocks
+from kvstore.hits import CacheHit, KVPrefix
 from kvstore.hybrid import IndexWindows
 from kvstore.index import MatchResult, RadixIndex, TreeNode
 from kvstore.layout import LayerKV
@@ -34,25 +33,6 @@ from kvstore.tails import TailCache, tail_capacity
 from kvstore.tenants import TenantBlocks
 from kvstore.tiers import Tiers
 from kvstore.window import cut_to_window, gather_window, window_prefix
-
-
-class KVPrefix(NamedTuple):
-    num_tokens: int
-    layers: list[LayerKV]  # per layer (K, V): [1, kv_heads, num_tokens, head_dim]
-
-
-@dataclass
-class CacheHit:
-    """A locked cached prefix of a prompt. Release it with `PrefixCache.release`."""
-
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    block_ids: list[int | None]  # None: a block a sliding-window hit does not need
-    tier_tokens: dict[str, int] = field(default_factory=dict)  # cached tokens by source tier
-    node: TreeNode | None = None
-    keys: list[BlockHash] = field(default_factory=list)  # lookup keys of the prompt's blocks
-    released: bool = False
-    window_from: int = 0  # a hybrid model's hit holds window parts of block_ids[window_from:]
 
 
 class PrefixCache(HeldBlocks):

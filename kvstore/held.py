@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 
 from hashing import BlockHash
+from kvstore.hits import CacheHit
 from kvstore.index import TreeNode
 
 if TYPE_CHECKING:
-    from kvstore.cache import CacheHit
     from kvstore.hybrid import IndexWindows
     from kvstore.index import RadixIndex
     from kvstore.metrics import CacheMetrics
