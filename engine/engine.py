@@ -13,11 +13,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
-from contextlib import nullcontext
-from dataclasses import replace
-from typing import NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -41,6 +38,7 @@ from engine.request import (
 from engine.runner import start_paged
 from engine.scheduler import QueueStats, Scheduled, Scheduler, SchedulerConfig
 from engine.sequential import SequentialPath
+from engine.sync_paths import SyncPaths
 from engine.threads import LoopCalls
 from hashing import Namespace, validate_salt
 from kvstore.cache import PrefixCache
@@ -49,13 +47,6 @@ from kvstore.events import EventSink
 from kvstore.sequences import BlockTables, SeqBlocks
 
 log = logging.getLogger("kvstore.engine")
-T = TypeVar("T")
-
-
-class PrefillResult(NamedTuple):
-    logits: torch.Tensor  # [vocab] float32, last prompt position
-    cached_tokens: int
-    cached_by_tier: dict[str, int]
 
 
 def _cache_for(
@@ -71,11 +62,7 @@ def _cache_for(
     return PrefixCache(config, namespace, events=events, window=window)
 
 
-class PoolExhaustedError(RuntimeError):
-    """The device pool cannot hold a synchronous prefill now (running requests hold it)."""
-
-
-class Engine:
+class Engine(SyncPaths):
     """Generates with prefix caching through one `PrefixCache` for the model's namespace."""
 
     def __init__(
@@ -251,97 +238,6 @@ class Engine:
     def alive(self) -> bool:
         return self._worker.is_alive()
 
-    # --- synchronous single-request paths (per-request DynamicCache) ------------------------
-
-    def run(
-        self,
-        token_ids: list[int],
-        params: SamplingParams,
-        cache_salt: str = "",
-        on_token: TokenCallback | None = None,
-        tenant: str = "",
-    ) -> GenerateResult:
-        """One request, synchronously, on the per-request path (validated token ids), on the
-        loop thread and its linear kernels."""
-
-        def run() -> GenerateResult:
-            with self._forward_lock:
-                return self.sequential.run(token_ids, params, cache_salt, on_token, tenant)
-
-        return self.on_loop(run)
-
-    def prefill(self, token_ids: list[int], cache_salt: str = "") -> PrefillResult:
-        """Lookup, load and prefill of the rest of validated token ids (the last token is always
-        computed); stores nothing. Paged when the model is, else on a DynamicCache."""
-        return self._prefill(token_ids, cache_salt, store=False)
-
-    def prefill_logits(self, token_ids: Sequence[int]) -> tuple[torch.Tensor, int]:
-        """Last-position logits ([vocab], float32) and cached_tokens; stores the prompt's blocks."""
-        ids = self.encode(list(token_ids), SamplingParams(max_new_tokens=1))
-        pre = self._prefill(ids, "", store=True)
-        return pre.logits, pre.cached_tokens
-
-    def _prefill(self, ids: list[int], salt: str, store: bool) -> PrefillResult:
-        return self._calls.call(lambda: self._prefill_here(ids, salt, store), self._refusal)
-
-    def on_loop(self, function: Callable[[], T], step_kernels: bool = True) -> T:
-        """`function()` on the engine's loop thread, between steps: model work of the
-        caller's own (a reference, a benchmark's baseline) in the process's one OpenMP team
-        (engine/threads.py); with `step_kernels`, on the linear kernels of the engine's
-        steps too (engine/linear.py), else on the model's own. The caller's grad and
-        inference modes go with it. `function` must not wait on the engine (a request's
-        result, `close`): the loop runs nothing else meanwhile."""
-        packed = step_kernels and self.runner is not None
-        inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
-
-        def run() -> T:
-            kernels = self.runner.linear_step() if packed else nullcontext()
-            with torch.inference_mode(inference), torch.set_grad_enabled(grad), kernels:
-                return function()
-
-        return self._calls.call(run, self._refusal)
-
-    def _refusal(self) -> EngineClosedError | None:
-        return EngineClosedError("the engine is closed") if self._closed else None
-
-    def _prefill_here(self, ids: list[int], salt: str, store: bool) -> PrefillResult:
-        if self.runner is None:
-            with self._forward_lock, torch.inference_mode():
-                pre = self.sequential.prefill(ids, salt)
-                if store:
-                    self.sequential.store(ids, [], pre, salt)
-            return PrefillResult(pre.logits, pre.cached_tokens, pre.cached_by_tier)
-        seq = self.tables.open(ids, salt, "", whole_prompt=False)
-        try:
-            start = seq.num_cached_tokens
-            logits = self._forward_here(seq, ids, start, store)
-            if store:
-                self.tables.commit(seq, ids, len(ids))
-            return PrefillResult(logits, start, dict(seq.tier_tokens))
-        finally:
-            self.tables.close(seq)
-
-    def _forward_here(
-        self, seq: SeqBlocks, ids: list[int], start: int, store: bool
-    ) -> torch.Tensor:
-        """Last-position logits of ids[start:], in one forward outside the loop (no decode
-        mirror: it would drop the loop's); a hybrid model's in the chunks its window slots
-        hold, each committed (with `store`) before its window slides on."""
-        pos = start
-        while True:
-            num_new = self.tables.fit(seq, len(ids), pos, len(ids) - pos)
-            if num_new is None:
-                raise PoolExhaustedError(f"the device pool cannot hold {len(ids)} tokens now")
-            row = replace(self._table_row(seq, pos, num_new), seq=None)
-            with self._forward_lock:
-                logits = self.runner.forward([row], [ids[pos : pos + num_new]], [0])[0]
-            pos += num_new
-            if pos == len(ids):
-                return logits
-            if store:
-                self.tables.commit(seq, ids, pos)
-            self.tables.slide(seq, pos)
-
     # --- the loop -------------------------------------------------------------------------
 
     def _idle(self) -> bool:
@@ -426,6 +322,7 @@ class Engine:
         limit = state.num_computed
         if not self.cache_generated:
             limit = min(limit, len(row.request.token_ids))
+            state.blocks.commit_end = len(row.request.token_ids)
         if limit // self.tables.block_size > state.blocks.num_committed:  # a block filled
             self.tables.commit(state.blocks, row.request.token_slice(0, limit), limit)
         self.tables.slide(state.blocks, state.num_computed)  # a window model's old blocks

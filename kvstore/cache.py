@@ -65,7 +65,10 @@ class PrefixCache(HeldBlocks):
             raise ValueError(f"window must be >= 1 token, got {window}")
         if window_layers and window is None:
             raise ValueError("window_layers needs the window they attend through")
-        min_slots = None if window is None else -(-window // config.block_size) + 3
+        # a hybrid pool's window plane holds at least a request's window, the tier chunk it
+        # fills, the block it writes and the engine's scratch and self-test blocks
+        wb = None if window is None else -(-window // config.block_size)
+        min_slots = None if wb is None else max(8, wb + config.chunk_blocks + 2)
         namespace = config.bind(namespace)
         self.config = config
         self.namespace = namespace
@@ -73,10 +76,8 @@ class PrefixCache(HeldBlocks):
         self.window = window
         # blocks a hit must hold before its point: a query at the point, or at the point's
         # last token (a whole-prompt hit re-runs it), sees keys back to point - window
-        self.window_blocks = None if window is None else -(-window // config.block_size)
+        self.window_blocks = wb
         self.punch_align = 1  # a window cache drops whole tier chunks (set with the tiers)
-        # a hybrid pool's window plane holds at least a request's window (the blocks a
-        # query sees, the one it writes) and the engine's scratch block
         self.pool = BlockPool.from_config(config, namespace, window_layers or (), min_slots)
         self.index = RadixIndex(
             config.block_size,

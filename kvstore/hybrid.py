@@ -78,6 +78,11 @@ class IndexWindows:
             self.punched.discard(b)
             self._held[b] = None
 
+    def room_at_most(self) -> int:
+        """Window slots a caller could have now: free, or held by the index alone."""
+        reclaimable = sum(self.plane.ref_cnt[b] == 1 for b in self._held)
+        return self.plane.num_free + int(reclaimable)
+
     def room(self, n: int) -> int:
         """Free window slots, after taking back up to what n needs from those only the
         index holds (`reclaim`)."""

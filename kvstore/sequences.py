@@ -53,6 +53,7 @@ class SeqBlocks:
     num_prompt_tokens: int = 0  # the tokens `open` looked up
     num_window_dropped: int = 0  # a hybrid model's: leading blocks without window parts
     num_window_end: int = 0  # a hybrid model's: blocks from here on have none yet
+    commit_end: int | None = None  # tokens past which nothing is committed (None: no end)
     closed: bool = False
 
     def readable_table(self, filler: int) -> list[int]:
@@ -155,9 +156,22 @@ class BlockTables:
         """`grow` for a step that computes `num_new` positions from `start`: how many it
         can (a hybrid model's step shrinks by halves to what its window slots hold), or
         None when the pool cannot give even one."""
+        if self.cache.windows is not None:
+            num_new = self._shrink(seq, start, num_new)
         while not self.grow(seq, num_tokens, start + num_new):
             if self.cache.windows is None or num_new <= 1:
                 return None
+            num_new = (num_new + 1) // 2
+        return num_new
+
+    def _shrink(self, seq: SeqBlocks, start: int, num_new: int) -> int:
+        """A hybrid model's step cut by halves to what the window slots can hold (free, or
+        held only by the index), before any is taken back for it."""
+        need = self.blocks_for(start + num_new) - seq.num_window_end
+        if need <= self.pool.window.num_free:  # type: ignore[union-attr]
+            return num_new  # (most steps: no scan of the index's window parts)
+        room = self.cache.windows.room_at_most()  # type: ignore[union-attr]
+        while num_new > 1 and self.blocks_for(start + num_new) - seq.num_window_end > room:
             num_new = (num_new + 1) // 2
         return num_new
 
@@ -192,6 +206,8 @@ class BlockTables:
             seq.cache_salt, seq.tenant, seq.node,
         )  # fmt: skip
         seq.node, seq.num_committed = done.node, done.num_blocks
+        if done.num_blocks < n:  # the tenant is at its quota: commits stop here
+            seq.commit_end = done.num_blocks * self.block_size
         return done.kept
 
     def slide(self, seq: SeqBlocks, num_computed: int) -> int:
@@ -247,8 +263,10 @@ class BlockTables:
     def _chunk_start(self, seq: SeqBlocks) -> int:
         """The first block of the tier chunk still being filled: its blocks stay until it is
         whole and written (entries of `chunk_blocks` blocks)."""
-        n = self.cache.punch_align
-        return len(seq.block_table) if n == 1 else seq.num_committed // n * n
+        n, end = self.cache.punch_align, seq.commit_end
+        if n == 1 or (end is not None and seq.num_committed >= end // self.block_size):
+            return len(seq.block_table)  # (nothing more is committed: no chunk to wait for)
+        return seq.num_committed // n * n
 
     def reserve(self, n: int) -> list[int]:
         """Up to n zeroed blocks held outside any table (an engine's scratch, a self-test)."""

@@ -280,3 +280,24 @@ def test_a_hybrid_pool_smaller_than_a_window_is_refused_at_start() -> None:
 
     with pytest.raises(ConfigError, match="fewer than a request's window"):
         Engine(model_of("gemma2"), micro_cache_config(device_blocks=4))  # window: 2 blocks + 3
+
+
+@pytest.mark.parametrize("stop", ["cache_generated=False", "quota"])
+def test_a_hybrid_request_whose_commits_stop_lets_go_of_its_window_parts(stop: str) -> None:
+    # tier entries of 4 blocks: a request keeps the window parts of the chunk it fills until
+    # the chunk is committed, but when its commits stop (generated tokens not cached, or
+    # its tenant at its quota) nothing waits: 12 slots serve a 90-token decode
+    model, prompt = model_of("gemma2"), tokens(8, seed=24)
+    quota = {"tenant_quota_blocks": 3} if stop == "quota" else {}
+    config = micro_cache_config(
+        device_blocks=48, window_share=0.25, memory_cache_gb=0.01, chunk_blocks=4, **quota
+    )
+    params = SamplingParams(max_new_tokens=90, ignore_eos=True)
+    with Engine(model, config, cache_generated=stop == "quota") as engine:
+        request = engine.add_requests([Request(prompt, params)])[0]
+        result = request.future.result(60)
+        assert request.num_preemptions == 0
+        engine.cache.check_integrity()
+        logits = engine.prefill(tokens(100, seed=25)).logits  # stores nothing: no commit
+    assert greedy_matches_reference(model, prompt, result.output_token_ids)
+    assert close_to_reference(logits, reference_logits(model, tokens(100, seed=25))[-1])

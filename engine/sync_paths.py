@@ -1,0 +1,146 @@
+"""The engine's synchronous single-request paths: `run` (the per-request path), `prefill`
+and `prefill_logits` (paged when the model is), and `on_loop` (a caller's own model work),
+each handed to the loop thread and waited for (engine/threads.py). A mixin of `Engine`."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import replace
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
+
+import torch
+
+from engine.request import (
+    EngineClosedError,
+    GenerateResult,
+    Prompt,
+    SamplingParams,
+    TokenCallback,
+)
+from kvstore.sequences import SeqBlocks
+
+if TYPE_CHECKING:
+    from engine.paged import Row
+    from engine.runner import PagedRunner
+    from engine.sequential import SequentialPath
+    from engine.threads import LoopCalls
+    from kvstore.sequences import BlockTables
+
+T = TypeVar("T")
+
+
+class PrefillResult(NamedTuple):
+    logits: torch.Tensor  # [vocab] float32, last prompt position
+    cached_tokens: int
+    cached_by_tier: dict[str, int]
+
+
+class PoolExhaustedError(RuntimeError):
+    """The device pool cannot hold a synchronous prefill now (running requests hold it)."""
+
+
+class SyncPaths:
+    """`Engine`'s synchronous paths. The state is the engine's, and so are `encode` and
+    `_table_row`."""
+
+    runner: PagedRunner | None
+    tables: BlockTables
+    sequential: SequentialPath
+    _calls: LoopCalls
+    _forward_lock: threading.Lock
+    _closed: bool
+    encode: Callable[[Prompt, SamplingParams], list[int]]
+    _table_row: Callable[[SeqBlocks, int, int], Row]
+
+    def run(
+        self,
+        token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str = "",
+        on_token: TokenCallback | None = None,
+        tenant: str = "",
+    ) -> GenerateResult:
+        """One request, synchronously, on the per-request path (validated token ids), on the
+        loop thread and its linear kernels."""
+
+        def run() -> GenerateResult:
+            with self._forward_lock:
+                return self.sequential.run(token_ids, params, cache_salt, on_token, tenant)
+
+        return self.on_loop(run)
+
+    def prefill(self, token_ids: list[int], cache_salt: str = "") -> PrefillResult:
+        """Lookup, load and prefill of the rest of validated token ids (the last token is always
+        computed); stores nothing. Paged when the model is, else on a DynamicCache."""
+        return self._prefill(token_ids, cache_salt, store=False)
+
+    def prefill_logits(self, token_ids: Sequence[int]) -> tuple[torch.Tensor, int]:
+        """Last-position logits ([vocab], float32) and cached_tokens; stores the prompt's blocks."""
+        ids = self.encode(list(token_ids), SamplingParams(max_new_tokens=1))
+        pre = self._prefill(ids, "", store=True)
+        return pre.logits, pre.cached_tokens
+
+    def _prefill(self, ids: list[int], salt: str, store: bool) -> PrefillResult:
+        return self._calls.call(lambda: self._prefill_here(ids, salt, store), self._refusal)
+
+    def on_loop(self, function: Callable[[], T], step_kernels: bool = True) -> T:
+        """`function()` on the engine's loop thread, between steps: model work of the
+        caller's own (a reference, a benchmark's baseline) in the process's one OpenMP team
+        (engine/threads.py); with `step_kernels`, on the linear kernels of the engine's
+        steps too (engine/linear.py), else on the model's own. The caller's grad and
+        inference modes go with it. `function` must not wait on the engine (a request's
+        result, `close`): the loop runs nothing else meanwhile."""
+        packed = step_kernels and self.runner is not None
+        inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
+
+        def run() -> T:
+            kernels = self.runner.linear_step() if packed else nullcontext()
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad), kernels:
+                return function()
+
+        return self._calls.call(run, self._refusal)
+
+    def _refusal(self) -> EngineClosedError | None:
+        return EngineClosedError("the engine is closed") if self._closed else None
+
+    def _prefill_here(self, ids: list[int], salt: str, store: bool) -> PrefillResult:
+        if self.runner is None:
+            with self._forward_lock, torch.inference_mode():
+                pre = self.sequential.prefill(ids, salt)
+                if store:
+                    self.sequential.store(ids, [], pre, salt)
+            return PrefillResult(pre.logits, pre.cached_tokens, pre.cached_by_tier)
+        seq = self.tables.open(ids, salt, "", whole_prompt=False)
+        if not store:
+            seq.commit_end = 0  # (nothing is committed: slides need not wait for a chunk)
+        try:
+            start = seq.num_cached_tokens
+            logits = self._forward_here(seq, ids, start, store)
+            if store:
+                self.tables.commit(seq, ids, len(ids))
+            return PrefillResult(logits, start, dict(seq.tier_tokens))
+        finally:
+            self.tables.close(seq)
+
+    def _forward_here(
+        self, seq: SeqBlocks, ids: list[int], start: int, store: bool
+    ) -> torch.Tensor:
+        """Last-position logits of ids[start:], in one forward outside the loop (no decode
+        mirror: it would drop the loop's); a hybrid model's in the chunks its window slots
+        hold, each committed (with `store`) before its window slides on."""
+        pos = start
+        while True:
+            num_new = self.tables.fit(seq, len(ids), pos, len(ids) - pos)
+            if num_new is None:
+                raise PoolExhaustedError(f"the device pool cannot hold {len(ids)} tokens now")
+            row = replace(self._table_row(seq, pos, num_new), seq=None)
+            with self._forward_lock:
+                logits = self.runner.forward([row], [ids[pos : pos + num_new]], [0])[0]
+            pos += num_new
+            if pos == len(ids):
+                return logits
+            if store:
+                self.tables.commit(seq, ids, pos)
+            self.tables.slide(seq, pos)
