@@ -135,7 +135,7 @@ class BlockTables:
         need = self.blocks_for(num_tokens) - len(seq.block_table)
         hybrid = self.cache.windows is not None
         if hybrid and not self._window_room(seq, num_tokens if compute_to is None else compute_to):
-            return False  # (before any block is taken: a grow that fails evicts nothing)
+            return False  # (before any block is taken: a grow short of slots evicts none)
         ids = []
         if need > 0:
             ids = self.cache.allocate(need, all_or_none=True, window=not hybrid)
