@@ -53,7 +53,8 @@ CACHE_FAMILIES = (
     Family("promoted_blocks_total", "tier blocks promoted into the device pool"),
     Family("evicted_blocks_total", "blocks evicted from the device pool"),
     Family("windowed_out_blocks_total",
-           "blocks dropped from the device pool after they slid out of a sliding window"),
+           "blocks dropped from the device pool after they slid out of a sliding window (a "
+           "hybrid model's: their window layers' part)"),
     Family("tier_writes_blocks_total", "blocks written to a spill tier", ("tier",), SPILL_TIERS),
     Family("dropped_writes_blocks_total", "tier writes dropped (queue full)"),
     Family("verify_failures_total", "tier entries that failed verification",
