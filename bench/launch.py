@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import time
+import weakref
 from pathlib import Path
 from urllib.parse import quote
 
@@ -92,6 +93,9 @@ class ServerProcess:
                 self.args, stdout=log, stderr=subprocess.STDOUT, env=self.env,
                 start_new_session=True,  # its own group: stop() reaches every child
             )  # fmt: skip
+        # its own session outlives this process: a server nobody stopped (a run that failed
+        # before its shutdown) goes with its handle, or at exit at the latest
+        weakref.finalize(self, _kill_if_running, self.proc)
         return self
 
     def alive(self) -> bool:
@@ -145,6 +149,11 @@ class ServerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _kill_if_running(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        _signal_group(proc.pid, signal.SIGKILL)
 
 
 def _signal_group(pgid: int, sig: int) -> None:

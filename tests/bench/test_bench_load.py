@@ -5,7 +5,10 @@ derived from the chat template, servers stopped at the end."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -138,3 +141,28 @@ def test_a_server_that_cannot_start_is_reported_with_its_log(tmp_path) -> None:
     with pytest.raises(RuntimeError, match=r"broken on port 1 did not start \(exited\)"):
         server.start().wait_ready()
     assert "no model here" in server.log_tail()
+
+
+@pytest.mark.skipif(not Path("/proc").exists(), reason="tells an exited process by /proc")
+def test_a_server_nobody_stopped_goes_when_the_process_that_started_it_exits(tmp_path) -> None:
+    # a server runs in a session of its own: without this, a run that failed before its
+    # shutdown would leave it serving after the test process is gone
+    script = (
+        "import sys; from pathlib import Path; from bench.launch import ServerProcess; "
+        "p = ServerProcess([sys.executable, '-c', 'import time; time.sleep(120)'], 1, "
+        f"Path({str(tmp_path / 'log')!r}), {{}}).start(); print(p.proc.pid)"
+    )
+    pid = int(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                             check=True).stdout)  # fmt: skip
+    deadline = time.monotonic() + 10
+    while _running(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _running(pid)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"  # (a zombie has exited)
