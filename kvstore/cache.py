@@ -32,7 +32,7 @@ from kvstore.stores import SpillStore, make_stores
 from kvstore.tails import TailCache, tail_capacity
 from kvstore.tenants import TenantBlocks
 from kvstore.tiers import Tiers
-from kvstore.window import cut_to_window, gather_window, window_prefix
+from kvstore.window import cut_tier_tokens, cut_to_window, gather_window, window_prefix
 
 
 class PrefixCache(HeldBlocks):
@@ -167,10 +167,9 @@ class PrefixCache(HeldBlocks):
             point, first = self.windows.cut(hit.block_ids, windows, self.window_blocks)
             if point < len(hit.block_ids):
                 hit.node = self._relock(hit.keys[:point], tokens, hit.node).last_node
-        bs = self.block_size
-        cut = cut_to_window(hit.block_ids[:point], hit.tier_tokens, point, bs)
         hit.block_ids, hit.window_from = hit.block_ids[:point], first
-        hit.num_cached_tokens, hit.tier_tokens = point * bs, cut.tier_tokens
+        hit.num_cached_tokens = point * self.block_size
+        hit.tier_tokens = cut_tier_tokens(hit.tier_tokens, hit.num_cached_tokens)
 
     def _promote_from(self, block_ids: list[int | None], windows: list[int]) -> int:
         """Where a promotion starts: past the device match, or, when holes in the window

@@ -45,11 +45,20 @@ def pool_blocks(config: CacheConfig, namespace: Namespace, num_window_layers: in
     `window_share` of its window layers' (the window plane's slots)."""
     if config.device_blocks is not None:
         return config.device_blocks
-    gb = 1.0 if config.device_cache_gb is None else config.device_cache_gb
-    per_layer = bytes_per_block(namespace) / namespace.num_layers
+    per_layer = _layer_bytes(namespace)
     num_full = namespace.num_layers - num_window_layers
     block = per_layer * (num_full + config.window_share * num_window_layers)
-    return max(1, int(gb * 2**30 // block))
+    return max(1, int(_budget_bytes(config) // block))
+
+
+def _budget_bytes(config: CacheConfig) -> float:
+    """`device_cache_gb` (default 1 GiB) in bytes."""
+    return (1.0 if config.device_cache_gb is None else config.device_cache_gb) * 2**30
+
+
+def _layer_bytes(namespace: Namespace) -> float:
+    """One layer's K/V of one block, in bytes."""
+    return bytes_per_block(namespace) / namespace.num_layers
 
 
 def window_slots(config: CacheConfig, num_blocks: int) -> int:
@@ -68,9 +77,8 @@ def _window_split(
         return slots, num_blocks
     if config.device_blocks is not None:
         return min_slots, num_blocks
-    gb = 1.0 if config.device_cache_gb is None else config.device_cache_gb
-    per_layer = bytes_per_block(namespace) / namespace.num_layers
-    left = gb * 2**30 - min_slots * per_layer * num_window_layers
+    per_layer = _layer_bytes(namespace)
+    left = _budget_bytes(config) - min_slots * per_layer * num_window_layers
     num_full = namespace.num_layers - num_window_layers
     return min_slots, max(0, int(left // (per_layer * num_full)))
 

@@ -45,13 +45,20 @@ def cut_to_window(
     match."""
     point = window_prefix(block_ids, window_blocks)
     first = max(0, point - window_blocks)
-    left, tiers = point * block_size, {}
+    tiers = cut_tier_tokens(tier_tokens, point * block_size)
+    kept = [None] * first + block_ids[first:point]
+    return WindowCut(kept, point * block_size, tiers, block_ids[:first] + block_ids[point:])
+
+
+def cut_tier_tokens(tier_tokens: dict[str, int], num_tokens: int) -> dict[str, int]:
+    """A hit's tokens by source tier (the device first, then tiers in order) cut to its
+    first `num_tokens`."""
+    left, tiers = num_tokens, {}
     for tier, tokens in tier_tokens.items():
         if min(tokens, left):
             tiers[tier] = min(tokens, left)
         left -= min(tokens, left)
-    kept = [None] * first + block_ids[first:point]
-    return WindowCut(kept, point * block_size, tiers, block_ids[:first] + block_ids[point:])
+    return tiers
 
 
 def gather_window(pool: BlockPool, block_ids: list[int | None]) -> list[LayerKV]:
