@@ -27,11 +27,12 @@ with the warm-up prompts served first, outside the timing and the matched-token 
 from __future__ import annotations
 
 import logging
-import math
 import re
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+
+from kvstore.units import cdiv
 
 CB_LOGGER = "ContinuousBatchingLogger"
 CB_MATCH = re.compile(r"Found a prefix match of (\d+) tokens")
@@ -92,7 +93,7 @@ def greedy_config(model, new_tokens: int):
 
 def pages_for(prompts: Sequence[Sequence[int]], new_tokens: int, page_size: int) -> int:
     """Pages the prompts and their generated tokens occupy, one partial page each at most."""
-    return sum(math.ceil((len(p) + new_tokens) / page_size) for p in prompts)
+    return sum(cdiv(len(p) + new_tokens, page_size) for p in prompts)
 
 
 def checked_outputs(out: dict, requests: int, new_tokens: int) -> list[list[int]]:

@@ -17,6 +17,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -59,15 +60,34 @@ def _candidate_port() -> int:
         return s.getsockname()[1]
 
 
+class _PortLedger:
+    """The ports this process has handed out: a port is free only until a server binds it,
+    so two calls before the first server starts (a server's HTTP, events and replay ports)
+    must never return the same one."""
+
+    def __init__(self) -> None:
+        self._given: set[int] = set()
+        self._lock = threading.Lock()
+
+    def take(self, cluster_bus: bool) -> int:
+        with self._lock:
+            for _ in range(200):
+                port = _candidate_port()
+                ports = {port, port + 10000} if cluster_bus else {port}
+                if ports & self._given or not all(p < 65536 and _port_free(p) for p in ports):
+                    continue
+                self._given |= ports
+                return port
+        raise RuntimeError("no free port (pair, for a cluster node) found")
+
+
+_LEDGER = _PortLedger()
+
+
 def free_port(cluster_bus: bool = False) -> int:
-    """A free loopback port (and port + 10000 free too when `cluster_bus`)."""
-    for _ in range(200):
-        port = _candidate_port()
-        if not _port_free(port):
-            continue
-        if not cluster_bus or (port + 10000 < 65536 and _port_free(port + 10000)):
-            return port
-    raise RuntimeError("no free port (pair, for a cluster node) found")
+    """A free loopback port (and port + 10000 free too when `cluster_bus`), never one this
+    process handed out before."""
+    return _LEDGER.take(cluster_bus)
 
 
 class ServerProcess:

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import torch
 
 from engine.paged import Row
+from kvstore.units import cdiv
 
 _MIN_CAPACITY = 256  # positions; the buffer doubles past it
 POOL_SHARE = 4  # the mirror holds at most 1/POOL_SHARE of the pool's positions
@@ -80,7 +81,7 @@ class DecodeMirror:
     def _rebuild(self, row: Row) -> None:
         self.invalidate()
         bs = self.kv.shape[4]
-        num_blocks = -(-row.start // bs)
+        num_blocks = cdiv(row.start, bs)
         self._reserve(max(row.end, num_blocks * bs))
         if num_blocks:
             assert self.buffer is not None

@@ -27,6 +27,7 @@ import torch
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 
 from engine.eager_attention import Extras, attend_eager
+from kvstore.units import cdiv
 
 if TYPE_CHECKING:
     from engine.decode_mirror import DecodeMirror
@@ -199,7 +200,7 @@ def _decode_reads(
     every row shares and which are read apart), padded with the scratch block; bias
     [B, 1, 1, width * block_size]: 0 where the row's query sees the key."""
     firsts = [skip if window is None else max(0, r.end - window) // block_size for r in rows]
-    used = [(r.end + block_size - 1) // block_size for r in rows]
+    used = [cdiv(r.end, block_size) for r in rows]
     width = max(u - f for u, f in zip(used, firsts, strict=True))
     tables = torch.full((len(rows), width), scratch_block, dtype=torch.long)
     for i, (row, first, last) in enumerate(zip(rows, firsts, used, strict=True)):

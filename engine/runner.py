@@ -32,6 +32,7 @@ from engine.paged import PagedAttention, PagedAttentionError, Row, StepBatch, bu
 from engine.step_cache import StepCache, alibi_of, step_keys
 from kvstore.pool import BlockPool
 from kvstore.sequences import BlockTables
+from kvstore.units import cdiv
 
 log = logging.getLogger("kvstore.engine")
 
@@ -224,7 +225,7 @@ def _check_window_parts(rows: Sequence[Row], pool: BlockPool, block_size: int) -
     """Every block a row's window layers may read or write holds its window part (the slot
     map would send a block without one to the scratch block's: wrong keys, not an error)."""
     for row in rows:
-        ids = list(row.block_table[row.num_window_dropped : -(-row.end // block_size)])
+        ids = list(row.block_table[row.num_window_dropped : cdiv(row.end, block_size)])
         if ids and not pool.window.held(ids).all():  # type: ignore[union-attr]
             raise PagedAttentionError(
                 f"a row reaching position {row.end - 1} has blocks without window parts"

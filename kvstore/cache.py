@@ -32,6 +32,7 @@ from kvstore.stores import SpillStore, make_stores
 from kvstore.tails import TailCache, tail_capacity
 from kvstore.tenants import TenantBlocks
 from kvstore.tiers import Tiers
+from kvstore.units import cdiv
 from kvstore.window import cut_tier_tokens, cut_to_window, gather_window, window_prefix
 
 
@@ -67,7 +68,7 @@ class PrefixCache(HeldBlocks):
             raise ValueError("window_layers needs the window they attend through")
         # a hybrid pool's window plane holds at least a request's window, the tier chunk it
         # fills, the block it writes and the engine's scratch and self-test blocks
-        wb = None if window is None else -(-window // config.block_size)
+        wb = None if window is None else cdiv(window, config.block_size)
         min_slots = None if wb is None else max(8, wb + config.chunk_blocks + 2)
         namespace = config.bind(namespace)
         self.config = config

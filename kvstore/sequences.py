@@ -34,6 +34,7 @@ from hashing import BlockHash, as_token_array
 from kvstore.cache import PrefixCache
 from kvstore.index import TreeNode
 from kvstore.metrics import DEVICE_TIER
+from kvstore.units import cdiv
 
 
 @dataclass(eq=False)
@@ -125,7 +126,7 @@ class BlockTables:
         return self.cache.num_available()
 
     def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     def grow(self, seq: SeqBlocks, num_tokens: int, compute_to: int | None = None) -> bool:
         """Make the table hold `num_tokens` positions, evicting unlocked cached blocks as
@@ -258,7 +259,7 @@ class BlockTables:
         n, window = seq.num_prompt_tokens, self.cache.window_blocks or 0
         align = self.cache.punch_align
         lo = (max(0, n - 1) // self.block_size - window) // align * align
-        return lo, -(-(n // self.block_size) // align) * align
+        return lo, cdiv(n // self.block_size, align) * align
 
     def _chunk_start(self, seq: SeqBlocks) -> int:
         """The first block of the tier chunk still being filled: its blocks stay until it is

@@ -15,6 +15,7 @@ import httpx
 from bench.launch import ServerProcess, free_port
 from bench.load.workload import session_tokens_bound
 from bench.serve import served_model, wait_ready
+from kvstore.units import cdiv
 
 BLOCK_TOKENS = 16  # kvstore's block and CB's page, both servers
 READY_TIMEOUT_S = 180.0  # model load on a busy 2-core machine
@@ -51,7 +52,7 @@ def pool_blocks(sessions: int, turns: int, max_tokens: int, system_bytes: int) -
     max_batch_tokens x its pool's tokens: with a 1 GiB pool of the tiny model's blocks,
     8192, it refuses every request, "Memory footprint ... is more than available memory".)"""
     per_session = session_tokens_bound(turns, max_tokens, system_bytes)
-    return (sessions + 1) * -(-per_session // BLOCK_TOKENS)
+    return (sessions + 1) * cdiv(per_session, BLOCK_TOKENS)
 
 
 def kvstore_command(model_dir: Path, port: int, blocks: int) -> list[str]:

@@ -9,7 +9,6 @@ window plane, and the request holds that part of its window's blocks only (plus 
 from __future__ import annotations
 
 import argparse
-import math
 
 import torch
 from rich.console import Console
@@ -27,6 +26,7 @@ from engine.model import (
 from engine.request import Request, SamplingParams
 from kvstore.config import CacheConfig
 from kvstore.sequences import SeqBlocks
+from kvstore.units import cdiv
 
 BLOCK_SIZE = 4
 MICRO = {
@@ -133,7 +133,7 @@ def _cells(arch: str, r: dict, marks: list[int]) -> list[str]:
     full = len([t for t in getattr(config, "layer_types", ()) if t == "full_attention"])
     layers = "window" if windowed else f"{config.num_hidden_layers - full} window + {full} full"
     layers = layers if r["window"] else "full"
-    bound = str(math.ceil(r["window"] / BLOCK_SIZE) + 1) if r["window"] else "-"
+    bound = str(cdiv(r["window"], BLOCK_SIZE) + 1) if r["window"] else "-"
     cells = [
         f"{r['held'].get(m, '?')} / {r['window_held'].get(m, '?')} / {r['in_use'].get(m, '?')}"
         for m in marks

@@ -41,6 +41,7 @@ from kvstore.index.tree import (
     stored_event,
 )
 from kvstore.policies import IntegrityError, Policy, make_policy
+from kvstore.units import cdiv
 
 __all__ = ["IntegrityError", "MatchResult", "RadixIndex", "TreeNode"]
 
@@ -504,7 +505,7 @@ class RadixIndex:
 
 def _widen(end: int, keep: int, align: int) -> tuple[int, int]:
     """Blocks [end - keep, end), widened to multiples of `align`."""
-    return (end - keep) // align * align, -(-end // align) * align
+    return (end - keep) // align * align, cdiv(end, align) * align
 
 
 def _minus(a: int, b: int, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:

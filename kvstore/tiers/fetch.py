@@ -27,6 +27,7 @@ from kvstore.metrics import CacheMetrics
 from kvstore.scopes import Scope
 from kvstore.stores import SpillStore
 from kvstore.tiers.rejects import Rejections
+from kvstore.units import cdiv
 
 
 class Segment(NamedTuple):
@@ -107,7 +108,7 @@ class TierReader:
     ) -> Sequence[bytes]:
         """`keys`, extended to the end of their last chunk when the prompt has those blocks."""
         n, bs = self.chunk_blocks, hasher.block_size
-        end = -(-len(keys) // n) * n
+        end = cdiv(len(keys), n) * n
         if end == len(keys) or len(token_ids) < end * bs:
             return keys
         more = hasher.hash_blocks(token_ids[: end * bs], parent=keys[-1], start_block=len(keys))
