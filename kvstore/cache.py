@@ -10,33 +10,32 @@ Protocol for a caller (an engine, or another serving stack):
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from hashing import BlockHash, Namespace, as_token_array
+from kvstore.attention import check_window, make_attention
 from kvstore.config import CacheConfig
+from kvstore.device_index import DeviceIndex
 from kvstore.events import BlockStored, EventSink
 from kvstore.held import HeldBlocks
 from kvstore.hits import CacheHit, KVPrefix
-from kvstore.hybrid import IndexWindows
-from kvstore.index import MatchResult, RadixIndex, TreeNode
+from kvstore.index import RadixIndex
 from kvstore.layout import LayerKV
 from kvstore.metrics import DEVICE_TIER, CacheMetrics
 from kvstore.policies import make_policy
-from kvstore.pool import BlockPool, PoolExhausted
+from kvstore.pool import BlockPool
 from kvstore.scopes import Scope, Scopes
 from kvstore.stores import SpillStore, make_stores
 from kvstore.tails import TailCache, tail_capacity
 from kvstore.tenants import TenantBlocks
 from kvstore.tiers import Tiers
 from kvstore.units import cdiv
-from kvstore.window import cut_tier_tokens, cut_to_window, gather_window, window_prefix
 
 
-class PrefixCache(HeldBlocks):
+class PrefixCache:
     """Prefix-caching KV store for one namespace (model, KV format, tenant)."""
 
     def __init__(
@@ -60,12 +59,7 @@ class PrefixCache(HeldBlocks):
         to the whole prefix (a hybrid model). Their K/V go to a window plane of their own
         (`window_share` slots per block), and what slides out of a request's window lets go
         of that part only (kvstore/hybrid.py)."""
-        if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
-            raise TypeError(f"window must be an int or None, got {window!r}")
-        if window is not None and window < 1:
-            raise ValueError(f"window must be >= 1 token, got {window}")
-        if window_layers and window is None:
-            raise ValueError("window_layers needs the window they attend through")
+        check_window(window, window_layers)
         # a hybrid pool's window plane holds at least a request's window, the tier chunk it
         # fills, the block it writes and the engine's scratch and self-test blocks
         wb = None if window is None else cdiv(window, config.block_size)
@@ -75,30 +69,32 @@ class PrefixCache(HeldBlocks):
         self.namespace = namespace
         self.block_size = config.block_size
         self.window = window
-        # blocks a hit must hold before its point: a query at the point, or at the point's
-        # last token (a whole-prompt hit re-runs it), sees keys back to point - window
-        self.window_blocks = wb
-        self.punch_align = 1  # a window cache drops whole tier chunks (set with the tiers)
         self.pool = BlockPool.from_config(config, namespace, window_layers or (), min_slots)
-        self.index = RadixIndex(
-            config.block_size,
-            make_policy(config.eviction_policy, self.pool.num_blocks),
-            events,
-        )
-        # a hybrid model's cache: which cached blocks let go of their window part
-        self.windows = None if self.pool.window is None else IndexWindows(self.pool, self.index)
+        policy = make_policy(config.eviction_policy, self.pool.num_blocks)
+        self.index = RadixIndex(config.block_size, policy, events)
+        self.kind = make_attention(self.pool, self.index, window)  # kvstore/attention/
         self.metrics = CacheMetrics()
         if stores is None and config.has_tiers:
             stores = make_stores(config, namespace)
         self.tiers = Tiers(config, stores, self.pool, self.metrics) if stores else None
-        if self.tiers is not None:
-            self.punch_align = config.chunk_blocks
         self.scopes = Scopes(config, namespace, with_entries=self.tiers is not None)
         self.hasher = self.scopes.default.hasher
         self.tenants = TenantBlocks(config.tenant_quota_blocks, self.pool.num_blocks)
-        self._lock = threading.RLock()
-        capacity = tail_capacity(config.tail_blocks, self.pool.num_blocks, window)
-        self.tails = TailCache(self, capacity, self._lock)  # partial last blocks (tails.py)
+        self.device_index = DeviceIndex(
+            self.pool, self.index, self.kind, self.tenants, self.scopes, self.tiers, self.metrics
+        )
+        self._lock = self.device_index.lock
+        self.held = HeldBlocks(self.device_index, num_tails=lambda: len(self.tails))
+        capacity = tail_capacity(config.tail_blocks, self.pool.num_blocks, self.kind.keeps_tails)
+        self.tails = TailCache(  # partial last blocks (tails.py)
+            capacity=capacity,
+            lock=self._lock,
+            kv=self.pool.kv,
+            allocate=self.held.allocate,
+            free=self.held.free,
+            metrics=self.metrics,
+        )
+        self.device_index.release_tails = self.tails.release
 
     @property
     def device(self) -> torch.device:
@@ -126,23 +122,17 @@ class PrefixCache(HeldBlocks):
         with self._lock:
             match = self.index.match_prefix(keys, tokens)
             self.index.lock(match.last_node)
-            windows = self._take(match.block_ids)
+            windows = self.device_index.take(match.block_ids)
         num_device = match.num_blocks * self.block_size
         tier_tokens = {DEVICE_TIER: num_device} if num_device else {}
         hit = CacheHit(len(tokens), num_device, match.block_ids, tier_tokens, match.last_node, keys)
         if self.tiers:
-            self.tiers.on_hit(scope, keys, tokens, self._readable(hit.block_ids, windows))
-            start = self._promote_from(hit.block_ids, windows)
+            self.tiers.on_hit(scope, keys, tokens, self.kind.readable(hit.block_ids, windows))
+            start = self.kind.promote_from(hit.block_ids, windows)
             if start < len(keys):
                 windows = self._promote(scope, hit, tokens, tenant, start, windows)
-        if self.windows is not None:
-            self._cut_hybrid(hit, windows, tokens)
-        elif self.window_blocks is not None:
-            cut = cut_to_window(hit.block_ids, hit.tier_tokens, self.window_blocks, self.block_size)
-            hit.block_ids, hit.tier_tokens = cut.block_ids, cut.tier_tokens
-            hit.num_cached_tokens = cut.num_tokens
-            with self._lock:
-                self._give_back(cut.dropped)
+        with self._lock:  # to what the attention kind can use
+            self.kind.cut(hit, windows, tokens, self.device_index.relock)
         self.metrics.record_lookup(len(tokens), hit.tier_tokens)
         return hit
 
@@ -154,44 +144,7 @@ class PrefixCache(HeldBlocks):
         keys = self.scopes.get(cache_salt).hasher.hash_blocks(tokens[:usable])
         with self._lock:
             ids = self.index.peek_prefix(keys, tokens).block_ids
-            if self.windows is not None:
-                return self.windows.hit_point(ids, self.window_blocks) * self.block_size
-        if self.window_blocks is not None:
-            return window_prefix(ids, self.window_blocks) * self.block_size
-        return len(ids) * self.block_size
-
-    def _cut_hybrid(self, hit: CacheHit, windows: list[int], tokens: np.ndarray) -> None:
-        """A hybrid model's hit cut to its longest usable prefix (kvstore/hybrid.py): it
-        keeps the window parts of its last window's blocks (of `windows`, those it took)
-        and lets go of the others, and of the blocks after, whose lock goes too."""
-        with self._lock:
-            point, first = self.windows.cut(hit.block_ids, windows, self.window_blocks)
-            if point < len(hit.block_ids):
-                hit.node = self._relock(hit.keys[:point], tokens, hit.node).last_node
-        hit.block_ids, hit.window_from = hit.block_ids[:point], first
-        hit.num_cached_tokens = point * self.block_size
-        hit.tier_tokens = cut_tier_tokens(hit.tier_tokens, hit.num_cached_tokens)
-
-    def _promote_from(self, block_ids: list[int | None], windows: list[int]) -> int:
-        """Where a promotion starts: past the device match, or, when holes in the window
-        before that match leave a window cache a shorter hit (a hybrid cache: window parts
-        missing, its hit holds `windows`), at that window (tier blocks fill the holes)."""
-        n, window = len(block_ids), self.window_blocks
-        if window is None:
-            return n
-        if self.windows is not None:
-            point = self.windows.hit_point(block_ids, window, windows)  # type: ignore[arg-type]
-        else:
-            point = window_prefix(block_ids, window)
-        return n if point == n else max(0, n - window)
-
-    def _readable(self, block_ids: list[int | None], windows: list[int]) -> list[int | None]:
-        """A hit's blocks a tier write may read: on a hybrid cache, those whose window parts
-        the hit holds (None for the others: the write skips their chunks)."""
-        if self.windows is None:
-            return block_ids
-        held = set(windows)
-        return [b if b in held else None for b in block_ids]
+            return self.kind.usable_blocks(ids) * self.block_size
 
     def _promote(
         self,
@@ -210,7 +163,7 @@ class PrefixCache(HeldBlocks):
         def allocate(n: int) -> list[torch.Tensor | memoryview]:
             with self._lock:
                 n = min(n, self.tenants.quota_left(tenant) - len(new_ids))
-                ids = self._allocate(n) if n > 0 else []
+                ids = self.device_index.allocate(n) if n > 0 else []
             new_ids.extend(ids)
             staged.extend(self.pool.destinations(ids))
             return staged[len(staged) - len(ids) :]
@@ -219,25 +172,26 @@ class PrefixCache(HeldBlocks):
         try:
             segments = self.tiers.reader.fetch_into(scope, hit.keys, tokens, start, allocate)
         except BaseException:
-            self.free(new_ids)
+            self.held.free(new_ids)
             raise
         got = sum(segment.num_blocks for segment in segments)
-        if self.windows is not None and got:
-            self.pool.write_blocks(new_ids[:got], staged[:got])
+        if got:
+            self.pool.write_staged(new_ids[:got], staged[:got])
         with self._lock:
             self.pool.free(new_ids[got:])  # allocated for blocks that did not verify
             ids = hit.block_ids[:start] + new_ids[:got]
-            self._insert(hit.keys[: start + got], tokens, ids, start, scope.cache_salt, tenant)
+            device = self.device_index
+            device.insert(hit.keys[: start + got], tokens, ids, start, scope.cache_salt, tenant)
             self.pool.free(new_ids[:got])  # the index holds them now
-            match = self._relock(hit.keys[: max(start + got, num_device)], tokens, hit.node)
-            taken = self._take(match.block_ids)
-            self._give_back(hit.block_ids, windows)
+            match = device.relock(hit.keys[: max(start + got, num_device)], tokens, hit.node)
+            taken = device.take(match.block_ids)
+            device.give_back(hit.block_ids, windows)
         hit.node, hit.block_ids = match.last_node, match.block_ids
         hit.num_cached_tokens = match.num_blocks * self.block_size
         promoted = {seg.tier: seg.num_blocks * self.block_size for seg in segments}
         device = hit.num_cached_tokens - sum(promoted.values())
         hit.tier_tokens = ({DEVICE_TIER: device} if device > 0 else {}) | promoted
-        readable = self._readable(hit.block_ids, taken)
+        readable = self.kind.readable(hit.block_ids, taken)
         self.tiers.on_promote(scope, segments, hit.keys, tokens, start, readable)
         self.metrics.inc("promoted_blocks_total", got)
         return taken
@@ -248,10 +202,7 @@ class PrefixCache(HeldBlocks):
             raise ValueError("load() of a released CacheHit")
         if not hit.block_ids:
             return KVPrefix(0, [])
-        if None not in hit.block_ids:  # (a hybrid hit: zeros where no window layer looks)
-            layers = self.pool.gather(hit.block_ids, hit.window_from)
-            return KVPrefix(hit.num_cached_tokens, layers)
-        return KVPrefix(hit.num_cached_tokens, gather_window(self.pool, hit.block_ids))
+        return KVPrefix(hit.num_cached_tokens, self.kind.gather(hit))
 
     def release(self, hit: CacheHit) -> None:
         """Unlock the hit's blocks. Idempotent."""
@@ -259,7 +210,7 @@ class PrefixCache(HeldBlocks):
             if not hit.released:
                 if hit.node is not None:
                     self.index.unlock(hit.node)
-                self._give_back(hit.block_ids, hit.block_ids[hit.window_from :])
+                self.device_index.give_back(hit.block_ids, hit.block_ids[hit.window_from :])
             hit.released = True
 
     def store(
@@ -285,15 +236,14 @@ class PrefixCache(HeldBlocks):
             match = self.index.match_prefix(keys, tokens)
             self.index.lock(match.last_node)
             try:
-                if self.windows is not None:  # cached blocks that lost their window part
-                    self.windows.refill(match.block_ids, layers)
+                self.kind.refill(match.block_ids, layers)  # parts cached blocks lost
                 want = min(len(keys) - match.num_blocks, self.tenants.quota_left(tenant))
-                new_ids = self._allocate(max(want, 0))
+                new_ids = self.device_index.allocate(max(want, 0))
                 if new_ids:
                     start = match.num_blocks
                     self.pool.scatter(new_ids, layers, start_token=start * self.block_size)
                     ids, n = match.block_ids + new_ids, start + len(new_ids)
-                    self._insert(keys[:n], tokens, ids, start, cache_salt, tenant)
+                    self.device_index.insert(keys[:n], tokens, ids, start, cache_salt, tenant)
                     if self.tiers:  # write-through: an independent copy, taken while owned
                         self.tiers.on_store(scope, keys[:n], tokens, start, ids)
                     self.pool.free(new_ids)  # the index holds them now
@@ -301,115 +251,6 @@ class PrefixCache(HeldBlocks):
                 self.index.unlock(match.last_node)
         self.metrics.inc("stored_blocks_total", len(new_ids))
         return len(new_ids)
-
-    # --- internals (the caller holds the lock) ---------------------------------------------
-
-    def _insert(
-        self,
-        keys: list[BlockHash],
-        tokens: np.ndarray,
-        block_ids: Sequence[int],
-        start: int,
-        cache_salt: str,
-        tenant: str,
-    ) -> list[int]:
-        """Insert blocks keys[start:] (block_ids[start:], held by the caller, who keeps its
-        reference: the index takes one more). Returns the ids the index did not keep (the
-        keys were cached already: the caller's copy stays private)."""
-        new = list(block_ids[start:])
-        self._index_take(new)
-        self.tenants.track(keys, cache_salt, tenant, self.index.root.children)
-        new_set, filled = set(new), []
-        unkept = [b for b in self.index.insert(keys, tokens, block_ids, filled) if b in new_set]
-        fills = [b for b in filled if b not in new_set]  # holes before start (window caches)
-        self.pool.incref(fills)  # the index's reference; the caller keeps its own
-        self._index_free(unkept)
-        if unkept and self.windows is not None:  # cached blocks that lost their window part
-            self.windows.fill(self.index.peek_prefix(keys, tokens).block_ids[start:], new)
-        self.tenants.blocks[tenant] += len(new) - len(unkept) + len(fills)
-        return unkept
-
-    def _index_take(self, block_ids: Sequence[int]) -> None:
-        """The index's reference to each block (a hybrid model's: with the window part if
-        the block still has it)."""
-        if self.windows is None:
-            self.pool.incref(block_ids)
-        else:
-            self.windows.take(block_ids)
-
-    def _index_free(self, block_ids: Sequence[int]) -> None:
-        """Undo `_index_take` (evicted blocks, or duplicates the index did not keep)."""
-        if self.windows is None:
-            self.pool.free(block_ids)
-        else:
-            self.windows.free(block_ids)
-
-    def _take(self, block_ids: Sequence[int | None]) -> list[int]:
-        """A hit takes a reference to each of its blocks (the lock keeps them in the index;
-        a window cache's punch by another request could still free them), and on a hybrid
-        model's pool the window parts of those that have one: returns those."""
-        ids = [b for b in block_ids if b is not None]
-        self.pool.incref(ids, window=False)
-        if self.windows is None or not ids:
-            return []
-        held = [b for b, h in zip(ids, self.pool.window.held(ids), strict=True) if h]
-        self.pool.window.take(held)
-        return held
-
-    def _give_back(self, block_ids: Sequence[int | None], windows: Sequence[int] = ()) -> None:
-        """Undo `_take` (`windows`: the window parts the hit holds)."""
-        self.pool.drop_window(windows)
-        self.pool.free([b for b in block_ids if b is not None], window=False)
-
-    def _relock(
-        self, keys: list[BlockHash], tokens: np.ndarray, node: TreeNode | None
-    ) -> MatchResult:
-        """Lock the indexed path of keys and unlock `node`; returns the path's match."""
-        match = self.index.match_prefix(keys, tokens)
-        self.index.lock(match.last_node)
-        if node is not None:
-            self.index.unlock(node)
-        return match
-
-    def _allocate(self, n: int, window: bool = True) -> list[int]:
-        """Up to n free blocks, evicting unlocked leaves as needed (on a hybrid model's pool
-        with `window`, as many as there are window slots for)."""
-        if window and self.windows is not None:
-            n = min(n, self.windows.room(n))
-        short = n - self.pool.num_free_blocks
-        if short > 0:
-            short -= len(self._evict(short))
-        if short > 0:  # tails go last: few, each where some conversation's next turn starts
-            self.tails.release(short)
-        try:
-            return self.pool.allocate(n, window)
-        except PoolExhausted:
-            return self.pool.allocate(min(n, self.pool.num_free_blocks), window)
-
-    def _evict(self, n: int) -> list[int]:
-        """Evict up to n unlocked blocks and free them."""
-        if n > 0:
-            evicted = self.index.evict(n, self._on_evict)
-            self._index_free(evicted)
-            self.metrics.inc("evicted_blocks_total", len(evicted))
-            return evicted
-        return []
-
-    def _on_evict(self, node: TreeNode, start: int, block_ids: list[int]) -> None:
-        """Eviction callback: the tenant's count, and the write-back tiers (a chunk may need
-        blocks of ancestors: they are still cached, parents go last)."""
-        cache_salt, tenant = self.tenants.path(self._first_key(node))
-        self.tenants.blocks[tenant] -= len(block_ids)
-        if self.tiers and self.tiers.writes_evicted:
-            keys = self.index.path_keys(node)
-            first = len(keys) - node.num_blocks + start
-            tokens, ids = self.index.path_token_ids(node), self.index.path_block_ids(node)
-            self.tiers.on_evict(self.scopes.get(cache_salt), keys, tokens, first, ids)
-
-    def _first_key(self, node: TreeNode) -> BlockHash:
-        while node.parent is not self.index.root:
-            node = node.parent
-        return node.key(0)
 
     def snapshot_events(self) -> list[BlockStored]:
         """The device index now, as stored events (for a consumer that starts late)."""
@@ -421,7 +262,7 @@ class PrefixCache(HeldBlocks):
         drop the kept tails; returns the number of index blocks evicted."""
         with self._lock:
             self.tails.clear()
-            return len(self._evict(self.index.num_evictable_blocks))
+            return len(self.device_index.evict(self.index.num_evictable_blocks))
 
     def load_into(self, hit: CacheHit, dst: torch.Tensor, block_table: Sequence[int]) -> int:
         """Copy the hit's blocks into a caller's paged buffer, block i to dst[block_table[i]].
@@ -432,7 +273,7 @@ class PrefixCache(HeldBlocks):
         if hit.released:
             raise ValueError("load_into() of a released CacheHit")
         n = len(hit.block_ids)
-        if None in hit.block_ids or self.windows is not None:
+        if not self.kind.copies_whole(hit):
             raise ValueError("load_into() of a sliding-window hit: copy its blocks with load()")
         if len(block_table) < n:
             raise ValueError(f"block_table has {len(block_table)} entries, the hit needs {n}")
@@ -456,8 +297,7 @@ class PrefixCache(HeldBlocks):
             held = int(np.count_nonzero(self.pool.ref_cnt)) - len(cached)
             if len(free) + len(cached) + held != self.pool.num_blocks or held < 0:
                 raise AssertionError("free + cached + held != total blocks")
-            if self.windows is not None:
-                self.windows.check(cached)
+            self.kind.check(cached)
 
     def stats(self) -> dict:
         with self._lock:

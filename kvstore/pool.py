@@ -211,11 +211,19 @@ class BlockPool:
         or its tensor [layers, 2, kv_heads, block_size, head_dim]."""
         raw, size = self._raw, self.bytes_per_block
         if self.window is not None:  # a block's layers are in two planes: stage, then write
-            # them with `write_blocks`
+            # them with `write_staged`
             return [torch.empty(self.layout.block_shape, dtype=self.dtype) for _ in block_ids]
         if raw is None:
             return [self.kv[i] for i in block_ids]
         return [raw[i * size : (i + 1) * size] for i in block_ids]
+
+    def write_staged(
+        self, block_ids: Sequence[int], staged: Sequence[torch.Tensor | memoryview]
+    ) -> None:
+        """Write what `destinations` staged for `block_ids` (no-op where they were the
+        blocks' own memory)."""
+        if self.window is not None:
+            self.write_blocks(block_ids, staged)  # type: ignore[arg-type]
 
     def incref(self, block_ids: Sequence[int], window: bool = True) -> None:
         """One more owner of each block; with `window` (a hybrid pool) it holds the block's

@@ -69,8 +69,11 @@ class BlockTables:
 
     def __init__(self, cache: PrefixCache):
         self.cache = cache
+        self.held = cache.held  # the cache's API for blocks a caller holds (kvstore/held.py)
+        self.kind = cache.kind  # the model's attention kind (kvstore/attention/)
         self.pool = cache.pool
         self.block_size = cache.block_size
+        self.punch_align = cache.device_index.punch_align  # a window slides whole tier chunks
 
     def open(
         self,
@@ -82,7 +85,7 @@ class BlockTables:
         """Look up the longest cached prefix of token_ids (of token_ids[:-1] unless
         `whole_prompt`); its blocks enter the table."""
         hit = self.cache.lookup(token_ids, cache_salt, tenant, whole_prompt)
-        self.cache.hold(hit)  # the hit's lock and a reference to its blocks are the table's
+        self.held.hold(hit)  # the hit's lock and a reference to its blocks are the table's
         n = len(hit.block_ids)
         dropped = next((i for i, b in enumerate(hit.block_ids) if b is not None), n)
         seq = SeqBlocks(
@@ -123,7 +126,7 @@ class BlockTables:
 
     def num_available(self) -> int:
         """Blocks a request could get now: free, or cached and unlocked (evictable)."""
-        return self.cache.num_available()
+        return self.held.num_available()
 
     def blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
@@ -134,12 +137,12 @@ class BlockTables:
         blocks get their window parts up to position `compute_to` (default `num_tokens`):
         the positions the next step computes."""
         need = self.blocks_for(num_tokens) - len(seq.block_table)
-        hybrid = self.cache.windows is not None
+        hybrid = self.kind.splits_blocks
         if hybrid and not self._window_room(seq, num_tokens if compute_to is None else compute_to):
             return False  # (before any block is taken: a grow short of slots evicts none)
         ids = []
         if need > 0:
-            ids = self.cache.allocate(need, all_or_none=True, window=not hybrid)
+            ids = self.held.allocate(need, all_or_none=True, window=not hybrid)
             if not ids:
                 return False
             # attention reads the last block whole (masked past the row's end): it must hold
@@ -149,7 +152,7 @@ class BlockTables:
         if hybrid and not self._reach(seq, num_tokens if compute_to is None else compute_to):
             if ids:
                 del seq.block_table[-len(ids) :]
-                self.cache.free(ids, window=False)
+                self.held.free(ids, window=False)
             return False
         return True
 
@@ -157,10 +160,10 @@ class BlockTables:
         """`grow` for a step that computes `num_new` positions from `start`: how many it
         can (a hybrid model's step shrinks by halves to what its window slots hold), or
         None when the pool cannot give even one."""
-        if self.cache.windows is not None:
+        if self.kind.splits_blocks:
             num_new = self._shrink(seq, start, num_new)
         while not self.grow(seq, num_tokens, start + num_new):
-            if self.cache.windows is None or num_new <= 1:
+            if not self.kind.splits_blocks or num_new <= 1:
                 return None
             num_new = (num_new + 1) // 2
         return num_new
@@ -171,7 +174,7 @@ class BlockTables:
         need = self.blocks_for(start + num_new) - seq.num_window_end
         if need <= self.pool.window.num_free:  # type: ignore[union-attr]
             return num_new  # (most steps: no scan of the index's window parts)
-        room = self.cache.windows.room_at_most()  # type: ignore[union-attr]
+        room = self.kind.windows.room_at_most()  # type: ignore[union-attr]
         while num_new > 1 and self.blocks_for(start + num_new) - seq.num_window_end > room:
             num_new = (num_new + 1) // 2
         return num_new
@@ -180,7 +183,7 @@ class BlockTables:
         """Whether the window slots can hold the blocks of positions up to `num_tokens`
         that have none yet (freeing slots only the index holds as needed)."""
         need = self.blocks_for(num_tokens) - seq.num_window_end
-        return need <= 0 or self.cache.window_room(need) >= need
+        return need <= 0 or self.held.window_room(need) >= need
 
     def _reach(self, seq: SeqBlocks, num_tokens: int) -> bool:
         """Window parts for the blocks of positions up to `num_tokens` (a hybrid model's)."""
@@ -188,7 +191,7 @@ class BlockTables:
         ids = seq.block_table[seq.num_window_end : end]
         if not ids:
             return True
-        if not self.cache.assign_windows(ids):  # type: ignore[arg-type]
+        if not self.held.assign_windows(ids):  # type: ignore[arg-type]
             return False
         self.pool.zero_window(ids[-1:])  # type: ignore[arg-type]  # (as above)
         seq.num_window_end = end
@@ -202,7 +205,7 @@ class BlockTables:
             return 0  # (a path cannot go on past a block the request dropped uncommitted)
         tokens = as_token_array(token_ids[: n * self.block_size])
         seq.keys = self.cache.scopes.get(seq.cache_salt).keys(tokens, seq.keys)
-        done = self.cache.commit(
+        done = self.held.commit(
             seq.keys[:n], tokens, seq.block_table[:n], seq.num_committed,
             seq.cache_salt, seq.tenant, seq.node,
         )  # fmt: skip
@@ -217,20 +220,20 @@ class BlockTables:
         copy of those it committed: `PrefixCache.punch`, which keeps those before a branch
         point). The index also keeps the window before the prompt's end, where the same
         prompt, sent again, hits. Returns how many blocks left the table."""
-        window = self.cache.window
+        window = self.kind.window
         if window is None or seq.closed:
             return 0
         upto = min(max(0, num_computed - window + 1) // self.block_size, len(seq.block_table))
-        n = self.cache.punch_align  # whole tier chunks: write-back tiers get them whole
+        n = self.punch_align  # whole tier chunks: write-back tiers get them whole
         upto = min(upto, self._chunk_start(seq)) // n * n
-        if self.cache.windows is not None:
+        if self.kind.splits_blocks:
             return self._slide_window_parts(seq, upto)
         if upto <= seq.num_dropped:
             return 0
         lo, mine = seq.num_dropped, seq.block_table[seq.num_dropped : upto]
         seq.block_table[lo:upto] = [None] * (upto - lo)
         seq.num_dropped = upto
-        self.cache.free([b for b in mine if b is not None])
+        self.held.free([b for b in mine if b is not None])
         self._punch_committed(seq, lo, min(upto, seq.num_committed))
         return upto - lo
 
@@ -241,7 +244,7 @@ class BlockTables:
         if upto <= lo:
             return 0
         seq.num_window_dropped = upto
-        self.cache.drop_window(seq.block_table[lo:upto])  # type: ignore[arg-type]
+        self.held.drop_window(seq.block_table[lo:upto])  # type: ignore[arg-type]
         self._punch_committed(seq, lo, min(upto, seq.num_committed))
         return upto - lo
 
@@ -252,39 +255,39 @@ class BlockTables:
         keep_lo, keep_hi = self._prompt_window(seq)
         for a, b in ((lo, min(hi, keep_lo)), (max(lo, keep_hi), hi)):
             if a < b:
-                self.cache.punch(seq.node, a, b)
+                self.held.punch(seq.node, a, b)
 
     def _prompt_window(self, seq: SeqBlocks) -> tuple[int, int]:
         """Blocks a later lookup of the same prompt needs (with or without its last token)."""
-        n, window = seq.num_prompt_tokens, self.cache.window_blocks or 0
-        align = self.cache.punch_align
+        n, window = seq.num_prompt_tokens, self.kind.window_blocks or 0
+        align = self.punch_align
         lo = (max(0, n - 1) // self.block_size - window) // align * align
         return lo, cdiv(n // self.block_size, align) * align
 
     def _chunk_start(self, seq: SeqBlocks) -> int:
         """The first block of the tier chunk still being filled: its blocks stay until it is
         whole and written (entries of `chunk_blocks` blocks)."""
-        n, end = self.cache.punch_align, seq.commit_end
+        n, end = self.punch_align, seq.commit_end
         if n == 1 or (end is not None and seq.num_committed >= end // self.block_size):
             return len(seq.block_table)  # (nothing more is committed: no chunk to wait for)
         return seq.num_committed // n * n
 
     def reserve(self, n: int) -> list[int]:
         """Up to n zeroed blocks held outside any table (an engine's scratch, a self-test)."""
-        ids = self.cache.allocate(n)
+        ids = self.held.allocate(n)
         self.pool.zero(ids)
         return ids
 
     def release(self, block_ids: list[int]) -> None:
         """Return blocks taken with `reserve`."""
-        self.cache.free(block_ids)
+        self.held.free(block_ids)
 
     def close(self, seq: SeqBlocks) -> None:
         """Drop the request's references and lock. Idempotent."""
         if not seq.closed:
             ids = [b for b in seq.block_table if b is not None]
             windows = None  # every block whole, or (a hybrid model's) its window parts:
-            if self.cache.windows is not None:
+            if self.kind.splits_blocks:
                 windows = seq.block_table[seq.num_window_dropped : seq.num_window_end]
-            self.cache.drop(seq.node, ids, windows)  # type: ignore[arg-type]
+            self.held.drop(seq.node, ids, windows)  # type: ignore[arg-type]
         seq.closed, seq.node, seq.block_table = True, None, []

@@ -19,15 +19,14 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import numpy as np
+import torch
 import xxhash
 
-from kvstore.metrics import DEVICE_TIER
-
-if TYPE_CHECKING:
-    from kvstore.cache import PrefixCache
+from kvstore.metrics import DEVICE_TIER, CacheMetrics
 
 DEFAULT_MAX_TAILS = 64  # tails kept when `tail_blocks` is None (at most 1/16 of the pool)
 
@@ -42,10 +41,11 @@ class TailMatch(NamedTuple):
     num_tokens: int  # leading tokens of the tail that the prompt repeats (>= 1)
 
 
-def tail_capacity(tail_blocks: int | None, num_blocks: int, window: int | None) -> int:
+def tail_capacity(tail_blocks: int | None, num_blocks: int, keeps_tails: bool) -> int:
     """Tails a pool of `num_blocks` keeps: `tail_blocks`, or by default up to 1/16 of the
-    pool; none for a sliding-window cache (its requests drop blocks as they decode)."""
-    if window is not None:
+    pool; none when the attention kind keeps none (window models' requests drop blocks as
+    they decode)."""
+    if not keeps_tails:
         return 0
     return min(DEFAULT_MAX_TAILS, num_blocks // 16) if tail_blocks is None else tail_blocks
 
@@ -66,15 +66,27 @@ def _common(a: np.ndarray, b: np.ndarray) -> int:
 
 
 class TailCache:
-    """Tails by prefix digest, at most `capacity` blocks of `cache`'s pool, least recently
-    used first out; every method runs under the cache's (re-entrant) lock."""
+    """Tails by prefix digest, at most `capacity` blocks of a pool, least recently used
+    first out; every method runs under the cache's (re-entrant) lock.
 
-    def __init__(self, cache: PrefixCache, capacity: int, lock: threading.RLock):
+    `allocate(n)` gives up to n fresh blocks of the caller's (evicting as needed), `free`
+    drops a reference; `kv` is the pool's block tensor."""
+
+    def __init__(
+        self,
+        capacity: int,
+        lock: threading.RLock,
+        kv: torch.Tensor,
+        allocate: Callable[[int], list[int]],
+        free: Callable[[Sequence[int]], None],
+        metrics: CacheMetrics,
+    ):
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
             raise ValueError(f"tail capacity must be an int >= 0, got {capacity!r}")
-        self.cache = cache
         self.capacity = capacity
-        self._lock = lock
+        self.block_size = int(kv.shape[4])
+        self._lock, self._kv = lock, kv  # [num_blocks, layers, 2, kv_heads, block_size, head_dim]
+        self._allocate, self._free, self._metrics = allocate, free, metrics
         # (prefix digest, tail token bytes) -> Tail, oldest first
         self._tails: OrderedDict[tuple[bytes, bytes], Tail] = OrderedDict()
 
@@ -89,13 +101,13 @@ class TailCache:
     def put(self, cache_salt: str, token_ids: np.ndarray, block_id: int) -> None:
         """Keep `block_id` (the caller's reference passes to the cache): it holds the K/V of
         the tokens of token_ids (int64) past its last full block, 1 to block_size - 1."""
-        full = len(token_ids) // self.cache.block_size * self.cache.block_size
+        full = len(token_ids) // self.block_size * self.block_size
         digest = prefix_digest(cache_salt, token_ids[:full])
         tail = Tail(block_id, np.array(token_ids[full:], dtype=np.int64))
         with self._lock:
             old = self._tails.pop((digest, tail.token_ids.tobytes()), None)
             if old is not None:
-                self.cache.free([old.block_id])  # the same tokens again: the newer stays
+                self._free([old.block_id])  # the same tokens again: the newer stays
             self._tails[(digest, tail.token_ids.tobytes())] = tail
             self.release(len(self._tails) - self.capacity)
 
@@ -103,11 +115,11 @@ class TailCache:
         """For a lookup of token_ids (int64) whose hit holds its first `num_blocks` blocks: a
         fresh block holding the K/V of the tail after them that token_ids repeats furthest
         (copied: the tail stays), or None (no tail repeats a token, or no block is free)."""
-        start = num_blocks * self.cache.block_size
+        start = num_blocks * self.block_size
         if not self._tails or len(token_ids) <= start:
             return None
         digest = prefix_digest(cache_salt, token_ids[:start])
-        nxt = token_ids[start : start + self.cache.block_size - 1]
+        nxt = token_ids[start : start + self.block_size - 1]
         with self._lock:
             key, n = self._best(digest, nxt)
             if key is None:
@@ -117,8 +129,8 @@ class TailCache:
             self._tails[key] = tail  # the most recently used
         if block is None:
             return None
-        self.cache.metrics.inc("tail_hits_tokens_total", n)
-        self.cache.metrics.inc("prefix_cache_hits_tokens_total", n, tier=DEVICE_TIER)
+        self._metrics.inc("tail_hits_tokens_total", n)
+        self._metrics.inc("prefix_cache_hits_tokens_total", n, tier=DEVICE_TIER)
         return TailMatch(block, n)
 
     def _best(self, digest: bytes, nxt: np.ndarray) -> tuple[tuple[bytes, bytes] | None, int]:
@@ -131,11 +143,10 @@ class TailCache:
     def _copy(self, src: int) -> int | None:
         """A fresh block with src's K/V (every layer). Its positions past the repeated tokens
         are masked until the caller's request writes them."""
-        ids = self.cache.allocate(1)
+        ids = self._allocate(1)
         if not ids:
             return None
-        kv = self.cache.pool.kv  # [num_blocks, layers, 2, kv_heads, block_size, head_dim]
-        kv[ids[0]] = kv[src]
+        self._kv[ids[0]] = self._kv[src]
         return ids[0]
 
     def release(self, n: int) -> int:
@@ -144,7 +155,7 @@ class TailCache:
             freed = []
             while len(freed) < n and self._tails:
                 freed.append(self._tails.popitem(last=False)[1].block_id)
-            self.cache.free(freed)
+            self._free(freed)
             return len(freed)
 
     def clear(self) -> int:

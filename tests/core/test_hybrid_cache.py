@@ -137,7 +137,7 @@ def test_a_request_decoding_past_its_window_holds_every_full_part_and_its_window
     # the window parts of blocks 0..9, the index of 3..9 (0..2: the prompt's window)
     assert (seq.num_window_dropped, len(seq.block_table)) == (10, 12)
     assert cache.index.num_cached_blocks == 12  # every full part stays cached
-    assert cache.windows.punched == set(seq.block_table[3:10])
+    assert cache.kind.windows.punched == set(seq.block_table[3:10])
     assert slots_in_use(cache) == 3 + 2  # blocks 0..2, and 10, 11
     cache.check_integrity()
     tables.close(seq)
@@ -198,7 +198,7 @@ def test_window_slots_run_short_and_come_back_from_the_index_before_any_block_is
     seq = tables.open(tokens(16, seed=20), "", "")
     assert tables.grow(seq, 16)  # 4 blocks: 2 slots free, 2 taken back from the index
     assert cache.index.num_cached_blocks == 6  # no full part evicted
-    assert len(cache.windows.punched) == 2 and slots_in_use(cache) == 8
+    assert len(cache.kind.windows.punched) == 2 and slots_in_use(cache) == 8
     assert cache.metrics.get("evicted_blocks_total") == 0
     tables.close(seq)
     cache.check_integrity()
@@ -268,13 +268,13 @@ def test_short_window_slots_take_back_the_least_recently_hit_index_parts_and_evi
     assert slots_in_use(cache) == 6  # 3 blocks each, the index's
     # a hit on a uses the window parts of its last 2 blocks: a's first goes before b's
     cache.release(cache.lookup(a, whole_prompt=True))
-    got = cache.allocate(5)  # 2 free slots, 3 taken back: a's first, then b's
-    assert len(got) == 5 and cache.windows.punched == {a_ids[0], b_ids[0], b_ids[1]}
+    got = cache.held.allocate(5)  # 2 free slots, 3 taken back: a's first, then b's
+    assert len(got) == 5 and cache.kind.windows.punched == {a_ids[0], b_ids[0], b_ids[1]}
     assert cache.metrics.get("evicted_blocks_total") == 0
     hit = cache.lookup(a, whole_prompt=True)
     assert hit.num_cached_tokens == 12
     cache.release(hit)
-    cache.free(got)
+    cache.held.free(got)
     cache.check_integrity()
 
 
@@ -336,7 +336,7 @@ def test_a_commit_refills_window_parts_even_when_the_index_holds_every_slot() ->
     assert cache.pool.window.num_free == 20 - 3 - 15
     other = np.concatenate([ids[:24], tokens(9, seed=3)])
     b = prefill(tables, other, seed=2)  # recomputes 0..5: their window parts come back
-    assert not cache.windows.punched & set(cache.index.path_block_ids(b.node)[:6])
+    assert not cache.kind.windows.punched & set(cache.index.path_block_ids(b.node)[:6])
     tables.close(b)
     hit = cache.lookup(np.concatenate([ids[:24], tokens(9, seed=4)]))
     assert hit.num_cached_tokens == 24

@@ -5,7 +5,7 @@ a later insert of the same blocks fills the holes; a branch point keeps its wind
 from test_index import BS, insert, match, prompt
 
 from kvstore.index import RadixIndex
-from kvstore.window import window_prefix
+from kvstore.attention import window_prefix
 
 LONG = prompt(1, 2, 3, 4, 5, 6)
 

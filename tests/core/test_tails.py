@@ -131,7 +131,7 @@ def test_a_full_pool_takes_tails_back_after_the_index_blocks() -> None:
     cache, tables = make(blocks=8, tail_blocks=4)
     finished(tables, tokens(5, seed=1))  # 1 cached block, 1 tail
     finished(tables, tokens(5, seed=2))
-    assert (cache.pool.num_free_blocks, cache.num_available()) == (4, 8)
+    assert (cache.pool.num_free_blocks, cache.held.num_available()) == (4, 8)
     seq = tables.open(tokens(24, seed=3), "", "")
     assert tables.grow(seq, 24)  # 6 blocks: 4 free, then the 2 cached ones, not the tails
     assert (len(cache.tails), cache.index.num_cached_blocks) == (2, 0)

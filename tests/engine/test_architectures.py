@@ -82,7 +82,7 @@ def test_each_architecture_is_served_batched_and_equals_hf_generate(arch: str, c
         assert mode == "paged", caplog.text
     # a window-only model's requests let go of the blocks behind their window (window 7)
     held, want = "the whole sequence", 0
-    if engine.cache.windows is not None:  # a hybrid model: two planes
+    if engine.cache.kind.splits_blocks:  # a hybrid model: two planes
         held, want = HYBRID_HOLDS, HYBRID_DROPS[engine.cache.window]
     elif engine.cache.window:
         held, want = "the window's blocks", WINDOW_ONLY_DROPS

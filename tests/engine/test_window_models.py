@@ -256,9 +256,9 @@ def test_a_hybrid_synchronous_prefill_longer_than_the_window_slots_runs_in_chunk
         # chunks of 25, 38 and 37 tokens (halved until their blocks' window parts fit);
         # the index keeps those of the last chunk's 11 blocks, the scratch block has one
         plane = engine.cache.pool.window
-        assert (plane.num_free, len(engine.cache.windows.punched)) == (0, 14)
+        assert (plane.num_free, len(engine.cache.kind.windows.punched)) == (0, 14)
         again, cached_again = engine.prefill_logits(prompt)  # slots come back from the index
-        assert (plane.num_free, len(engine.cache.windows.punched)) == (1, 15)
+        assert (plane.num_free, len(engine.cache.kind.windows.punched)) == (1, 15)
         engine.cache.check_integrity()
     assert (cached, cached_again) == (0, 96)
     want = reference_logits(model, prompt)[-1]
@@ -269,10 +269,10 @@ def test_a_step_reading_a_block_without_its_window_part_is_refused() -> None:
     from engine.paged import PagedAttentionError, Row
 
     with Engine(model_of("gemma2"), micro_cache_config()) as engine:
-        block = engine.cache.allocate(1, window=False)
+        block = engine.cache.held.allocate(1, window=False)
         with pytest.raises(PagedAttentionError, match="without window parts"):
             engine.on_loop(lambda: engine.runner.forward([Row(block, 0, 3)], [[1, 2, 3]], [0]))
-        engine.cache.free(block, window=False)
+        engine.cache.held.free(block, window=False)
 
 
 def test_a_hybrid_pool_smaller_than_a_window_is_refused_at_start() -> None:

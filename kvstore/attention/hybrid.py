@@ -19,10 +19,16 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from kvstore.index import RadixIndex
+import numpy as np
+
+from hashing import BlockHash
+from kvstore.attention.base import AttentionKind, Forget, Relock, Span
+from kvstore.attention.sliding import cut_tier_tokens, window_prefix
+from kvstore.hits import CacheHit
+from kvstore.index import RadixIndex, TreeNode
 from kvstore.layout import LayerKV
 from kvstore.pool import BlockPool
-from kvstore.window import window_prefix
+from kvstore.units import cdiv
 
 
 class IndexWindows:
@@ -167,3 +173,96 @@ class IndexWindows:
             raise AssertionError("a window slot without an owner, or an owner without a slot")
         if (plane.ref_cnt > self.pool.ref_cnt).any():
             raise AssertionError("a block has more window owners than owners")
+
+
+class HybridAttention(AttentionKind):
+    """Full layers and window layers in one model: a block keeps its full layers' part
+    while cached and lets go of its window layers' part (a slot of the pool's window plane)
+    once no window sees it. A hit is a cached path whose last `window_blocks` blocks still
+    hold their window parts; tiers are written whole at commit, while blocks hold both."""
+
+    splits_blocks = True
+
+    def __init__(self, pool: BlockPool, index: RadixIndex, window: int):
+        super().__init__(pool, index)
+        self.window = window
+        self.window_blocks = cdiv(window, pool.block_size)
+        self.windows = IndexWindows(pool, index)
+
+    def index_take(self, block_ids: Sequence[int]) -> None:
+        self.windows.take(block_ids)
+
+    def index_free(self, block_ids: Sequence[int]) -> None:
+        self.windows.free(block_ids)
+
+    def hit_take(self, block_ids: Sequence[int | None]) -> list[int]:
+        ids = [b for b in block_ids if b is not None]
+        self.pool.incref(ids, window=False)
+        if not ids:
+            return []
+        held = [b for b, h in zip(ids, self.pool.window.held(ids), strict=True) if h]  # type: ignore[union-attr]
+        self.pool.window.take(held)  # type: ignore[union-attr]
+        return held
+
+    def room(self, n: int) -> int:
+        return self.windows.room(n)
+
+    def window_room(self, n: int) -> int:
+        return self.windows.room(n)
+
+    def assign_windows(self, block_ids: Sequence[int]) -> bool:
+        """Free slots first, then slots only the index holds."""
+        if not block_ids:
+            return True
+        if self.windows.room(len(block_ids)) < len(block_ids):
+            return False
+        self.pool.assign_window(block_ids)
+        return True
+
+    def punch(
+        self, node: TreeNode, lo: int, hi: int, align: int, write_back: Span, forget: Forget
+    ) -> int:
+        """The index lets go of the window parts only (their full parts stay cached; every
+        tier wrote them whole when they were committed)."""
+        ids = self.index.punchable(node, lo, hi, self.window_blocks, align)
+        return len(self.windows.punch(ids))
+
+    def usable_blocks(self, block_ids: Sequence[int | None]) -> int:
+        return self.windows.hit_point(block_ids, self.window_blocks)  # type: ignore[arg-type]
+
+    def promote_from(self, block_ids: list[int | None], windows: list[int]) -> int:
+        """Past the device match, or at the window before it when window parts missing
+        there leave a shorter hit (tier blocks fill them)."""
+        n = len(block_ids)
+        point = self.windows.hit_point(block_ids, self.window_blocks, windows)  # type: ignore[arg-type]
+        return n if point == n else max(0, n - self.window_blocks)
+
+    def readable(self, block_ids: list[int | None], windows: list[int]) -> list[int | None]:
+        """Only blocks whose window parts the hit holds: a tier write reads every layer."""
+        held = set(windows)
+        return [b if b in held else None for b in block_ids]
+
+    def cut(self, hit: CacheHit, windows: list[int], tokens: np.ndarray, relock: Relock) -> None:
+        """Keep the window parts of the last window's blocks (of `windows`, those the hit
+        took), let go of the others, and of the blocks after the point, whose lock goes too."""
+        point, first = self.windows.cut(hit.block_ids, windows, self.window_blocks)  # type: ignore[arg-type]
+        if point < len(hit.block_ids):
+            hit.node = relock(hit.keys[:point], tokens, hit.node).last_node
+        hit.block_ids, hit.window_from = hit.block_ids[:point], first
+        hit.num_cached_tokens = point * self.pool.block_size
+        hit.tier_tokens = cut_tier_tokens(hit.tier_tokens, hit.num_cached_tokens)
+
+    def copies_whole(self, hit: CacheHit) -> bool:
+        return False
+
+    def refill(self, block_ids: Sequence[int], layers: Sequence[LayerKV]) -> None:
+        self.windows.refill(block_ids, layers)
+
+    def after_insert(
+        self, keys: list[BlockHash], tokens: np.ndarray, start: int, new: Sequence[int]
+    ) -> None:
+        """Cached blocks that lost their window part get copies of the caller's."""
+        self.windows.fill(self.index.peek_prefix(keys, tokens).block_ids[start:], new)
+
+    def check(self, cached: Sequence[int]) -> None:
+        self.windows.check(cached)

@@ -1,4 +1,4 @@
-"""Sliding-window hits: the longest prefix a window model can use, and its K/V.
+"""Sliding-window attention: the longest prefix a window model can use, and its K/V.
 
 A model whose every layer attends through a sliding window of W tokens needs, to go on from
 a cached prefix of P blocks, only the blocks holding keys its next query sees: the last
@@ -11,10 +11,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
+from kvstore.attention.base import AttentionKind, Forget, Relock, Span
+from kvstore.hits import CacheHit
+from kvstore.index import RadixIndex, TreeNode
 from kvstore.layout import LayerKV
 from kvstore.pool import BlockPool
+from kvstore.units import cdiv
 
 
 def window_prefix(block_ids: Sequence[int | None], window_blocks: int) -> int:
@@ -75,3 +80,51 @@ def gather_window(pool: BlockPool, block_ids: list[int | None]) -> list[LayerKV]
             dst[:, :, slots] = src
         out.append((full[0], full[1]))
     return out
+
+
+class SlidingWindow(AttentionKind):
+    """Every layer attends through a window of `window` tokens: a hit needs only the
+    window's blocks before its point, and a running request drops the blocks that slid out
+    of its window (the index its copies too: holes, `RadixIndex.punch`)."""
+
+    def __init__(self, pool: BlockPool, index: RadixIndex, window: int):
+        super().__init__(pool, index)
+        self.window = window
+        # a query at the point, or at the point's last token (a whole-prompt hit re-runs
+        # it), sees keys back to point - window
+        self.window_blocks = cdiv(window, pool.block_size)
+
+    def usable_blocks(self, block_ids: Sequence[int | None]) -> int:
+        return window_prefix(block_ids, self.window_blocks)
+
+    def promote_from(self, block_ids: list[int | None], windows: list[int]) -> int:
+        """Past the device match, or at the window before it when holes leave a shorter
+        hit (tier blocks fill the holes)."""
+        n = len(block_ids)
+        return n if self.usable_blocks(block_ids) == n else max(0, n - self.window_blocks)
+
+    def cut(self, hit: CacheHit, windows: list[int], tokens: np.ndarray, relock: Relock) -> None:
+        bs = self.pool.block_size
+        cut = cut_to_window(hit.block_ids, hit.tier_tokens, self.window_blocks, bs)
+        hit.block_ids, hit.tier_tokens = cut.block_ids, cut.tier_tokens
+        hit.num_cached_tokens = cut.num_tokens
+        self.pool.free([b for b in cut.dropped if b is not None], window=False)
+
+    def gather(self, hit: CacheHit) -> list[LayerKV]:
+        if None in hit.block_ids:
+            return gather_window(self.pool, hit.block_ids)
+        return super().gather(hit)
+
+    def copies_whole(self, hit: CacheHit) -> bool:
+        return None not in hit.block_ids
+
+    def punch(
+        self, node: TreeNode, lo: int, hi: int, align: int, write_back: Span, forget: Forget
+    ) -> int:
+        """The index drops its copies (holes, `RadixIndex.punch`), keeping those before a
+        branch point."""
+        write_back(node, lo, hi)
+        freed = self.index.punch(node, lo, hi, self.window_blocks, align)
+        if freed:
+            forget(node, freed)
+        return len(freed)

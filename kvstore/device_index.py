@@ -1,0 +1,137 @@
+"""The device pool's blocks as the radix index holds them: what lookups, stores and
+caller-held blocks (kvstore/held.py) share under the cache's one lock.
+
+Insert and relock a path, take and give back a hit's references, allocate with eviction
+(tails go last), and what an eviction tells the tenants and the write-back tiers. The
+attention kind (kvstore/attention/) decides which parts of a block each reference holds.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from hashing import BlockHash
+from kvstore.attention import AttentionKind
+from kvstore.index import MatchResult, RadixIndex, TreeNode
+from kvstore.metrics import CacheMetrics
+from kvstore.pool import BlockPool, PoolExhausted
+from kvstore.scopes import Scopes
+from kvstore.tenants import TenantBlocks
+from kvstore.tiers import Tiers
+
+
+class DeviceIndex:
+    """The index's blocks in the pool; every method but `first_key` expects the lock held."""
+
+    def __init__(
+        self,
+        pool: BlockPool,
+        index: RadixIndex,
+        kind: AttentionKind,
+        tenants: TenantBlocks,
+        scopes: Scopes,
+        tiers: Tiers | None,
+        metrics: CacheMetrics,
+    ):
+        self.lock = threading.RLock()
+        self.pool, self.index, self.kind = pool, index, kind
+        self.tenants, self.scopes, self.tiers, self.metrics = tenants, scopes, tiers, metrics
+        self.block_size = pool.block_size
+        # a window cache drops whole tier chunks: write-back tiers get them whole
+        self.punch_align = tiers.chunk_blocks if tiers is not None else 1
+        self.release_tails: Callable[[int], int] = lambda n: 0  # set by the cache's tails
+
+    def insert(
+        self,
+        keys: list[BlockHash],
+        tokens: np.ndarray,
+        block_ids: Sequence[int],
+        start: int,
+        cache_salt: str,
+        tenant: str,
+    ) -> list[int]:
+        """Insert blocks keys[start:] (block_ids[start:], held by the caller, who keeps its
+        reference: the index takes one more). Returns the ids the index did not keep (the
+        keys were cached already: the caller's copy stays private)."""
+        new = list(block_ids[start:])
+        self.kind.index_take(new)
+        self.tenants.track(keys, cache_salt, tenant, self.index.root.children)
+        new_set, filled = set(new), []
+        unkept = [b for b in self.index.insert(keys, tokens, block_ids, filled) if b in new_set]
+        fills = [b for b in filled if b not in new_set]  # holes before start (window caches)
+        self.pool.incref(fills)  # the index's reference; the caller keeps its own
+        self.kind.index_free(unkept)
+        if unkept:
+            self.kind.after_insert(keys, tokens, start, new)
+        self.tenants.blocks[tenant] += len(new) - len(unkept) + len(fills)
+        return unkept
+
+    def take(self, block_ids: Sequence[int | None]) -> list[int]:
+        """A hit takes a reference to each of its blocks (the lock keeps them in the index;
+        a window cache's punch by another request could still free them); returns the
+        blocks whose window parts it holds too."""
+        return self.kind.hit_take(block_ids)
+
+    def give_back(self, block_ids: Sequence[int | None], windows: Sequence[int] = ()) -> None:
+        """Undo `take` (`windows`: the window parts the hit holds)."""
+        self.pool.drop_window(windows)
+        self.pool.free([b for b in block_ids if b is not None], window=False)
+
+    def relock(
+        self, keys: list[BlockHash], tokens: np.ndarray, node: TreeNode | None
+    ) -> MatchResult:
+        """Lock the indexed path of keys and unlock `node`; returns the path's match."""
+        match = self.index.match_prefix(keys, tokens)
+        self.index.lock(match.last_node)
+        if node is not None:
+            self.index.unlock(node)
+        return match
+
+    def allocate(self, n: int, window: bool = True) -> list[int]:
+        """Up to n free blocks, evicting unlocked leaves as needed (with `window`, as many as
+        the attention kind can give every part they need)."""
+        if window:
+            n = min(n, self.kind.room(n))
+        short = n - self.pool.num_free_blocks
+        if short > 0:
+            short -= len(self.evict(short))
+        if short > 0:  # tails go last: few, each where some conversation's next turn starts
+            self.release_tails(short)
+        try:
+            return self.pool.allocate(n, window)
+        except PoolExhausted:
+            return self.pool.allocate(min(n, self.pool.num_free_blocks), window)
+
+    def evict(self, n: int) -> list[int]:
+        """Evict up to n unlocked blocks and free them."""
+        if n <= 0:
+            return []
+        evicted = self.index.evict(n, self._on_evict)
+        self.kind.index_free(evicted)
+        self.metrics.inc("evicted_blocks_total", len(evicted))
+        return evicted
+
+    def _on_evict(self, node: TreeNode, start: int, block_ids: list[int]) -> None:
+        """Eviction callback: the tenant's count, and the write-back tiers (a chunk may need
+        blocks of ancestors: they are still cached, parents go last)."""
+        cache_salt, tenant = self.tenants.path(self.first_key(node))
+        self.tenants.blocks[tenant] -= len(block_ids)
+        if self.tiers and self.tiers.writes_evicted:
+            keys = self.index.path_keys(node)
+            first = len(keys) - node.num_blocks + start
+            self.write_back(node, first, len(keys), cache_salt)
+
+    def write_back(self, node: TreeNode, lo: int, hi: int, cache_salt: str) -> None:
+        """Write-back tiers get blocks [lo, hi) of `node`'s path, before they lose a part."""
+        keys, ids = self.index.path_keys(node), self.index.path_block_ids(node)
+        tokens = self.index.path_token_ids(node)
+        self.tiers.on_evict(self.scopes.get(cache_salt), keys[:hi], tokens, lo, ids[:hi])  # type: ignore[union-attr]
+
+    def first_key(self, node: TreeNode) -> BlockHash:
+        """The key of the first block of `node`'s path (its tenant and salt's record)."""
+        while node.parent is not self.index.root:
+            node = node.parent
+        return node.key(0)
