@@ -26,42 +26,16 @@ are full, so nothing is written there again.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from hashing import BlockHash, as_token_array
 from kvstore.cache import PrefixCache
-from kvstore.index import TreeNode
 from kvstore.metrics import DEVICE_TIER
+from kvstore.seq_blocks import SeqBlocks
 from kvstore.units import cdiv
 
-
-@dataclass(eq=False)
-class SeqBlocks:
-    """One request's blocks: table[i] holds positions [i * block_size, (i + 1) * block_size)."""
-
-    cache_salt: str
-    tenant: str
-    block_table: list[int | None]  # None: a block the request no longer holds (a window's)
-    num_shared_blocks: int  # leading blocks that came from the cache: read only
-    num_cached_tokens: int  # tokens the lookup found (shared blocks, and a tail's tokens)
-    tier_tokens: dict[str, int]  # cached tokens by source tier
-    keys: list[BlockHash] = field(default_factory=list)  # lookup keys, keys[i] of block i
-    num_committed: int = 0  # leading blocks given to the index
-    node: TreeNode | None = None  # the locked index node of the committed path
-    num_dropped: int = 0  # leading table entries that are None
-    num_prompt_tokens: int = 0  # the tokens `open` looked up
-    num_window_dropped: int = 0  # a hybrid model's: leading blocks without window parts
-    num_window_end: int = 0  # a hybrid model's: blocks from here on have none yet
-    commit_end: int | None = None  # tokens past which nothing is committed (None: no end)
-    closed: bool = False
-
-    def readable_table(self, filler: int) -> list[int]:
-        """The table with `filler` (a block nobody reads) where the request holds none."""
-        if not self.num_dropped:
-            return self.block_table  # type: ignore[return-value]
-        return [filler] * self.num_dropped + self.block_table[self.num_dropped :]  # type: ignore[list-item]
+__all__ = ["BlockTables", "SeqBlocks"]
 
 
 class BlockTables:
@@ -133,23 +107,24 @@ class BlockTables:
 
     def grow(self, seq: SeqBlocks, num_tokens: int, compute_to: int | None = None) -> bool:
         """Make the table hold `num_tokens` positions, evicting unlocked cached blocks as
-        needed; False (and nothing taken) when the pool cannot give enough. A hybrid model's
-        blocks get their window parts up to position `compute_to` (default `num_tokens`):
-        the positions the next step computes."""
+        needed; False (and nothing taken) when the pool cannot give enough. Blocks a model's
+        window layers hold apart (a hybrid model's) get those parts up to position
+        `compute_to` (default `num_tokens`): the positions the next step computes."""
         need = self.blocks_for(num_tokens) - len(seq.block_table)
-        hybrid = self.kind.splits_blocks
-        if hybrid and not self._window_room(seq, num_tokens if compute_to is None else compute_to):
-            return False  # (before any block is taken: a grow short of slots evicts none)
+        reach = self.blocks_for(num_tokens if compute_to is None else compute_to)
+        if not self.kind.has_room(seq, reach, self.held):
+            return False  # (before any block is taken: a grow short of parts evicts none)
         ids = []
         if need > 0:
-            ids = self.held.allocate(need, all_or_none=True, window=not hybrid)
+            whole = not self.kind.splits_blocks  # (else `reach` gives the parts)
+            ids = self.held.allocate(need, all_or_none=True, window=whole)
             if not ids:
                 return False
             # attention reads the last block whole (masked past the row's end): it must hold
             # no NaN from earlier use or never-written memory; those before it get written
             self.pool.zero(ids[-1:])
             seq.block_table.extend(ids)
-        if hybrid and not self._reach(seq, num_tokens if compute_to is None else compute_to):
+        if not self.kind.reach(seq, reach, self.held):
             if ids:
                 del seq.block_table[-len(ids) :]
                 self.held.free(ids, window=False)
@@ -158,44 +133,14 @@ class BlockTables:
 
     def fit(self, seq: SeqBlocks, num_tokens: int, start: int, num_new: int) -> int | None:
         """`grow` for a step that computes `num_new` positions from `start`: how many it
-        can (a hybrid model's step shrinks by halves to what its window slots hold), or
-        None when the pool cannot give even one."""
-        if self.kind.splits_blocks:
-            num_new = self._shrink(seq, start, num_new)
+        can (the attention kind may shrink a step by halves to what it can hold), or None
+        when the pool cannot give even one."""
+        num_new = self.kind.fit_step(seq, start, num_new)
         while not self.grow(seq, num_tokens, start + num_new):
-            if not self.kind.splits_blocks or num_new <= 1:
+            if not self.kind.shrinks_steps or num_new <= 1:
                 return None
             num_new = (num_new + 1) // 2
         return num_new
-
-    def _shrink(self, seq: SeqBlocks, start: int, num_new: int) -> int:
-        """A hybrid model's step cut by halves to what the window slots can hold (free, or
-        held only by the index), before any is taken back for it."""
-        need = self.blocks_for(start + num_new) - seq.num_window_end
-        if need <= self.pool.window.num_free:  # type: ignore[union-attr]
-            return num_new  # (most steps: no scan of the index's window parts)
-        room = self.kind.windows.room_at_most()  # type: ignore[union-attr]
-        while num_new > 1 and self.blocks_for(start + num_new) - seq.num_window_end > room:
-            num_new = (num_new + 1) // 2
-        return num_new
-
-    def _window_room(self, seq: SeqBlocks, num_tokens: int) -> bool:
-        """Whether the window slots can hold the blocks of positions up to `num_tokens`
-        that have none yet (freeing slots only the index holds as needed)."""
-        need = self.blocks_for(num_tokens) - seq.num_window_end
-        return need <= 0 or self.held.window_room(need) >= need
-
-    def _reach(self, seq: SeqBlocks, num_tokens: int) -> bool:
-        """Window parts for the blocks of positions up to `num_tokens` (a hybrid model's)."""
-        end = min(self.blocks_for(num_tokens), len(seq.block_table))
-        ids = seq.block_table[seq.num_window_end : end]
-        if not ids:
-            return True
-        if not self.held.assign_windows(ids):  # type: ignore[arg-type]
-            return False
-        self.pool.zero_window(ids[-1:])  # type: ignore[arg-type]  # (as above)
-        seq.num_window_end = end
-        return True
 
     def commit(self, seq: SeqBlocks, token_ids: Sequence[int] | np.ndarray, num_tokens: int) -> int:
         """Give the index every full block of token_ids[:num_tokens] not committed yet (their
@@ -215,38 +160,17 @@ class BlockTables:
         return done.kept
 
     def slide(self, seq: SeqBlocks, num_computed: int) -> int:
-        """A window cache: drop the blocks no query from position `num_computed` on sees,
-        keys before num_computed - window + 1 (the request's reference, and the index's
-        copy of those it committed: `PrefixCache.punch`, which keeps those before a branch
+        """Let go of what no query from position `num_computed` on sees (the attention
+        kind decides what: nothing, whole blocks, or window parts), and of the index's
+        copies of those committed (`HeldBlocks.punch`, which keeps those before a branch
         point). The index also keeps the window before the prompt's end, where the same
-        prompt, sent again, hits. Returns how many blocks left the table."""
-        window = self.kind.window
-        if window is None or seq.closed:
+        prompt, sent again, hits. Returns how many blocks slid."""
+        if seq.closed:
             return 0
-        upto = min(max(0, num_computed - window + 1) // self.block_size, len(seq.block_table))
-        n = self.punch_align  # whole tier chunks: write-back tiers get them whole
-        upto = min(upto, self._chunk_start(seq)) // n * n
-        if self.kind.splits_blocks:
-            return self._slide_window_parts(seq, upto)
-        if upto <= seq.num_dropped:
-            return 0
-        lo, mine = seq.num_dropped, seq.block_table[seq.num_dropped : upto]
-        seq.block_table[lo:upto] = [None] * (upto - lo)
-        seq.num_dropped = upto
-        self.held.free([b for b in mine if b is not None])
-        self._punch_committed(seq, lo, min(upto, seq.num_committed))
-        return upto - lo
-
-    def _slide_window_parts(self, seq: SeqBlocks, upto: int) -> int:
-        """`slide` for a hybrid model: the request (and the index, for committed blocks)
-        lets go of the window parts of blocks before `upto`; their full parts stay."""
-        lo, upto = seq.num_window_dropped, min(upto, seq.num_window_end)
-        if upto <= lo:
-            return 0
-        seq.num_window_dropped = upto
-        self.held.drop_window(seq.block_table[lo:upto])  # type: ignore[arg-type]
-        self._punch_committed(seq, lo, min(upto, seq.num_committed))
-        return upto - lo
+        limit, align = self._chunk_start(seq), self.punch_align  # write-back gets whole chunks
+        lo, hi = self.kind.slide(seq, num_computed, limit, align, self.held)
+        self._punch_committed(seq, lo, min(hi, seq.num_committed))
+        return hi - lo
 
     def _punch_committed(self, seq: SeqBlocks, lo: int, hi: int) -> None:
         """Drop the index's copies of committed blocks [lo, hi), but the prompt's window."""
@@ -266,7 +190,7 @@ class BlockTables:
 
     def _chunk_start(self, seq: SeqBlocks) -> int:
         """The first block of the tier chunk still being filled: its blocks stay until it is
-        whole and written (entries of `chunk_blocks` blocks)."""
+        whole and written (entries of `chunk_blocks` blocks). Slides stop before it."""
         n, end = self.punch_align, seq.commit_end
         if n == 1 or (end is not None and seq.num_committed >= end // self.block_size):
             return len(seq.block_table)  # (nothing more is committed: no chunk to wait for)
@@ -286,8 +210,5 @@ class BlockTables:
         """Drop the request's references and lock. Idempotent."""
         if not seq.closed:
             ids = [b for b in seq.block_table if b is not None]
-            windows = None  # every block whole, or (a hybrid model's) its window parts:
-            if self.kind.splits_blocks:
-                windows = seq.block_table[seq.num_window_dropped : seq.num_window_end]
-            self.held.drop(seq.node, ids, windows)  # type: ignore[arg-type]
+            self.held.drop(seq.node, ids, self.kind.windows_held(seq))
         seq.closed, seq.node, seq.block_table = True, None, []

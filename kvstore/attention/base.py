@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -20,10 +21,21 @@ from kvstore.hits import CacheHit
 from kvstore.index import MatchResult, RadixIndex, TreeNode
 from kvstore.layout import LayerKV
 from kvstore.pool import BlockPool
+from kvstore.seq_blocks import SeqBlocks
 
 Relock = Callable[[list[BlockHash], np.ndarray, TreeNode | None], MatchResult]
 Span = Callable[[TreeNode, int, int], None]  # blocks [lo, hi) of a node's path
 Forget = Callable[[TreeNode, list[int]], None]  # blocks of a node's path the index dropped
+
+
+class Held(Protocol):
+    """What a running request's side of a kind calls: the cache's API for blocks a caller
+    holds (`HeldBlocks`, kvstore/held.py), each call under the cache's lock."""
+
+    def free(self, block_ids: Sequence[int], window: bool = True) -> None: ...
+    def window_room(self, n: int) -> int: ...
+    def assign_windows(self, block_ids: Sequence[int]) -> bool: ...
+    def drop_window(self, block_ids: Sequence[int]) -> None: ...
 
 
 class AttentionKind(ABC):
@@ -125,6 +137,35 @@ class AttentionKind(ABC):
 
     def check(self, cached: Sequence[int]) -> None:
         """The kind's own invariants over the index's blocks (`check_integrity`)."""
+        return None
+
+    # --- a running request (kvstore/sequences.py): called without the lock ------------------
+
+    shrinks_steps: bool = False  # a step the kind cannot hold may shrink by halves
+
+    def fit_step(self, seq: SeqBlocks, start: int, num_new: int) -> int:
+        """A step of `num_new` positions from `start`, cut to what the kind can hold before
+        any block is taken back for it."""
+        return num_new
+
+    def has_room(self, seq: SeqBlocks, end_block: int, held: Held) -> bool:
+        """Whether the parts blocks [.., end_block) still need can be had (nothing taken)."""
+        return True
+
+    def reach(self, seq: SeqBlocks, end_block: int, held: Held) -> bool:
+        """Give the table's blocks before `end_block` the parts a step needs, all or none."""
+        return True
+
+    def slide(
+        self, seq: SeqBlocks, num_computed: int, limit: int, align: int, held: Held
+    ) -> tuple[int, int]:
+        """Let go of what no query from position `num_computed` on sees, not past block
+        `limit`, in whole `align`-block chunks; returns the blocks [lo, hi) that slid
+        (lo == hi: none)."""
+        return 0, 0
+
+    def windows_held(self, seq: SeqBlocks) -> list[int] | None:
+        """The blocks whose window parts the request holds at its end (None: every one)."""
         return None
 
 

@@ -22,12 +22,13 @@ from collections.abc import Sequence
 import numpy as np
 
 from hashing import BlockHash
-from kvstore.attention.base import AttentionKind, Forget, Relock, Span
-from kvstore.attention.sliding import cut_tier_tokens, window_prefix
+from kvstore.attention.base import AttentionKind, Forget, Held, Relock, Span
+from kvstore.attention.sliding import cut_tier_tokens, slid_to, window_prefix
 from kvstore.hits import CacheHit
 from kvstore.index import RadixIndex, TreeNode
 from kvstore.layout import LayerKV
 from kvstore.pool import BlockPool
+from kvstore.seq_blocks import SeqBlocks
 from kvstore.units import cdiv
 
 
@@ -182,6 +183,7 @@ class HybridAttention(AttentionKind):
     hold their window parts; tiers are written whole at commit, while blocks hold both."""
 
     splits_blocks = True
+    shrinks_steps = True
 
     def __init__(self, pool: BlockPool, index: RadixIndex, window: int):
         super().__init__(pool, index)
@@ -266,3 +268,55 @@ class HybridAttention(AttentionKind):
 
     def check(self, cached: Sequence[int]) -> None:
         self.windows.check(cached)
+
+    # --- a running request: two block tables in one --------------------------------------
+    # It holds every block's full part, and the window part of blocks
+    # [num_window_dropped, num_window_end) only; the window layers read the table through
+    # the pool's slot map.
+
+    def fit_step(self, seq: SeqBlocks, start: int, num_new: int) -> int:
+        """Cut by halves to what the window slots can hold (free, or held only by the
+        index), before any is taken back for it."""
+        bs = self.pool.block_size
+        need = cdiv(start + num_new, bs) - seq.num_window_end
+        if need <= self.pool.window.num_free:  # type: ignore[union-attr]
+            return num_new  # (most steps: no scan of the index's window parts)
+        room = self.windows.room_at_most()
+        while num_new > 1 and cdiv(start + num_new, bs) - seq.num_window_end > room:
+            num_new = (num_new + 1) // 2
+        return num_new
+
+    def has_room(self, seq: SeqBlocks, end_block: int, held: Held) -> bool:
+        """Window slots for the blocks before `end_block` that have none yet (freeing
+        slots only the index holds as needed)."""
+        need = end_block - seq.num_window_end
+        return need <= 0 or held.window_room(need) >= need
+
+    def reach(self, seq: SeqBlocks, end_block: int, held: Held) -> bool:
+        end = min(end_block, len(seq.block_table))
+        ids = seq.block_table[seq.num_window_end : end]
+        if not ids:
+            return True
+        if not held.assign_windows(ids):  # type: ignore[arg-type]
+            return False
+        # attention reads the last block whole: no NaN from earlier use in its window part
+        self.pool.zero_window(ids[-1:])  # type: ignore[arg-type]
+        seq.num_window_end = end
+        return True
+
+    def slide(
+        self, seq: SeqBlocks, num_computed: int, limit: int, align: int, held: Held
+    ) -> tuple[int, int]:
+        """The request lets go of the window parts of blocks before the window; their full
+        parts stay."""
+        bs = self.pool.block_size
+        upto = slid_to(seq, num_computed, self.window, bs, limit, align)  # type: ignore[arg-type]
+        lo, upto = seq.num_window_dropped, min(upto, seq.num_window_end)
+        if upto <= lo:
+            return lo, lo
+        seq.num_window_dropped = upto
+        held.drop_window(seq.block_table[lo:upto])  # type: ignore[arg-type]
+        return lo, upto
+
+    def windows_held(self, seq: SeqBlocks) -> list[int] | None:
+        return seq.block_table[seq.num_window_dropped : seq.num_window_end]  # type: ignore[return-value]

@@ -14,11 +14,12 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from kvstore.attention.base import AttentionKind, Forget, Relock, Span
+from kvstore.attention.base import AttentionKind, Forget, Held, Relock, Span
 from kvstore.hits import CacheHit
 from kvstore.index import RadixIndex, TreeNode
 from kvstore.layout import LayerKV
 from kvstore.pool import BlockPool
+from kvstore.seq_blocks import SeqBlocks
 from kvstore.units import cdiv
 
 
@@ -53,6 +54,14 @@ def cut_to_window(
     tiers = cut_tier_tokens(tier_tokens, point * block_size)
     kept = [None] * first + block_ids[first:point]
     return WindowCut(kept, point * block_size, tiers, block_ids[:first] + block_ids[point:])
+
+
+def slid_to(seq: SeqBlocks, num_computed: int, window: int, bs: int, limit: int, align: int) -> int:
+    """The blocks of `bs` tokens no query from position `num_computed` on sees (keys
+    before num_computed - window + 1), not past block `limit`, in whole `align`-block
+    chunks."""
+    upto = min(max(0, num_computed - window + 1) // bs, len(seq.block_table))
+    return min(upto, limit) // align * align
 
 
 def cut_tier_tokens(tier_tokens: dict[str, int], num_tokens: int) -> dict[str, int]:
@@ -128,3 +137,18 @@ class SlidingWindow(AttentionKind):
         if freed:
             forget(node, freed)
         return len(freed)
+
+    def slide(
+        self, seq: SeqBlocks, num_computed: int, limit: int, align: int, held: Held
+    ) -> tuple[int, int]:
+        """The request drops the blocks themselves: its table's leading entries become None."""
+        bs = self.pool.block_size
+        upto = slid_to(seq, num_computed, self.window, bs, limit, align)  # type: ignore[arg-type]
+        lo = seq.num_dropped
+        if upto <= lo:
+            return lo, lo
+        mine = seq.block_table[lo:upto]
+        seq.block_table[lo:upto] = [None] * (upto - lo)
+        seq.num_dropped = upto
+        held.free([b for b in mine if b is not None])
+        return lo, upto
