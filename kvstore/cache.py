@@ -22,11 +22,11 @@ from kvstore.device_index import DeviceIndex
 from kvstore.events import BlockStored, EventSink
 from kvstore.held import HeldBlocks
 from kvstore.hits import CacheHit, KVPrefix
+from kvstore.hybrid_pool import make_pool
 from kvstore.index import RadixIndex
 from kvstore.layout import LayerKV
 from kvstore.metrics import DEVICE_TIER, CacheMetrics
 from kvstore.policies import make_policy
-from kvstore.pool import BlockPool
 from kvstore.scopes import Scope, Scopes
 from kvstore.stores import SpillStore, make_stores
 from kvstore.tails import TailCache, tail_capacity
@@ -69,14 +69,15 @@ class PrefixCache:
         self.namespace = namespace
         self.block_size = config.block_size
         self.window = window
-        self.pool = BlockPool.from_config(config, namespace, window_layers or (), min_slots)
+        self.pool = make_pool(config, namespace, window_layers or (), min_slots)
         policy = make_policy(config.eviction_policy, self.pool.num_blocks)
         self.index = RadixIndex(config.block_size, policy, events)
         self.kind = make_attention(self.pool, self.index, window)  # kvstore/attention/
         self.metrics = CacheMetrics()
         if stores is None and config.has_tiers:
             stores = make_stores(config, namespace)
-        self.tiers = Tiers(config, stores, self.pool, self.metrics) if stores else None
+        at_commit = self.kind.writes_back_at_commit
+        self.tiers = Tiers(config, stores, self.pool, self.metrics, at_commit) if stores else None
         self.scopes = Scopes(config, namespace, with_entries=self.tiers is not None)
         self.hasher = self.scopes.default.hasher
         self.tenants = TenantBlocks(config.tenant_quota_blocks, self.pool.num_blocks)
@@ -308,9 +309,7 @@ class PrefixCache:
                 "blocks_evictable": self.index.num_evictable_blocks,
                 "blocks_tails": len(self.tails),
             }
-            if self.pool.window is not None:
-                device["window_slots_total"] = self.pool.window.num_slots
-                device["window_slots_free"] = self.pool.window.num_free
+            device |= self.kind.stats()
         tiers = self.tiers.stats() if self.tiers else {}
         return {
             "namespace": self.namespace.id,

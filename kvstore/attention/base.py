@@ -48,6 +48,9 @@ class AttentionKind(ABC):
     # a block's layers are held in parts: a request holds the window layers' part of only
     # the blocks its window sees (a hybrid model's window plane)
     splits_blocks: bool = False
+    # write-back tiers are written at commit: a block loses a part long before eviction,
+    # and an entry holds every layer
+    writes_back_at_commit: bool = False
 
     def __init__(self, pool: BlockPool, index: RadixIndex):
         self.pool, self.index = pool, index
@@ -134,6 +137,10 @@ class AttentionKind(ABC):
     ) -> None:
         """An insert found some of the caller's blocks `new` (keys[start:]) cached already."""
         return None
+
+    def stats(self) -> dict[str, int]:
+        """The kind's own figures for `PrefixCache.stats()["device"]`."""
+        return {}
 
     def check(self, cached: Sequence[int]) -> None:
         """The kind's own invariants over the index's blocks (`check_integrity`)."""

@@ -184,6 +184,7 @@ class HybridAttention(AttentionKind):
 
     splits_blocks = True
     shrinks_steps = True
+    writes_back_at_commit = True
 
     def __init__(self, pool: BlockPool, index: RadixIndex, window: int):
         super().__init__(pool, index)
@@ -265,6 +266,10 @@ class HybridAttention(AttentionKind):
     ) -> None:
         """Cached blocks that lost their window part get copies of the caller's."""
         self.windows.fill(self.index.peek_prefix(keys, tokens).block_ids[start:], new)
+
+    def stats(self) -> dict[str, int]:
+        plane = self.windows.plane
+        return {"window_slots_total": plane.num_slots, "window_slots_free": plane.num_free}
 
     def check(self, cached: Sequence[int]) -> None:
         self.windows.check(cached)

@@ -46,11 +46,14 @@ class Tiers:
         stores: Sequence[SpillStore],
         pool: BlockPool,
         metrics: CacheMetrics,
+        write_back_at_commit: bool = False,
     ):
+        """`write_back_at_commit`: write-back stores are written when blocks are committed
+        (an attention kind whose blocks lose parts long before they are evicted)."""
         self.config, self.pool, self.metrics = config, pool, metrics
         self.stores = list(stores)
         self.chunk_blocks = config.chunk_blocks
-        self.policies = WritePolicies(config, self.stores, hybrid=pool.window is not None)
+        self.policies = WritePolicies(config, self.stores, write_back_at_commit)
         self.reader = TierReader(self.stores, pool.layout, config.chunk_blocks, metrics)
         self.writer = TierWriter(self.stores, config.codec, config.write_queue_blocks, metrics)
         _flush_at_exit(self)

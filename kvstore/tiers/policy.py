@@ -4,9 +4,10 @@ Per store (`<store>_write_policy`): "write-through" writes blocks when they are 
 fills from a slower tier's hit), "write-back" when the device pool evicts them, "selective"
 once a device block has been hit `selective_min_hits` times, "off" never.
 
-A hybrid model's pool (kvstore/window_plane.py) writes "write-back" stores when blocks are
-stored, like "write-through": a block lets go of its window layers' part long before the
-pool evicts it, so an entry of every layer can be taken only while it is committed.
+With `write_back_at_commit` (a hybrid model's attention kind, kvstore/attention/hybrid.py),
+"write-back" stores are written when blocks are stored, like "write-through": a block lets
+go of its window layers' part long before the pool evicts it, so an entry of every layer
+can be taken only while it is committed.
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ MAX_HIT_COUNTS = 1_000_000  # keys whose selective hit counts are kept (LRU)
 class WritePolicies:
     """The targets (indices into the stores, fastest first) of each event."""
 
-    def __init__(self, config: CacheConfig, stores: Sequence[SpillStore], hybrid: bool = False):
+    def __init__(
+        self, config: CacheConfig, stores: Sequence[SpillStore], write_back_at_commit: bool = False
+    ):
         self.names = [store.name for store in stores]
         policy = [getattr(config, f"{name}_write_policy", "write-through") for name in self.names]
-        if hybrid:  # (see above)
+        if write_back_at_commit:  # (see above)
             policy = ["write-through" if p == "write-back" else p for p in policy]
         self.on_store = self._of(policy, "write-through")
         self.on_evict = self._of(policy, "write-back")

@@ -11,6 +11,7 @@ import torch
 from hashing import Namespace
 from kvstore.cache import PrefixCache
 from kvstore.config import CacheConfig, ConfigError
+from kvstore.hybrid_pool import HybridPool, make_pool
 from kvstore.pool import BlockPool, PoolExhausted
 from kvstore.sequences import BlockTables, SeqBlocks
 from kvstore.window_plane import WindowPlaneError
@@ -72,7 +73,7 @@ def slots_in_use(cache: PrefixCache) -> int:
 
 
 def test_whole_blocks_round_trip_through_the_two_planes_byte_for_byte() -> None:
-    pool = BlockPool(8, NS, torch.device("cpu"), WINDOW_LAYERS, num_window_slots=4)
+    pool = HybridPool(8, NS, torch.device("cpu"), WINDOW_LAYERS, num_window_slots=4)
     assert pool.kv.shape[1] == 1 and pool.window.kv.shape[:2] == (4, 2)
     ids = pool.allocate(3)
     blocks = random_blocks(3)
@@ -84,7 +85,7 @@ def test_whole_blocks_round_trip_through_the_two_planes_byte_for_byte() -> None:
 
 
 def test_a_block_that_lets_go_of_its_window_part_frees_its_slot_and_reads_zeros_there() -> None:
-    pool = BlockPool(8, NS, torch.device("cpu"), WINDOW_LAYERS, num_window_slots=2)
+    pool = HybridPool(8, NS, torch.device("cpu"), WINDOW_LAYERS, num_window_slots=2)
     ids = pool.allocate(2)
     with pytest.raises(PoolExhausted):  # the slots run out before the blocks
         pool.allocate(1)
@@ -108,7 +109,7 @@ def test_the_pool_budget_is_split_between_full_blocks_and_window_slots() -> None
     # 2 KiB per layer and block here: a block costs 1 full layer + 0.5 x 2 window layers
     ns = Namespace("hybrid-model", "float32", LAYERS, 2, 16, 8)
     config = CacheConfig(block_size=8, device_cache_gb=100 * 4096 / 2**30, device="cpu")
-    pool = BlockPool.from_config(config, ns, WINDOW_LAYERS)
+    pool = make_pool(config, ns, WINDOW_LAYERS)
     assert (pool.num_blocks, pool.window.num_slots) == (100, 50)
     plain = BlockPool.from_config(config, ns)
     assert (plain.num_blocks, plain.window) == (66, None)

@@ -4,8 +4,8 @@ a later insert of the same blocks fills the holes; a branch point keeps its wind
 
 from test_index import BS, insert, match, prompt
 
-from kvstore.index import RadixIndex
 from kvstore.attention import window_prefix
+from kvstore.index import RadixIndex
 
 LONG = prompt(1, 2, 3, 4, 5, 6)
 

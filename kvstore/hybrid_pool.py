@@ -1,0 +1,223 @@
+"""HybridPool: a hybrid model's block pool, its window layers in a window plane.
+
+A hybrid model (full layers and sliding-window layers) needs a block's full layers for as
+long as it is cached, its window layers only while some query can still see them. So a
+block's full part is its row of `kv` (the full layers) and its window part a slot of the
+window plane (kvstore/window_plane.py), which the block lets go of on its own. Block reads
+and writes (`read_blocks`, `write_blocks`, `gather`, `scatter`) still speak whole blocks,
+every layer in model order, so tier entries are the same as a plain pool's.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from hashing import Namespace
+from kvstore.config import CacheConfig, ConfigError
+from kvstore.layout import LayerKV, split_layers
+from kvstore.pool import (
+    BlockPool,
+    PoolExhausted,
+    budget_bytes,
+    layer_bytes,
+    pool_blocks,
+    resolve_device,
+)
+from kvstore.window_plane import WindowPlane
+
+
+def window_slots(config: CacheConfig, num_blocks: int) -> int:
+    """Window-plane slots of a hybrid model's pool of `num_blocks` blocks."""
+    return max(1, math.ceil(num_blocks * config.window_share))
+
+
+def _window_split(
+    config: CacheConfig, namespace: Namespace, num_window_layers: int, min_slots: int
+) -> tuple[int, int]:
+    """(window slots, blocks) of a hybrid pool: `window_share` slots per block, at least
+    `min_slots`; those past the share come out of a byte budget's blocks."""
+    num_blocks = pool_blocks(config, namespace, num_window_layers)
+    slots = window_slots(config, num_blocks)
+    if slots >= min_slots:
+        return slots, num_blocks
+    if config.device_blocks is not None:
+        return min_slots, num_blocks
+    per_layer = layer_bytes(namespace)
+    left = budget_bytes(config) - min_slots * per_layer * num_window_layers
+    num_full = namespace.num_layers - num_window_layers
+    return min_slots, max(0, int(left // (per_layer * num_full)))
+
+
+def make_pool(
+    config: CacheConfig,
+    namespace: Namespace,
+    window_layers: Sequence[int] = (),
+    min_window_slots: int | None = None,
+) -> BlockPool:
+    """The configured pool: a plain one, or with `window_layers` a hybrid one with at least
+    `min_window_slots` window slots."""
+    if not window_layers:
+        return BlockPool.from_config(config, namespace)
+    slots, num_blocks = _window_split(config, namespace, len(window_layers), min_window_slots or 1)
+    if slots > num_blocks:
+        field = "device_blocks" if config.device_blocks is not None else "device_cache_gb"
+        raise ConfigError(
+            field,
+            f"the pool holds {num_blocks} blocks, fewer than a request's window and "
+            f"the blocks around it ({slots} blocks of {config.block_size} tokens)",
+        )
+    device = resolve_device(config.device)
+    return HybridPool(num_blocks, namespace, device, window_layers, slots)
+
+
+class HybridPool(BlockPool):
+    """`kv` holds the full layers, `window` the window layers, in slots a block lets go of
+    while its full part stays. `ref_cnt` counts a block's owners; `window.ref_cnt` those
+    that hold its window part too."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        namespace: Namespace,
+        device: torch.device,
+        window_layers: Sequence[int],
+        num_window_slots: int | None = None,
+    ):
+        num_layers = namespace.num_layers
+        self.window_layers = _check_window_layers(window_layers, num_layers)
+        self.full_layers = [i for i in range(num_layers) if i not in self.window_layers]
+        super().__init__(num_blocks, namespace, device)
+        self._raw = None  # a block's layers are in two planes: tier reads are staged
+        slots = num_blocks if num_window_slots is None else num_window_slots
+        slot_shape = (len(self.window_layers), *self.layout.block_shape[1:])
+        self.window = WindowPlane(num_blocks, slots, slot_shape, self.dtype, device)
+
+    def _block_rows(self) -> tuple[int, ...]:
+        # [num_blocks, full layers, 2, kv_heads, block_size, head_dim]
+        return (self.num_blocks, len(self.full_layers), *self.layout.block_shape[1:])
+
+    @property
+    def nbytes(self) -> int:
+        """The pool's KV bytes: its blocks' full parts and the window slots."""
+        return sum(t.numel() * t.element_size() for t in (self.kv, self.window.kv))
+
+    def allocate(self, n: int, window: bool = True) -> list[int]:
+        """With `window` each block comes with a window slot the caller holds too; without,
+        the caller gives blocks their slots as it needs them (`assign_window`)."""
+        if window and n > self.window.num_free:
+            raise PoolExhausted(f"need {n} window slots, {self.window.num_free} free")
+        ids = super().allocate(n)
+        if window:
+            self.window.assign(ids)
+        return ids
+
+    def assign_window(self, block_ids: Sequence[int]) -> None:
+        """Give owned blocks that have none a window slot each, held by their owner."""
+        self.window.assign(block_ids)
+
+    def layer_views(self) -> list[tuple[torch.Tensor, bool]]:
+        views: list[tuple[torch.Tensor, bool]] = [(self.kv[:, 0], False)] * self.layout.num_layers
+        for i, layer in enumerate(self.full_layers):
+            views[layer] = (self.kv[:, i], False)
+        for i, layer in enumerate(self.window_layers):
+            views[layer] = (self.window.kv[:, i], True)
+        return views
+
+    def whole(self, block_ids: Sequence[int | None]) -> list[int | None]:
+        """None for each block without its window part."""
+        return [b if b is not None and self.window.slot[b] >= 0 else None for b in block_ids]
+
+    def zero(self, block_ids: Sequence[int]) -> None:
+        """Zero blocks: their full part, and their window part where they hold one."""
+        super().zero(block_ids)
+        held = self.window.held(block_ids)
+        self.zero_window([b for b, h in zip(block_ids, held, strict=True) if h])
+
+    def zero_window(self, block_ids: Sequence[int]) -> None:
+        """Zero the window parts of blocks that hold one."""
+        if block_ids:
+            self.window.kv[self.window.slots(block_ids)] = 0
+
+    def destinations(self, block_ids: Sequence[int]) -> list[torch.Tensor | memoryview]:
+        """Staging blocks: a block's layers are in two planes (`write_staged` writes them)."""
+        return [torch.empty(self.layout.block_shape, dtype=self.dtype) for _ in block_ids]
+
+    def write_staged(
+        self, block_ids: Sequence[int], staged: Sequence[torch.Tensor | memoryview]
+    ) -> None:
+        self.write_blocks(block_ids, staged)  # type: ignore[arg-type]
+
+    def incref(self, block_ids: Sequence[int], window: bool = True) -> None:
+        """With `window` the new owner holds the block's window part too, which the block
+        must still hold."""
+        for block_id in block_ids:
+            if self.ref_cnt[block_id] <= 0:
+                raise ValueError(f"incref of free block {block_id}")
+        if window:
+            self.window.take(block_ids)
+        super().incref(block_ids)
+
+    def free(self, block_ids: Sequence[int], window: bool = True) -> None:
+        """`window`: the owner held the blocks' window parts and lets go of them too; False
+        for an owner that let go of them before (`drop_window`)."""
+        for block_id in block_ids:
+            if self.ref_cnt[block_id] <= 0:
+                raise ValueError(f"double free of block {block_id}")
+        if window:
+            self.window.drop(block_ids)
+        super().free(block_ids)
+
+    def _on_freed(self, block_id: int) -> None:
+        self.window.on_free(block_id)  # its slot goes too, whoever still counted on it
+
+    def drop_window(self, block_ids: Sequence[int]) -> int:
+        return self.window.drop(block_ids)
+
+    def gather(self, block_ids: Sequence[int], window_from: int | None = None) -> list[LayerKV]:
+        n = len(block_ids)
+        layers, _, heads, bs, dim = self.layout.block_shape
+        blocks = self.read_blocks(block_ids, window_from)
+        out = blocks.permute(1, 2, 3, 0, 4, 5).reshape(layers, 2, heads, n * bs, dim)
+        return split_layers(out)
+
+    def read_blocks(self, block_ids: Sequence[int], window_from: int | None = None) -> torch.Tensor:
+        """Every block must hold its window part (else `WindowPlaneError`), or, with
+        `window_from`, block_ids[window_from:] (zeros in the window layers before: what a
+        hit holds, whose window sees no further back)."""
+        ids = self._ids(block_ids)
+        shape = (len(block_ids), *self.layout.block_shape)
+        out = torch.empty(shape, dtype=self.dtype, device=self.device)
+        out[:, self.full_layers] = self.kv.index_select(0, ids)
+        first = window_from or 0
+        out[:first, self.window_layers] = 0
+        slots = self.window.slots(block_ids[first:])
+        out[first:, self.window_layers] = self.window.kv.index_select(0, slots)
+        return out
+
+    def write_blocks(
+        self, block_ids: Sequence[int], blocks: torch.Tensor | Sequence[torch.Tensor]
+    ) -> None:
+        if not isinstance(blocks, torch.Tensor):
+            if not blocks:
+                return
+            blocks = torch.stack([block.to(self.device) for block in blocks])
+        blocks, ids = blocks.to(self.device, self.dtype), self._ids(block_ids)
+        self.kv.index_copy_(0, ids, blocks[:, self.full_layers])
+        self.window.kv.index_copy_(0, self.window.slots(block_ids), blocks[:, self.window_layers])
+
+
+def _check_window_layers(window_layers: Sequence[int], num_layers: int) -> list[int]:
+    """The window plane's layers, sorted: some of the model's, not all (a model whose every
+    layer is windowed needs no plane: its blocks go whole)."""
+    layers = sorted(set(window_layers))
+    if any(not 0 <= i < num_layers for i in layers):
+        raise ValueError(f"window_layers {layers} out of range for {num_layers} layers")
+    if layers and len(layers) == num_layers:
+        raise ValueError(
+            f"window_layers lists all {num_layers} layers: a model whose every layer is "
+            "windowed is a window-only model (pass the window alone)"
+        )
+    return layers
