@@ -201,7 +201,9 @@ class Engine(SyncPaths):
                 validate_salt(request.cache_salt)
             except ValueError as e:
                 raise InvalidRequestError(f"cache_salt: {e}") from None
-            request.expected_cached_tokens = self.cache.peek(request.token_ids, request.cache_salt)
+            ids, salt = request.token_ids, request.cache_salt
+            request.keys = self.cache.block_keys(ids, salt, request.keys)  # hashed once
+            request.expected_cached_tokens = self.cache.peek(ids, salt, request.keys)
         displaced: list[Request | None] = []
         try:
             with self._cond:

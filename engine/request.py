@@ -155,7 +155,10 @@ class Request:
     num_preemptions: int = 0
     sampler: Sampler | None = None
     state: Any = None  # the engine's per-request state while admitted
-    block_keys: Any = None  # the scheduler's note of its block keys while waiting
+    # lookup keys of the full blocks of its tokens (prompt, then output once preempted):
+    # hashed once when admitted, extended as tokens come; peek, lookup and commit reuse them
+    keys: list[bytes] = field(default_factory=list)
+    key_set: Any = None  # the scheduler's set of `keys` while waiting
     # called before the future resolves (the server's metrics of the request)
     on_done: Callable[[Request, GenerateResult | None], None] | None = None
 

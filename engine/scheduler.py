@@ -258,10 +258,16 @@ class Scheduler:
     def _keys(self, request: Request) -> set[bytes]:
         """Lookup keys of the full blocks of a waiting request's tokens (kept while waiting)."""
         tokens = all_tokens(request)
-        if request.block_keys is None or request.block_keys.num_tokens != len(tokens):
-            keys = self.tables.keys_of(tokens, request.cache_salt)
-            request.block_keys = _CachedKeys(len(tokens), set(keys))
-        return request.block_keys.keys
+        if request.key_set is None or request.key_set.num_tokens != len(tokens):
+            request.key_set = _CachedKeys(len(tokens), set(self._extend_keys(request, tokens)))
+        return request.key_set.keys
+
+    def _extend_keys(self, request: Request, tokens: list[int]) -> list[bytes]:
+        """The request's block keys (hashed when it was added), extended to `tokens`: its
+        prompt and the output it had when preempted."""
+        if len(request.keys) < len(tokens) // self.tables.block_size:
+            request.keys = self.tables.keys_of(tokens, request.cache_salt, request.keys)
+        return request.keys
 
     def _pending(self, request: Request) -> set[bytes]:
         """Keys of the prompt blocks a running request will still commit."""
@@ -307,7 +313,8 @@ class Scheduler:
         and the rest of its prompt does not fit in `budget`."""
         tokens = all_tokens(request)
         if whole_only:  # probed without a lookup: a request that waits is not counted a hit
-            cached = min(self.tables.cache.peek(tokens, request.cache_salt), len(tokens) - 1)
+            keys = self._extend_keys(request, tokens)
+            cached = min(self.tables.cache.peek(tokens, request.cache_salt, keys), len(tokens) - 1)
             if len(tokens) - cached > budget:
                 return None
         need = self.tables.blocks_for(len(tokens) + 1)  # the prompt and a first decode slot
@@ -315,7 +322,8 @@ class Scheduler:
             self.waiting.remove(request)
             reject(request, _too_long(len(tokens), self.tables))
             return Scheduled(request, 0, 0)
-        blocks = self.tables.open(tokens, request.cache_salt, request.tenant or "")
+        keys = self._extend_keys(request, tokens)
+        blocks = self.tables.open(tokens, request.cache_salt, request.tenant or "", keys=keys)
         state = Running(blocks, min(blocks.num_cached_tokens, len(tokens) - 1))
         num_new = min(len(tokens) - state.num_computed, budget)
         room = self.tables.num_available() >= need - len(blocks.block_table)

@@ -101,12 +101,24 @@ class PrefixCache:
     def device(self) -> torch.device:
         return self.pool.device
 
+    def block_keys(
+        self,
+        token_ids: Sequence[int] | np.ndarray,
+        cache_salt: str = "",
+        known: Sequence[BlockHash] = (),
+    ) -> list[BlockHash]:
+        """Lookup keys of the full blocks of token_ids under `cache_salt`, hashing only the
+        blocks past `known` (keys of a shorter prefix). Hash a request once and pass its
+        keys to `peek`, `lookup` and `store`."""
+        return self.scopes.get(cache_salt).keys(as_token_array(token_ids), known)
+
     def lookup(
         self,
         token_ids: Sequence[int] | np.ndarray,
         cache_salt: str = "",
         tenant: str = "",
         whole_prompt: bool = False,
+        keys: Sequence[BlockHash] = (),
     ) -> CacheHit:
         """Find and lock the longest cached whole-block prefix of token_ids[:-1] (of all of
         token_ids with `whole_prompt`: the caller then re-runs the last token for its logits).
@@ -114,12 +126,13 @@ class PrefixCache:
         Blocks the device pool misses are asked of the spill tiers (fastest first), verified
         and promoted into the pool; `num_cached_tokens` counts only verified blocks. Only
         blocks stored with the same `cache_salt` can match. Blocks promoted from the tiers count
-        against `tenant`'s quota (`tenant_quota_blocks`).
+        against `tenant`'s quota (`tenant_quota_blocks`). `keys`: the prompt's keys when
+        already hashed (`block_keys`); only blocks past them are hashed.
         """
         tokens = as_token_array(token_ids)
         usable = len(tokens) if whole_prompt else max(len(tokens) - 1, 0)
         scope = self.scopes.get(cache_salt)
-        keys = scope.hasher.hash_blocks(tokens[: usable // self.block_size * self.block_size])
+        keys = scope.keys(tokens[: usable // self.block_size * self.block_size], keys)
         with self._lock:
             match = self.index.match_prefix(keys, tokens)
             self.index.lock(match.last_node)
@@ -137,12 +150,17 @@ class PrefixCache:
         self.metrics.record_lookup(len(tokens), hit.tier_tokens)
         return hit
 
-    def peek(self, token_ids: Sequence[int] | np.ndarray, cache_salt: str = "") -> int:
+    def peek(
+        self,
+        token_ids: Sequence[int] | np.ndarray,
+        cache_salt: str = "",
+        keys: Sequence[BlockHash] = (),
+    ) -> int:
         """Tokens of the longest whole-block prefix of token_ids in the device pool now. Records
-        nothing: no hit, lock, tier lookup or metric (a scheduler's probe)."""
+        nothing: no hit, lock, tier lookup or metric (a scheduler's probe). `keys` as in
+        `lookup`."""
         tokens = as_token_array(token_ids)
-        usable = len(tokens) // self.block_size * self.block_size
-        keys = self.scopes.get(cache_salt).hasher.hash_blocks(tokens[:usable])
+        keys = self.block_keys(tokens, cache_salt, keys)
         with self._lock:
             ids = self.index.peek_prefix(keys, tokens).block_ids
             return self.kind.usable_blocks(ids) * self.block_size

@@ -55,10 +55,12 @@ class BlockTables:
         cache_salt: str,
         tenant: str,
         whole_prompt: bool = True,
+        keys: Sequence[BlockHash] = (),
     ) -> SeqBlocks:
         """Look up the longest cached prefix of token_ids (of token_ids[:-1] unless
-        `whole_prompt`); its blocks enter the table."""
-        hit = self.cache.lookup(token_ids, cache_salt, tenant, whole_prompt)
+        `whole_prompt`; `keys`: their block keys, when hashed already); its blocks enter
+        the table."""
+        hit = self.cache.lookup(token_ids, cache_salt, tenant, whole_prompt, keys)
         self.held.hold(hit)  # the hit's lock and a reference to its blocks are the table's
         n = len(hit.block_ids)
         dropped = next((i for i, b in enumerate(hit.block_ids) if b is not None), n)
@@ -94,9 +96,15 @@ class BlockTables:
         self.cache.tails.put(seq.cache_salt, as_token_array(token_ids), block)
         return True
 
-    def keys_of(self, token_ids: Sequence[int] | np.ndarray, cache_salt: str) -> list[BlockHash]:
-        """Lookup keys of the full blocks of token_ids (what `open` would look up)."""
-        return self.cache.scopes.get(cache_salt).keys(as_token_array(token_ids))
+    def keys_of(
+        self,
+        token_ids: Sequence[int] | np.ndarray,
+        cache_salt: str,
+        known: Sequence[BlockHash] = (),
+    ) -> list[BlockHash]:
+        """Lookup keys of the full blocks of token_ids (what `open` would look up), hashing
+        only those past `known`."""
+        return self.cache.block_keys(token_ids, cache_salt, known)
 
     def num_available(self) -> int:
         """Blocks a request could get now: free, or cached and unlocked (evictable)."""

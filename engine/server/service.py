@@ -183,7 +183,7 @@ class Service:
         if bridge is not None:
             job.on_token = bridge.push
             bridge.watch(job.future)
-        self.admit(job)
+        await run_in_threadpool(self.admit, job)  # hashes its blocks: off the event loop
         return job, req, bridge
 
     def prompt_ids(self, req: p.CompletionRequest | p.ChatRequest) -> list[int]:
