@@ -65,10 +65,20 @@ class BlockTables:
         n = len(hit.block_ids)
         dropped = next((i for i, b in enumerate(hit.block_ids) if b is not None), n)
         seq = SeqBlocks(
-            cache_salt, tenant, list(hit.block_ids), n, hit.num_cached_tokens,
-            dict(hit.tier_tokens), list(hit.keys), n, hit.node, dropped, len(token_ids),
-            hit.window_from, n,
-        )  # fmt: skip
+            cache_salt=cache_salt,
+            tenant=tenant,
+            block_table=list(hit.block_ids),
+            num_shared_blocks=n,
+            num_cached_tokens=hit.num_cached_tokens,
+            tier_tokens=dict(hit.tier_tokens),
+            keys=list(hit.keys),
+            num_committed=n,
+            node=hit.node,
+            num_dropped=dropped,
+            num_prompt_tokens=len(token_ids),
+            num_window_dropped=hit.window_from,
+            num_window_end=n,
+        )
         looked_up = token_ids if whole_prompt else token_ids[:-1]
         try:
             tail = self.cache.tails.take(cache_salt, as_token_array(looked_up), n)
@@ -87,10 +97,15 @@ class BlockTables:
         `token_ids`: the tokens whose K/V the table holds that later lookups may reuse. Only
         when every full block before it is committed (a lookup can then hit them)."""
         m, r = divmod(len(token_ids), self.block_size)
+        whole_before = seq.num_committed == m and not seq.num_dropped  # a lookup hits them
+        in_table = seq.num_shared_blocks <= m < len(seq.block_table)
         if (
-            not self.cache.tails.capacity or seq.closed or r == 0 or seq.num_dropped
-            or not seq.num_shared_blocks <= m < len(seq.block_table) or seq.num_committed != m
-        ):  # fmt: skip
+            not self.cache.tails.capacity
+            or seq.closed
+            or r == 0
+            or not whole_before
+            or not in_table
+        ):
             return False
         block, seq.block_table[m] = seq.block_table[m], None  # `close` skips it: the tail's
         self.cache.tails.put(seq.cache_salt, as_token_array(token_ids), block)
@@ -159,9 +174,14 @@ class BlockTables:
         tokens = as_token_array(token_ids[: n * self.block_size])
         seq.keys = self.cache.scopes.get(seq.cache_salt).keys(tokens, seq.keys)
         done = self.held.commit(
-            seq.keys[:n], tokens, seq.block_table[:n], seq.num_committed,
-            seq.cache_salt, seq.tenant, seq.node,
-        )  # fmt: skip
+            keys=seq.keys[:n],
+            token_ids=tokens,
+            block_ids=seq.block_table[:n],  # type: ignore[arg-type]
+            start=seq.num_committed,
+            cache_salt=seq.cache_salt,
+            tenant=seq.tenant,
+            node=seq.node,
+        )
         seq.node, seq.num_committed = done.node, done.num_blocks
         if done.num_blocks < n:  # the tenant is at its quota: commits stop here
             seq.commit_end = done.num_blocks * self.block_size

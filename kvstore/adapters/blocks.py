@@ -202,8 +202,8 @@ class BlockStore:
                 found.append((keys[i], value))
         self.rejections.record(store, failures)
         if found:
-            self.metrics.inc("adapter_hits_blocks_total", len(found), stack=self.stack,
-                             tier=store.name)  # fmt: skip
+            n = len(found)
+            self.metrics.inc("adapter_hits_blocks_total", n, stack=self.stack, tier=store.name)
         return found
 
     def _decode(
@@ -272,8 +272,8 @@ class BlockStore:
         if written:
             self.metrics.inc("adapter_writes_blocks_total", written, stack=self.stack, tier=tier)
         if dropped:
-            self.metrics.inc("adapter_dropped_writes_blocks_total", dropped, stack=self.stack,
-                             tier=tier)  # fmt: skip
+            name = "adapter_dropped_writes_blocks_total"
+            self.metrics.inc(name, dropped, stack=self.stack, tier=tier)
 
     def delete(self, stack_keys: Sequence[bytes]) -> int:
         """Remove these blocks from every tier; returns how many entries were removed."""
