@@ -110,9 +110,12 @@ class ServerProcess:
     def start(self) -> ServerProcess:
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
-                self.args, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                self.args,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
                 start_new_session=True,  # its own group: stop() reaches every child
-            )  # fmt: skip
+            )
         # its own session outlives this process: a server nobody stopped (a run that failed
         # before its shutdown) goes with its handle, or at exit at the latest
         weakref.finalize(self, _kill_if_running, self.proc)

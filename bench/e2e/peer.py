@@ -21,8 +21,15 @@ PEER_MODES = tuple(PEER_RUNS)
 REPEATED_MODES = ("serving",)  # batch mode is 6-13x slower: one run says as much
 
 
-def run_peer(lm, prompts: list[list[int]], reference: list[list[int]], new_tokens: int,
-             block: int, repeats: int, bar_cls) -> dict:  # fmt: skip
+def run_peer(
+    lm,
+    prompts: list[list[int]],
+    reference: list[list[int]],
+    new_tokens: int,
+    block: int,
+    repeats: int,
+    bar_cls,
+) -> dict:
     """CB in both modes; the faster mode's best run is the peer's. `reference` holds HF
     `generate`'s outputs (for `same_outputs`)."""
     peer: dict = {"name": PEER_NAME, "page_size": block, "modes": {}}
@@ -44,8 +51,9 @@ def run_peer(lm, prompts: list[list[int]], reference: list[list[int]], new_token
     return {**peer, "best_mode": best, **fields}
 
 
-def best_peer_run(lm, prompts: list[list[int]], results: list[dict],
-                  reference: list[list[int]], new_tokens: int) -> dict:  # fmt: skip
+def best_peer_run(
+    lm, prompts: list[list[int]], results: list[dict], reference: list[list[int]], new_tokens: int
+) -> dict:
     """The fastest of a mode's runs with every run's time; the first error if any run failed."""
     if failed := [r for r in results if "error" in r]:
         return failed[0]
@@ -70,8 +78,12 @@ def run_peer_mode(lm, prompts, new_tokens: int, block: int, mode: str, counter, 
         return {"num_blocks": blocks, "error": f"{type(e).__name__}: {e}"}
     finally:
         model.destroy_cached_continuous_batching_manager()
-    return {"total_s": total, "cb_prefix_matched_tokens": counter.tokens, "num_blocks": blocks,
-            "outputs": outputs}  # fmt: skip
+    return {
+        "total_s": total,
+        "cb_prefix_matched_tokens": counter.tokens,
+        "num_blocks": blocks,
+        "outputs": outputs,
+    }
 
 
 def peer_cells(peer: dict) -> list[str]:
@@ -79,9 +91,10 @@ def peer_cells(peer: dict) -> list[str]:
     modes = peer.get("modes", {})
     cells = [
         f"{modes[m]['total_s']:.2f} ({modes[m]['cb_prefix_matched_tokens']})"
-        if "total_s" in modes.get(m, {}) else "error"
+        if "total_s" in modes.get(m, {})
+        else "error"
         for m in PEER_MODES
-    ]  # fmt: skip
+    ]
     if "total_s" not in peer:
         return [*cells, "-"]
     return [*cells, f"{peer['kvstore_speedup_over_peer']:.2f}x ({peer['best_mode']})"]

@@ -74,9 +74,11 @@ def _cell(value: object) -> str:
 
 
 def markdown(
-    outcomes: list[FaultOutcome | LoadOutcome], scale: str, elapsed_s: float,
+    outcomes: list[FaultOutcome | LoadOutcome],
+    scale: str,
+    elapsed_s: float,
     out: str | None = None,
-) -> str:  # fmt: skip
+) -> str:
     command = f"python -m bench faults --scale {scale}" + (f" --out {out}" if out else "")
     lines = [
         "# Reliability: fault injection",
@@ -143,9 +145,13 @@ def main(argv: list[str] | None = None) -> int:
         "--out", default=None, metavar="PATH", help="also write the markdown report to PATH"
     )
     parser.add_argument("--only", nargs="*", choices=tuple(SCENARIOS), help="run these only")
-    parser.add_argument("--soak", type=positive_seconds, default=None, metavar="SECONDS",
-                        help="run the soak for SECONDS instead (its section replaces the one "
-                        "in --out)")  # fmt: skip
+    parser.add_argument(
+        "--soak",
+        type=positive_seconds,
+        default=None,
+        metavar="SECONDS",
+        help="run the soak for SECONDS instead (its section replaces the one in --out)",
+    )
     args = parser.parse_args(argv)
     if args.soak is not None:
         return run_soak(args.soak, args.out, args.json)

@@ -83,11 +83,20 @@ class Context(NamedTuple):
 
 def micro_model(seed: int = 1) -> LoadedModel:
     config = LlamaConfig(
-        vocab_size=BYTE_VOCAB_SIZE, hidden_size=64, intermediate_size=128,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        max_position_embeddings=256, initializer_range=0.1, tie_word_embeddings=False,
-        bos_token_id=256, eos_token_id=257, pad_token_id=258,
-    )  # fmt: skip
+        vocab_size=BYTE_VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        initializer_range=0.1,
+        tie_word_embeddings=False,
+        bos_token_id=256,
+        eos_token_id=257,
+        pad_token_id=258,
+    )
     return wrap_model(random_model(config, seed), byte_tokenizer(), f"micro-{seed}")
 
 
@@ -128,7 +137,14 @@ def outcome(
     values = {"lost_entries": 0, "corrupt_injected": 0, "corrupt_detected": 0, **kw}
     ok = sum(r is not None for r in results)
     wrong = count_wrong(ctx.model, prompts, results) + int(values.pop("wrong_outputs_extra", 0))
-    return FaultOutcome(name, injected, len(prompts), ok, wrong, **values)  # type: ignore[arg-type]
+    return FaultOutcome(  # type: ignore[arg-type]
+        name=name,
+        injected=injected,
+        requests=len(prompts),
+        succeeded=ok,
+        wrong_outputs=wrong,
+        **values,
+    )
 
 
 def flush_redis(url: str) -> None:

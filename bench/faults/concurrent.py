@@ -32,17 +32,22 @@ PREFIXES, PREFIX_BLOCKS, OWN_BLOCKS = 4, 6, 4  # prompts share one of 4 six-bloc
 def prompts(n: int, seed: int) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     heads = [rng.integers(0, 256, PREFIX_BLOCKS * BS).tolist() for _ in range(PREFIXES)]
-    return [heads[i % PREFIXES] + rng.integers(0, 256, OWN_BLOCKS * BS + 1).tolist()
-            for i in range(n)]  # fmt: skip
+    return [
+        heads[i % PREFIXES] + rng.integers(0, 256, OWN_BLOCKS * BS + 1).tolist() for i in range(n)
+    ]
 
 
 class Run:
     """One scenario's server, workload and tallies."""
 
     def __init__(
-        self, ctx: Context, tag: str, *server_args: str, redis: bool = True,
+        self,
+        ctx: Context,
+        tag: str,
+        *server_args: str,
+        redis: bool = True,
         may_evict: bool = False,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """`may_evict`: the fault makes LMDB evict or drop entries (they explain misses)."""
         self.ctx, self.tag, self.may_evict = ctx, tag, may_evict
         self.clients = ctx.scale.load_clients
@@ -86,9 +91,14 @@ class Run:
                 for k in ("evictions", "dropped_writes")
             )
         integrity_ok, held_at_close, _ = self.server.shut_down()
-        lost = self.lost_entries(answers, explained)
-        checks = Checks(leaked, integrity_ok and held_at_close == 0, *lost)
-        return tally(self.ctx.model, self.base, answers, checks, name, injected, **kw)
+        lost, lost_note = self.lost_entries(answers, explained)
+        checks = Checks(
+            leaked_blocks=leaked,
+            integrity_ok=integrity_ok and held_at_close == 0,
+            lost_entries=lost,
+            lost_note=lost_note,
+        )
+        return tally(self.ctx.model, self.base, answers, checks, name=name, injected=injected, **kw)
 
     def lost_entries(self, answers: list[Answer], explained: bool) -> tuple[int | None, str]:
         """Answered prompts that a fresh server on the same LMDB (no Redis) cannot hit in
@@ -125,10 +135,13 @@ def redis_fault(ctx: Context, kill: bool) -> LoadOutcome:
 
     answers = run_clients(run.jobs(run.workload()), run.clients, during=fault)
     return run.finish(
-        f"Redis {how[0]} mid-batch", f"{run.clients} streaming clients; {how[1]} Redis with "
-        f"half of them running for {ctx.scale.outage_s:g} s, then {how[2]}", answers,
-        recovery_s=recovery[0], note=f"recovery = {how[2]} to /health ok (breaker closed)",
-    )  # fmt: skip
+        name=f"Redis {how[0]} mid-batch",
+        injected=f"{run.clients} streaming clients; {how[1]} Redis with half of them running "
+        f"for {ctx.scale.outage_s:g} s, then {how[2]}",
+        answers=answers,
+        recovery_s=recovery[0],
+        note=f"recovery = {how[2]} to /health ok (breaker closed)",
+    )
 
 
 def redis_killed(ctx: Context) -> LoadOutcome:
@@ -144,13 +157,17 @@ def lmdb_map_full(ctx: Context) -> LoadOutcome:
     run = Run(ctx, "lmdb-full", "--lmdb-map-size-gb", map_gb, redis=False, may_evict=True)
     answers = run_clients(run.jobs(run.workload()), run.clients)
     stats = run.server.metrics()
-    figures = {k: stats.get(f'kvstore_store_{k}_total{{tier="lmdb"}}', 0.0)
-               for k in ("writes", "evictions", "dropped_writes", "errors")}  # fmt: skip
+    figures = {
+        k: stats.get(f'kvstore_store_{k}_total{{tier="lmdb"}}', 0.0)
+        for k in ("writes", "evictions", "dropped_writes", "errors")
+    }
     return run.finish(
-        "LMDB map full under a batch", f"{run.clients} streaming clients writing to a 256 KiB "
-        "LMDB map", answers, figures=figures,
+        name="LMDB map full under a batch",
+        injected=f"{run.clients} streaming clients writing to a 256 KiB LMDB map",
+        answers=answers,
+        figures=figures,
         note=", ".join(f"{int(v)} {k.replace('_', ' ')}" for k, v in figures.items()),
-    )  # fmt: skip
+    )
 
 
 def preemption(ctx: Context) -> LoadOutcome:
@@ -159,10 +176,13 @@ def preemption(ctx: Context) -> LoadOutcome:
     answers = run_clients(run.jobs(run.workload()), run.clients)
     preempted = run.server.metrics().get("kvstore_preemptions_total", 0.0)
     return run.finish(
-        "preemption storm", f"{run.clients} streaming clients on a pool of {3 * blocks} "
-        f"blocks ({blocks} hold one request)", answers,
-        figures={"preemptions": preempted}, note=f"{int(preempted)} preemptions",
-    )  # fmt: skip
+        name="preemption storm",
+        injected=f"{run.clients} streaming clients on a pool of {3 * blocks} blocks ({blocks} "
+        "hold one request)",
+        answers=answers,
+        figures={"preemptions": preempted},
+        note=f"{int(preempted)} preemptions",
+    )
 
 
 def disconnects(ctx: Context) -> LoadOutcome:
@@ -172,14 +192,18 @@ def disconnects(ctx: Context) -> LoadOutcome:
     leaving = set(rng.sample(range(len(batch)), round(0.3 * len(batch))))
     leave = [rng.randint(1, MAX_TOKENS // 2) if i in leaving else None for i in range(len(batch))]
     url = run.server.url
-    jobs = [lambda p=p, k=k: stream(url, p, MAX_TOKENS, leave_after=k)
-            for p, k in zip(batch, leave, strict=True)]  # fmt: skip
+    jobs = [
+        lambda p=p, k=k: stream(url, p, MAX_TOKENS, leave_after=k)
+        for p, k in zip(batch, leave, strict=True)
+    ]
     answers = run_clients(jobs, run.clients)
     left = sum(k is not None for k in leave)
     return run.finish(
-        "clients leave mid-stream", f"{run.clients} streaming clients; {left} of {len(batch)} "
-        "requests disconnect after a random number of chunks", answers,
-    )  # fmt: skip
+        name="clients leave mid-stream",
+        injected=f"{run.clients} streaming clients; {left} of {len(batch)} requests disconnect "
+        "after a random number of chunks",
+        answers=answers,
+    )
 
 
 BAD_BODIES = (
@@ -199,11 +223,12 @@ def bad_input(ctx: Context) -> LoadOutcome:
     answers = run_clients(jobs, run.clients)
     statuses = Counter(a.status for a in answers if a.prompt == [])
     return run.finish(
-        "bad requests in a healthy batch", f"{run.clients} streaming clients; {len(bad)} "
-        "malformed, mistyped, out-of-range and oversized bodies shuffled among "
-        f"{len(batch)} good requests", answers,
+        name="bad requests in a healthy batch",
+        injected=f"{run.clients} streaming clients; {len(bad)} malformed, mistyped, "
+        f"out-of-range and oversized bodies shuffled among {len(batch)} good requests",
+        answers=answers,
         note="bad ones: " + ", ".join(f"{n}x {s}" for s, n in sorted(statuses.items())),
-    )  # fmt: skip
+    )
 
 
 def sigterm(ctx: Context) -> LoadOutcome:
@@ -223,12 +248,16 @@ def sigterm(ctx: Context) -> LoadOutcome:
         if a.status is None and a.sent_at >= started[0]:
             a.error = "closed"
     return run.finish(
-        "SIGTERM with requests in flight", f"{run.clients} streaming clients; SIGTERM with "
-        "half of them running (drain timeout 30 s)", answers, stopped=True,
-        recovery_s=exit_s[0], figures={"exit_s": exit_s[0]},
+        name="SIGTERM with requests in flight",
+        injected=f"{run.clients} streaming clients; SIGTERM with half of them running (drain "
+        "timeout 30 s)",
+        answers=answers,
+        stopped=True,
+        recovery_s=exit_s[0],
+        figures={"exit_s": exit_s[0]},
         note=f"exited {exit_s[0]:.1f} s after SIGTERM (bound 30 s); sent after it: 503 "
         "draining, or closed unread once the listener closed (no byte answered: safe to retry)",
-    )  # fmt: skip
+    )
 
 
 def disk_full(ctx: Context) -> LoadOutcome | None:
@@ -240,15 +269,19 @@ def disk_full(ctx: Context) -> LoadOutcome | None:
         answers = run_clients(run.jobs(run.workload()), run.clients)
         state = run.server.health().get("tiers", {}).get("lmdb", {}).get("state")
         m = run.server.metrics()
-        figures = {k: m.get(f'kvstore_store_{k}_total{{tier="lmdb"}}', 0.0)
-                   for k in ("writes", "dropped_writes", "errors")}  # fmt: skip
+        figures = {
+            k: m.get(f'kvstore_store_{k}_total{{tier="lmdb"}}', 0.0)
+            for k in ("writes", "dropped_writes", "errors")
+        }
         logged = "tier lmdb is failing" in run.server.log_tail(200_000)
         return run.finish(
-            "disk full under LMDB", f"{run.clients} streaming clients; LMDB map 4 MiB on a "
-            "1 MiB tmpfs", answers, figures=figures,
+            name="disk full under LMDB",
+            injected=f"{run.clients} streaming clients; LMDB map 4 MiB on a 1 MiB tmpfs",
+            answers=answers,
+            figures=figures,
             note=f"/health showed lmdb {state!r}, the log {'said' if logged else 'did NOT say'}"
             " so; " + ", ".join(f"{int(v)} {k.replace('_', ' ')}" for k, v in figures.items()),
-        )  # fmt: skip
+        )
 
 
 FLOOD_QUEUE = 4  # the flood scenario's --max-queue
@@ -307,16 +340,19 @@ def tenant_flood(ctx: Context) -> LoadOutcome:
     displaced = displaced_now()
     theirs = flood.answers
     outcome = run.finish(
-        "one tenant floods", f"tenant a: {4 * run.clients} clients back to back, queue bound "
-        f"{FLOOD_QUEUE}; tenant b: {len(quiet)} requests on 2 clients meanwhile", mine + theirs,
-    )  # fmt: skip
+        name="one tenant floods",
+        injected=f"tenant a: {4 * run.clients} clients back to back, queue bound {FLOOD_QUEUE}; "
+        f"tenant b: {len(quiet)} requests on 2 clients meanwhile",
+        answers=mine + theirs,
+    )
     b_refused = sum(not a.ok for a in mine)
     b_ttft = [a.ttft_s for a in mine if a.ok and a.ttft_s is not None]
     outcome.ttft_p50_ms, outcome.ttft_p99_ms = percentile_ms(b_ttft, 50), percentile_ms(b_ttft, 99)
-    outcome.note = (f"tenant b: {len(mine) - b_refused}/{len(mine)} served, TTFT is b's "
-                    f"(baseline: b alone); tenant a: {sum(a.ok for a in theirs)}/{len(theirs)} "
-                    f"served, {int(displaced)} of its waiting requests displaced; "
-                    + outcome.note)  # fmt: skip
+    outcome.note = (
+        f"tenant b: {len(mine) - b_refused}/{len(mine)} served, TTFT is b's "
+        f"(baseline: b alone); tenant a: {sum(a.ok for a in theirs)}/{len(theirs)} "
+        f"served, {int(displaced)} of its waiting requests displaced; " + outcome.note
+    )
     outcome.figures |= {"b_refused": b_refused, "displaced": displaced}
     return outcome
 

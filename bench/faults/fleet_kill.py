@@ -33,8 +33,13 @@ def start_fleet(ctx: Context) -> tuple[ServerProcess, list[LiveServer]]:
             "--port", str(port), "--api-keys-file", str(ctx.workdir / "load-keys.json"),
             "--log-level", "warning", *urls]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
-    router = ServerProcess(args, port, ctx.workdir / "router.log",
-                           {**env, "KVSTORE_SECRET": "load-secret"}, "kvstore router")  # fmt: skip
+    router = ServerProcess(
+        args,
+        port,
+        log_path=ctx.workdir / "router.log",
+        env={**env, "KVSTORE_SECRET": "load-secret"},
+        name="kvstore router",
+    )
     return router.start().wait_ready(), replicas
 
 
@@ -53,8 +58,8 @@ def redis_misses(ctx: Context, answers: list[Answer], dead: str) -> tuple[int, s
 def router_replica_killed(ctx: Context) -> LoadOutcome:
     router, replicas = start_fleet(ctx)
     victim, clients = replicas[0], ctx.scale.load_clients
-    base = run_clients([lambda p=p: stream(router.url, p, MAX_TOKENS)
-                        for p in prompts(clients, seed=1)], clients)  # fmt: skip
+    warm_up = [lambda p=p: stream(router.url, p, MAX_TOKENS) for p in prompts(clients, seed=1)]
+    base = run_clients(warm_up, clients)
     killed_at: list[float] = []
 
     def fault() -> None:
@@ -75,11 +80,21 @@ def router_replica_killed(ctx: Context) -> LoadOutcome:
     router.stop()
     lost, note = redis_misses(ctx, answers, victim.url)
     broken = sum(a.error == "broken mid-stream" for a in answers)
-    checks = Checks(leaked, all(ok and held == 0 for ok, held, _ in closed), lost, note)
+    checks = Checks(
+        leaked_blocks=leaked,
+        integrity_ok=all(ok and held == 0 for ok, held, _ in closed),
+        lost_entries=lost,
+        lost_note=note,
+    )
     return tally(
-        ctx.model, base, answers, checks, "replica SIGKILLed behind the router",
-        f"{clients} streaming clients through `kvstore router` to {REPLICAS} replicas; SIGKILL "
-        "one with a request running", note=f"{broken} streams broken after their first byte "
-        "(the router's error event, counted as refused: the client must retry); every other "
-        "request answered", figures={"broken": broken},
-    )  # fmt: skip
+        ctx.model,
+        base,
+        answers,
+        checks,
+        name="replica SIGKILLed behind the router",
+        injected=f"{clients} streaming clients through `kvstore router` to {REPLICAS} replicas; "
+        "SIGKILL one with a request running",
+        note=f"{broken} streams broken after their first byte (the router's error event, "
+        "counted as refused: the client must retry); every other request answered",
+        figures={"broken": broken},
+    )

@@ -100,8 +100,9 @@ class LiveServer(ServerProcess):
         short = 0
         for prompt, key in done:
             body = {"model": MODEL, "prompt": list(prompt), "max_tokens": 1}
-            r = self.client.post("/v1/completions", json=body,
-                                 headers={"Authorization": f"Bearer {key}"})  # fmt: skip
+            r = self.client.post(
+                "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+            )
             cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
             short += cached < (len(prompt) - 1) // BS * BS
         return short
@@ -121,22 +122,34 @@ class LiveServer(ServerProcess):
 
 
 def body(prompt: Sequence[int], max_tokens: int) -> dict:
-    return {"model": MODEL, "prompt": list(prompt), "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "return_token_ids": True, "ignore_eos": True}  # fmt: skip
+    return {
+        "model": MODEL,
+        "prompt": list(prompt),
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "return_token_ids": True,
+        "ignore_eos": True,
+    }
 
 
 def stream(
-    url: str, prompt: list[int], max_tokens: int, key: str = "sk-load-a",
-    leave_after: int | None = None, payload: bytes | None = None,
-) -> Answer:  # fmt: skip
+    url: str,
+    prompt: list[int],
+    max_tokens: int,
+    key: str = "sk-load-a",
+    leave_after: int | None = None,
+    payload: bytes | None = None,
+) -> Answer:
     """One streamed completion; `leave_after` chunks: the client disconnects; `payload`: send
     these bytes instead of the request (bad input)."""
     answer = Answer(prompt, time.perf_counter(), key)
     headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
     content = payload if payload is not None else json.dumps(body(prompt, max_tokens)).encode()
     try:
-        with httpx.stream("POST", f"{url}/v1/completions", content=content, headers=headers,
-                          timeout=120.0) as response:  # fmt: skip
+        with httpx.stream(
+            "POST", f"{url}/v1/completions", content=content, headers=headers, timeout=120.0
+        ) as response:
             answer.status = response.status_code
             answer.replica = response.headers.get("x-kvstore-replica")
             if response.status_code != 200:

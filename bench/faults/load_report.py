@@ -64,30 +64,53 @@ class Checks(NamedTuple):
 
 
 def tally(
-    model: LoadedModel, base: list[Answer], answers: list[Answer], checks: Checks,
-    name: str, injected: str, recovery_s: float | None = None, note: str = "",
+    model: LoadedModel,
+    base: list[Answer],
+    answers: list[Answer],
+    checks: Checks,
+    name: str,
+    injected: str,
+    recovery_s: float | None = None,
+    note: str = "",
     figures: dict | None = None,
-) -> LoadOutcome:  # fmt: skip
+) -> LoadOutcome:
     """The outcome of `answers` (with the fault) against `base` (the same server without)."""
     ok = [a for a in answers if a.ok]
     refused = Counter(refusal(a) for a in answers if not a.ok)
     refused.pop(None, None)
     gone = sum(a.status is None and a.error != "closed" for a in answers)
     cancelled = sum(a.cancelled for a in answers)
-    wrong = sum(len(a.token_ids) != MAX_TOKENS
-                or not greedy_matches_reference(model, a.prompt, a.token_ids)
-                for a in ok)  # fmt: skip
+    wrong = sum(not answer_is_right(model, a) for a in ok)
     ttfts = [a.ttft_s for a in ok if a.ttft_s is not None]
     base_ttfts = [a.ttft_s for a in base if a.ok and a.ttft_s is not None]
     notes = (note, checks.lost_note, f"{gone} without an answer" if gone else "")
     return LoadOutcome(
-        name, injected, len(answers), len(ok), dict(refused), cancelled,
-        len(answers) - len(ok) - sum(refused.values()) - cancelled, wrong,
-        checks.lost_entries, checks.leaked_blocks, checks.integrity_ok,
-        percentile_ms(ttfts, 50), percentile_ms(ttfts, 99),
-        percentile_ms(base_ttfts, 50), percentile_ms(base_ttfts, 99), recovery_s,
-        "; ".join(x for x in notes if x), figures or {},
-    )  # fmt: skip
+        name=name,
+        injected=injected,
+        sent=len(answers),
+        succeeded=len(ok),
+        refused=dict(refused),
+        cancelled=cancelled,
+        failed=len(answers) - len(ok) - sum(refused.values()) - cancelled,
+        wrong_outputs=wrong,
+        lost_entries=checks.lost_entries,
+        leaked_blocks=checks.leaked_blocks,
+        integrity_ok=checks.integrity_ok,
+        ttft_p50_ms=percentile_ms(ttfts, 50),
+        ttft_p99_ms=percentile_ms(ttfts, 99),
+        base_p50_ms=percentile_ms(base_ttfts, 50),
+        base_p99_ms=percentile_ms(base_ttfts, 99),
+        recovery_s=recovery_s,
+        note="; ".join(x for x in notes if x),
+        figures=figures or {},
+    )
+
+
+def answer_is_right(model: LoadedModel, answer: Answer) -> bool:
+    """A whole answer (MAX_TOKENS tokens) equal to the model's greedy reference."""
+    return len(answer.token_ids) == MAX_TOKENS and greedy_matches_reference(
+        model, answer.prompt, answer.token_ids
+    )
 
 
 def must_haves_hold(o: LoadOutcome) -> bool:
@@ -106,6 +129,12 @@ def _ms(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.0f}"
 
 
+def _ttft(o: LoadOutcome) -> str:
+    """p50 / p99 (the baseline's p50 / p99)."""
+    base = f"{_ms(o.base_p50_ms)} / {_ms(o.base_p99_ms)}"
+    return f"{_ms(o.ttft_p50_ms)} / {_ms(o.ttft_p99_ms)} ({base})"
+
+
 def markdown_table(outcomes: list[LoadOutcome]) -> list[str]:
     lines = [
         "| Fault | Injected | Sent / succeeded | Refused (reason) | Left by client | Failed "
@@ -117,8 +146,7 @@ def markdown_table(outcomes: list[LoadOutcome]) -> list[str]:
         refused = ", ".join(f"{n} {why}" for why, n in sorted(o.refused.items())) or "0"
         lost = "n/a (LMDB evicted or dropped)" if o.lost_entries is None else str(o.lost_entries)
         leaked = "n/a (exited)" if o.leaked_blocks is None else str(o.leaked_blocks)
-        ttft = (f"{_ms(o.ttft_p50_ms)} / {_ms(o.ttft_p99_ms)} "
-                f"({_ms(o.base_p50_ms)} / {_ms(o.base_p99_ms)})")  # fmt: skip
+        ttft = _ttft(o)
         recovery = "n/a" if o.recovery_s is None else f"{o.recovery_s:.2f}"
         lines.append(
             f"| {o.name} | {o.injected} | {o.sent} / {o.succeeded} | {refused} | {o.cancelled} "

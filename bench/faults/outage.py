@@ -27,9 +27,12 @@ def redis_outage(ctx: Context) -> FaultOutcome:
     flush_redis(ctx.redis.url)
     deadline_ms, down = 50.0, ctx.scale.outage_s
     config = cache_config(
-        redis_url=ctx.redis.url, device_blocks=24, lookup_deadline_ms=deadline_ms,
-        breaker_failures=2, breaker_cooldown_s=0.3,
-    )  # fmt: skip
+        redis_url=ctx.redis.url,
+        device_blocks=24,
+        lookup_deadline_ms=deadline_ms,
+        breaker_failures=2,
+        breaker_cooldown_s=0.3,
+    )
     prompts = make_prompts(20, seed=10)
     with Engine(ctx.model, config) as writer:
         serve(writer, prompts)
@@ -39,8 +42,12 @@ def redis_outage(ctx: Context) -> FaultOutcome:
     stop, marks = threading.Event(), {}
     with Engine(ctx.model, config) as engine:
         threads = load_threads(engine, prompts, stop, done, errors)
-        for name, action in (("pause", ctx.redis.pause), ("resume", ctx.redis.resume),
-                             ("kill", ctx.redis.kill), ("restart", ctx.redis.restart)):  # fmt: skip
+        for name, action in (
+            ("pause", ctx.redis.pause),
+            ("resume", ctx.redis.resume),
+            ("kill", ctx.redis.kill),
+            ("restart", ctx.redis.restart),
+        ):
             time.sleep(down)
             marks[name] = time.perf_counter()
             action()
@@ -56,15 +63,18 @@ def redis_outage(ctx: Context) -> FaultOutcome:
     p99 = float(np.percentile(added, 99)) if added else 0.0
     first = min((t.done_at for t in done if redis_hit(t, marks["restart"])), default=None)
     return outcome(
-        ctx, "redis paused / killed under load",
-        f"4 client threads; SIGSTOP {down:g} s, SIGCONT, SIGKILL, {down:g} s down, restart empty",
-        [t.prompt for t in done], [t.result for t in done],
+        ctx,
+        name="redis paused / killed under load",
+        injected=f"4 client threads; SIGSTOP {down:g} s, SIGCONT, SIGKILL, {down:g} s down, "
+        "restart empty",
+        prompts=[t.prompt for t in done],
+        results=[t.result for t in done],
         recovery_s=None if first is None or not recovered else first - marks["restart"],
         figures={"p99_added_ttft_ms": p99, "deadline_ms": deadline_ms, "faulted": len(added)},
         note=("errors: " + "; ".join(sorted(set(errors))) + "; " if errors else "")
         + f"p99 added TTFT during faults {p99:.1f} ms ({len(added)} requests; lookup "
         f"deadline {deadline_ms:g} ms); recovery = restart to first Redis hit",
-    )  # fmt: skip
+    )
 
 
 def redis_hit(t: Timed, since: float) -> bool:

@@ -55,13 +55,20 @@ def leaks(ctx: Context) -> FaultOutcome:
     (r0, u0), (r1, u1) = marks[max(1, n // 10)], marks[n]
     checked = list(range(0, n, 20))
     out = outcome(
-        ctx, "leaks under eviction", f"{n} requests, device pool 48 blocks, 0.5 MB memory tier",
-        [prompts[i] for i in checked], [results[i] for i in checked],
-        figures={"rss_growth_pct": 100 * (r1 - r0) / r0, "pool_used_start": u0,
-                 "pool_used_end": u1, "evicted": evicted},
+        ctx,
+        name="leaks under eviction",
+        injected=f"{n} requests, device pool 48 blocks, 0.5 MB memory tier",
+        prompts=[prompts[i] for i in checked],
+        results=[results[i] for i in checked],
+        figures={
+            "rss_growth_pct": 100 * (r1 - r0) / r0,
+            "pool_used_start": u0,
+            "pool_used_end": u1,
+            "evicted": evicted,
+        },
         note=f"RSS {r0 / 2**20:.1f} -> {r1 / 2**20:.1f} MiB ({100 * (r1 - r0) / r0:+.1f}%); "
         f"pool blocks used {u0} -> {u1}; {evicted} blocks evicted",
-    )  # fmt: skip
+    )
     out.requests, out.succeeded = n, sum(r is not None for r in results)
     return out
 
@@ -118,17 +125,25 @@ def concurrent_writers(ctx: Context, n: int = 4) -> FaultOutcome:
     written = {t: sum(r[2][t] for r in reports) for t in ("lmdb", "redis")}
     full = sum(bool(r and r.cached_tokens == PROMPT_LEN - 1) for r in again)
     return outcome(
-        ctx, "4 writer processes", f"{n} forked processes, {per} prompts each, 4 shared "
-        "6-block prefixes, one LMDB dir and one Redis, released by one barrier",
-        prompts + prompts, results + again, corrupt_detected=failures,
+        ctx,
+        name="4 writer processes",
+        injected=f"{n} forked processes, {per} prompts each, 4 shared 6-block prefixes, one "
+        "LMDB dir and one Redis, released by one barrier",
+        prompts=prompts + prompts,
+        results=results + again,
+        corrupt_detected=failures,
         lost_entries=2 * distinct - lmdb_entries - (redis_entries or 0),
-        figures={"distinct_blocks": distinct, "lmdb_writes": written["lmdb"],
-                 "redis_writes": written["redis"], "lmdb_entries": lmdb_entries,
-                 "redis_entries": redis_entries,
-                 "full_hits": full},
+        figures={
+            "distinct_blocks": distinct,
+            "lmdb_writes": written["lmdb"],
+            "redis_writes": written["redis"],
+            "lmdb_entries": lmdb_entries,
+            "redis_entries": redis_entries,
+            "full_hits": full,
+        },
         note=f"{distinct} distinct blocks; writes summed over processes: lmdb "
         f"{written['lmdb']}, redis {written['redis']}; {full}/{len(prompts)} full hits after",
-    )  # fmt: skip
+    )
 
 
 class _Out(NamedTuple):
@@ -164,11 +179,16 @@ def killed_writers(ctx: Context, rounds: int) -> FaultOutcome:
             checked, torn = checked + n, torn + bad
             sent, results = sent + prompts[:5], results + serve(fresh, prompts[:5])
     return outcome(
-        ctx, "writer SIGKILLed mid-write", f"SIGKILL a writer process after 0.3-0.8 s, "
-        f"{rounds} times, writing to one LMDB dir and one Redis",
-        sent, results, corrupt_detected=torn, figures={"committed_checked": checked},
+        ctx,
+        name="writer SIGKILLed mid-write",
+        injected=f"SIGKILL a writer process after 0.3-0.8 s, {rounds} times, writing to one "
+        "LMDB dir and one Redis",
+        prompts=sent,
+        results=results,
+        corrupt_detected=torn,
+        figures={"committed_checked": checked},
         note=f"{checked} committed entries decoded and verified, {torn} torn",
-    )  # fmt: skip
+    )
 
 
 def verify_committed(engine: Engine, prompts: list[list[int]]) -> tuple[int, int]:
@@ -184,9 +204,14 @@ def verify_committed(engine: Engine, prompts: list[list[int]]) -> tuple[int, int
                     continue
                 checked += 1
                 try:
-                    decode_entry(value, namespace=hasher.namespace.root(), key=keys[j],
-                                 digest=digests[j], dtype=torch.float32,
-                                 token_ids=tokens[j * BS : (j + 1) * BS])  # fmt: skip
+                    decode_entry(
+                        value,
+                        namespace=hasher.namespace.root(),
+                        key=keys[j],
+                        digest=digests[j],
+                        dtype=torch.float32,
+                        token_ids=tokens[j * BS : (j + 1) * BS],
+                    )
                 except EntryError:
                     bad += 1
     return checked, bad

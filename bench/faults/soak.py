@@ -21,8 +21,7 @@ from pathlib import Path
 from bench.faults.common import Context
 from bench.faults.concurrent import BAD_BODIES, prompts
 from bench.faults.live import Answer, LiveServer, stream
-from bench.faults.load_report import MAX_TOKENS, refusal
-from engine.contract import greedy_matches_reference
+from bench.faults.load_report import MAX_TOKENS, answer_is_right, refusal
 
 # A pool that fills during the warm-up, so eviction runs all along; the default (1 GiB, of
 # which a block of the micro model is 2 KiB) would still be touching new pages at the end.
@@ -63,7 +62,12 @@ def read_proc(pid: int) -> Sample:
     lines = Path(f"/proc/{pid}/status").read_text().splitlines()
     fields = dict(line.split(":", 1) for line in lines if ":" in line)
     anon, file = (int(fields[k].split()[0]) / 1024 for k in ("RssAnon", "RssFile"))
-    return Sample(anon, file, len(os.listdir(f"/proc/{pid}/fd")), int(fields["Threads"]))
+    return Sample(
+        rss_mib=anon,
+        rss_file_mib=file,
+        fds=len(os.listdir(f"/proc/{pid}/fd")),
+        threads=int(fields["Threads"]),
+    )
 
 
 def idle_reading(server: LiveServer) -> Sample:
@@ -83,8 +87,9 @@ class Clients:
         self.answers: list[Answer] = []
         self.leave_share = self.bad_share = 0.02
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._client, args=(seed + i,), daemon=True)
-                         for i in range(n)]  # fmt: skip
+        self._threads = [
+            threading.Thread(target=self._client, args=(seed + i,), daemon=True) for i in range(n)
+        ]
 
     def start(self) -> Clients:
         for t in self._threads:
@@ -157,65 +162,114 @@ def soak(ctx: Context, seconds: float, n_clients: int = 16, seed: int = 0) -> So
         leaked = server.held_blocks()
     finally:
         integrity_ok, held, _ = server.shut_down()
-    return report(ctx, seconds, n_clients, clients.answers, counts, warm, end, leaked,
-                  integrity_ok and held == 0)  # fmt: skip
+    return report(
+        ctx,
+        clients.answers,
+        seconds=seconds,
+        clients=n_clients,
+        faults=counts,
+        warm=warm,
+        end=end,
+        leaked_blocks=leaked,
+        integrity_ok=integrity_ok and held == 0,
+    )
 
 
-def report(ctx: Context, seconds: float, n: int, answers: list[Answer], counts: dict,
-           warm: Sample, end: Sample, leaked: int, integrity_ok: bool) -> SoakReport:  # fmt: skip
+def report(
+    ctx: Context,
+    answers: list[Answer],
+    *,
+    seconds: float,
+    clients: int,
+    faults: dict[str, int],
+    warm: Sample,
+    end: Sample,
+    leaked_blocks: int,
+    integrity_ok: bool,
+) -> SoakReport:
+    """The soak's report: `answers` tallied, beside what the run found."""
     ok = [a for a in answers if a.ok]
     refused = sum(refusal(a) is not None for a in answers if not a.ok)
     left = sum(a.cancelled for a in answers)
-    wrong = sum(len(a.token_ids) != MAX_TOKENS
-                or not greedy_matches_reference(ctx.model, a.prompt, a.token_ids)
-                for a in ok)  # fmt: skip
-    failed = len(answers) - len(ok) - refused - left
-    return SoakReport(seconds, n, len(answers), len(ok), refused, left, failed, wrong,
-                      counts, warm, end, leaked, integrity_ok)  # fmt: skip
+    return SoakReport(
+        answers=len(answers),
+        succeeded=len(ok),
+        refused=refused,
+        left=left,
+        failed=len(answers) - len(ok) - refused - left,
+        wrong_outputs=sum(not answer_is_right(ctx.model, a) for a in ok),
+        seconds=seconds,
+        clients=clients,
+        faults=faults,
+        warm=warm,
+        end=end,
+        leaked_blocks=leaked_blocks,
+        integrity_ok=integrity_ok,
+    )
 
 
 def markdown(r: SoakReport, command: str) -> str:
     faults_run = ", ".join(f"{n}x {k}" for k, n in sorted(r.faults.items())) or "none"
-    return "\n".join([
-        "## Soak", "",
-        f"`{command}`: {r.clients} streaming clients for {r.seconds:.0f} s after a warm-up, "
-        f"device pool {SOAK_BLOCKS} blocks (it fills, so eviction runs throughout); "
-        f"faults at random every 5 to 15 s ({faults_run}). Readings at idle, after the "
-        "warm-up and after the soak.", "",
-        "| Answers | Succeeded | Refused (documented) | Left by client | Failed | Wrong outputs "
-        "| Leaked blocks | Integrity at close | RSS anon MiB (growth) | RSS file MiB "
-        "| File descriptors | Threads |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-        f"| {r.answers} | {r.succeeded} | {r.refused} | {r.left} | {r.failed} | "
-        f"{r.wrong_outputs} | {r.leaked_blocks} | {'ok' if r.integrity_ok else 'FAILED'} | "
-        f"{r.warm.rss_mib:.0f} -> {r.end.rss_mib:.0f} ({r.rss_growth:+.1%}) | "
-        f"{r.warm.rss_file_mib:.0f} -> {r.end.rss_file_mib:.0f} | "
-        f"{r.warm.fds} -> {r.end.fds} | {r.warm.threads} -> {r.end.threads} |", "",
-        "RSS anon is the process's own memory (the growth that would be a leak); RSS file is "
-        "file-backed pages, mostly LMDB's map, which grows with the entries written and is "
-        "the kernel's to drop. The server trims glibc's heap once it has had no request in "
-        "flight for 2 s (engine/server/heap.py), so an idle reading is the memory in use, "
-        "not the free memory glibc kept inside its arenas.", "", verdict(r), "",
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            "## Soak",
+            "",
+            f"`{command}`: {r.clients} streaming clients for {r.seconds:.0f} s after a warm-up, "
+            f"device pool {SOAK_BLOCKS} blocks (it fills, so eviction runs throughout); "
+            f"faults at random every 5 to 15 s ({faults_run}). Readings at idle, after the "
+            "warm-up and after the soak.",
+            "",
+            "| Answers | Succeeded | Refused (documented) | Left by client | Failed "
+            "| Wrong outputs | Leaked blocks | Integrity at close | RSS anon MiB (growth) "
+            "| RSS file MiB | File descriptors | Threads |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+            f"| {r.answers} | {r.succeeded} | {r.refused} | {r.left} | {r.failed} | "
+            f"{r.wrong_outputs} | {r.leaked_blocks} | {'ok' if r.integrity_ok else 'FAILED'} | "
+            f"{r.warm.rss_mib:.0f} -> {r.end.rss_mib:.0f} ({r.rss_growth:+.1%}) | "
+            f"{r.warm.rss_file_mib:.0f} -> {r.end.rss_file_mib:.0f} | "
+            f"{r.warm.fds} -> {r.end.fds} | {r.warm.threads} -> {r.end.threads} |",
+            "",
+            "RSS anon is the process's own memory (the growth that would be a leak); RSS file is "
+            "file-backed pages, mostly LMDB's map, which grows with the entries written and is "
+            "the kernel's to drop. The server trims glibc's heap once it has had no request in "
+            "flight for 2 s (engine/server/heap.py), so an idle reading is the memory in use, "
+            "not the free memory glibc kept inside its arenas.",
+            "",
+            verdict(r),
+            "",
+        ]
+    )
 
 
 def verdict(r: SoakReport) -> str:
     """The must-haves, and which of them a run missed."""
-    missed = [text for ok, text in (
-        (r.rss_growth < 0.05, f"RSS anon grew {r.rss_growth:+.1%}"),
-        (r.end.fds <= r.warm.fds, "file descriptors grew"),
-        (r.end.threads <= r.warm.threads, "threads grew"),
-        (r.wrong_outputs == r.failed == r.leaked_blocks == 0, "wrong, failed or leaked"),
-        (r.integrity_ok, "integrity failed"),
-    ) if not ok]  # fmt: skip
-    head = ("Must-haves: RSS anon growth under 5%, no growth in file descriptors or threads, "
-            "0 failed, 0 wrong, 0 leaked blocks, integrity ok: ")  # fmt: skip
+    missed = [
+        text
+        for ok, text in (
+            (r.rss_growth < 0.05, f"RSS anon grew {r.rss_growth:+.1%}"),
+            (r.end.fds <= r.warm.fds, "file descriptors grew"),
+            (r.end.threads <= r.warm.threads, "threads grew"),
+            (r.wrong_outputs == r.failed == r.leaked_blocks == 0, "wrong, failed or leaked"),
+            (r.integrity_ok, "integrity failed"),
+        )
+        if not ok
+    ]
+    head = (
+        "Must-haves: RSS anon growth under 5%, no growth in file descriptors or threads, "
+        "0 failed, 0 wrong, 0 leaked blocks, integrity ok: "
+    )
     return head + ("held." if not missed else "**missed**: " + "; ".join(missed) + ".")
 
 
 def holds(r: SoakReport) -> bool:
     """The soak's must-haves: RSS growth under 5%, no fd or thread growth, nothing wrong,
     failed or leaked."""
-    return (r.rss_growth < 0.05 and r.end.fds <= r.warm.fds and r.end.threads <= r.warm.threads
-            and r.wrong_outputs == 0 and r.failed == 0 and r.leaked_blocks == 0
-            and r.integrity_ok)  # fmt: skip
+    return (
+        r.rss_growth < 0.05
+        and r.end.fds <= r.warm.fds
+        and r.end.threads <= r.warm.threads
+        and r.wrong_outputs == 0
+        and r.failed == 0
+        and r.leaked_blocks == 0
+        and r.integrity_ok
+    )

@@ -95,17 +95,24 @@ def corruption(ctx: Context, tier: str) -> FaultOutcome:
     repaired = sum(f for f, kind in zip(full, kinds, strict=True) if kind in DAMAGE)
     kept = sum(c for c, kind in zip(cut, kinds, strict=True) if kind in FOREIGN)
     return outcome(
-        ctx, f"corrupt and foreign entries ({tier})",
-        f"1 entry per prompt rewritten in {tier}: " + ", ".join(CORRUPTIONS) + " in turn",
-        prompts + prompts, results + again, lost_entries=acked - present, corrupt_injected=n,
+        ctx,
+        name=f"corrupt and foreign entries ({tier})",
+        injected=f"1 entry per prompt rewritten in {tier}: " + ", ".join(CORRUPTIONS) + " in turn",
+        prompts=prompts + prompts,
+        results=results + again,
+        lost_entries=acked - present,
+        corrupt_injected=n,
         corrupt_detected=detected,
-        figures={"hits_cut_at_damage": len(prompts) - short, "repaired": repaired,
-                 "foreign_kept": kept},
+        figures={
+            "hits_cut_at_damage": len(prompts) - short,
+            "repaired": repaired,
+            "foreign_kept": kept,
+        },
         note=f"{len(prompts) - short}/{len(prompts)} hits stopped exactly at the changed block; "
         f"a fresh engine then hit {repaired}/{2 * n // 5} damaged prompts in full (deleted, "
         f"rewritten) and {kept}/{3 * n // 5} foreign ones up to the kept foreign entry "
         f"(never deleted)",
-    )  # fmt: skip
+    )
 
 
 # ----------------------------------------------------------------------------- 3. collisions
@@ -128,12 +135,14 @@ def collisions(ctx: Context) -> FaultOutcome:
         rejected = reader.cache.tiers.stores[0].stats().verify_failures
     hits = sum(bool(r and r.cached_tokens) for r in results)
     return outcome(
-        ctx, "lookup-key collisions (redis)",
-        "CacheConfig(key_bytes=1): 256 distinct lookup keys; half the trials new prompts",
-        prompts, results,
+        ctx,
+        name="lookup-key collisions (redis)",
+        injected="CacheConfig(key_bytes=1): 256 distinct lookup keys; half the trials new prompts",
+        prompts=prompts,
+        results=results,
         figures={"collisions_rejected": rejected, "verified_hits": hits},
         note=f"{rejected} colliding entries rejected by the digest; {hits} verified hits",
-    )  # fmt: skip
+    )
 
 
 # ----------------------------------------------------------------------------- 7. maxmemory
@@ -186,14 +195,24 @@ def redis_eviction(ctx: Context) -> FaultOutcome:
         client.close()
     prompts = prompts[::-1]
     return outcome(
-        ctx, "redis maxmemory eviction",
-        "CONFIG SET maxmemory (used + 300 kB), allkeys-lru; prompts of 10 blocks read newest first",
-        prompts, results, lost_entries=lost, wrong_outputs_extra=beyond,
-        figures={"evicted": evicted, "gap_prompts": gaps, "hits_at_gap": hits,
-                 "past_gap": beyond, "short_of_gap": short},
+        ctx,
+        name="redis maxmemory eviction",
+        injected="CONFIG SET maxmemory (used + 300 kB), allkeys-lru; prompts of 10 blocks read "
+        "newest first",
+        prompts=prompts,
+        results=results,
+        lost_entries=lost,
+        wrong_outputs_extra=beyond,
+        figures={
+            "evicted": evicted,
+            "gap_prompts": gaps,
+            "hits_at_gap": hits,
+            "past_gap": beyond,
+            "short_of_gap": short,
+        },
         note=f"{evicted} keys evicted; {gaps} prompts had a gap with later blocks present; "
         f"{hits}/{len(prompts)} hits stopped exactly at the first gap, {beyond} went past it",
-    )  # fmt: skip
+    )
 
 
 # ----------------------------------------------------------------------------- 5. full LMDB
@@ -234,10 +253,19 @@ def lmdb_full(ctx: Context, disk: bool) -> FaultOutcome | None:
     hits = sum(bool(r and r.cached_by_tier.get("lmdb")) for r in again)
     how = "LMDB map 4 MiB on a 1 MiB tmpfs" if disk else "LMDB map 256 KiB (the minimum)"
     return outcome(
-        ctx, "disk full (lmdb)" if disk else "lmdb map full", how + f", {len(prompts)} prompts",
-        prompts + prompts[-3:], results + again, lost_entries=lost,
-        figures={"writes": s.writes, "evictions": s.evictions, "dropped": s.dropped_writes,
-                 "errors": s.errors, "hits_after_reopen": hits},
+        ctx,
+        name="disk full (lmdb)" if disk else "lmdb map full",
+        injected=how + f", {len(prompts)} prompts",
+        prompts=prompts + prompts[-3:],
+        results=results + again,
+        lost_entries=lost,
+        figures={
+            "writes": s.writes,
+            "evictions": s.evictions,
+            "dropped": s.dropped_writes,
+            "errors": s.errors,
+            "hits_after_reopen": hits,
+        },
         note=f"{s.writes} written, {s.evictions} evicted, {s.dropped_writes} dropped, "
         f"{s.errors} errors; {hits}/3 newest prompts hit after reopen",
-    )  # fmt: skip
+    )

@@ -35,10 +35,13 @@ def tenant_isolation(ctx: Context) -> FaultOutcome:
         own += sum(bool(r and r.cached_by_tier.get(tier) == PROMPT_LEN - 1) for r in mine)
         sent, results = sent + prompts + prompts, results + other + mine
     return outcome(
-        ctx, "tenant isolation (cache_salt)",
-        "same prompts under 3 other salts, one per tier (device, lmdb, redis)",
-        sent, results, wrong_outputs_extra=cross,
+        ctx,
+        name="tenant isolation (cache_salt)",
+        injected="same prompts under 3 other salts, one per tier (device, lmdb, redis)",
+        prompts=sent,
+        results=results,
+        wrong_outputs_extra=cross,
         figures={"cross_tenant_tokens": cross, "owner_full_hits": own},
         note=f"{cross} cross-tenant cached tokens; owner full hits {own}/{2 * len(prompts)} "
         "from lmdb and redis",
-    )  # fmt: skip
+    )

@@ -178,13 +178,16 @@ def timing_side_channel(ctx: Context) -> FaultOutcome:
     }
     figures = _figures(runs, pairs, length)
     return outcome(
-        ctx, "timing side channel (cache_salt)",
-        f"victim (salt 'victim') sends {pairs} {length}-token secrets to the micro Llama with "
-        f"{POSITIONS} positions; attacker (salt 'attacker') sends each once, shuffled with "
+        ctx,
+        name="timing side channel (cache_salt)",
+        injected=f"victim (salt 'victim') sends {pairs} {length}-token secrets to the micro Llama "
+        f"with {POSITIONS} positions; attacker (salt 'attacker') sends each once, shuffled with "
         f"{pairs} unseen controls, after {WARMUP} untimed warm-ups a round; secrets in device "
         "pool + LMDB + Redis; control runs with both salts '' hit the device pool, or LMDB or "
         "Redis alone from a fresh engine",
-        [p for r in runs.values() for p in r.prompts],
-        [x for r in runs.values() for x in r.results],
-        wrong_outputs_extra=figures["cross_tenant_tokens"], figures=figures, note=_note(figures),
-    )  # fmt: skip
+        prompts=[p for r in runs.values() for p in r.prompts],
+        results=[x for r in runs.values() for x in r.results],
+        wrong_outputs_extra=figures["cross_tenant_tokens"],
+        figures=figures,
+        note=_note(figures),
+    )

@@ -59,8 +59,16 @@ def run_route(
     args: argparse.Namespace, model_dir: Path, base: Path, scenario: str, route: str
 ) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix=f"{scenario}-{route}-", dir=base))
-    spec = FleetSpec(model_dir, args.replicas, args.device_blocks, scenario != "private",
-                     route, workdir, args.prefill_weight, args.decode_weight)  # fmt: skip
+    spec = FleetSpec(
+        model_dir=model_dir,
+        replicas=args.replicas,
+        device_blocks=args.device_blocks,
+        shared=scenario != "private",
+        route=route,
+        workdir=workdir,
+        prefill_weight=args.prefill_weight,
+        decode_weight=args.decode_weight,
+    )
     sessions = fleet_sessions(args)
     with Fleet(spec) as fleet:
         extra = {"ignore_eos": True, "stream_options": {"include_usage": True}}
@@ -70,8 +78,7 @@ def run_route(
         total = len(sessions) * args.turns
         killer = _Killer(fleet, total) if scenario == "kill" else None
         desc = f"{scenario} {route}"
-        with tqdm(total=total, desc=desc, unit="req", leave=False,
-                  disable=args.json) as bar:  # fmt: skip
+        with tqdm(total=total, desc=desc, unit="req", leave=False, disable=args.json) as bar:
             tick, think = _Tick(bar, killer), _thinker(args.think_s, args.seed)
             outcomes, wall = run_level(request, sessions, len(sessions), tick, think)
         result = summarize(outcomes, wall, fleet.tier_hits(), fleet.routed())
@@ -130,11 +137,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sessions", type=int, default=12, help="chats, all at once")
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--system-prompt-bytes", type=int, default=256)
-    parser.add_argument("--document-bytes", type=int, default=1536,
-                        help="each session's own document, in its first message")  # fmt: skip
+    parser.add_argument(
+        "--document-bytes",
+        type=int,
+        default=1536,
+        help="each session's own document, in its first message",
+    )
     parser.add_argument("--max-tokens", type=int, default=24)
-    parser.add_argument("--think-s", type=float, default=1.0,
-                        help="mean pause before a chat's next turn (exponential)")  # fmt: skip
+    parser.add_argument(
+        "--think-s",
+        type=float,
+        default=1.0,
+        help="mean pause before a chat's next turn (exponential)",
+    )
     parser.add_argument("--device-blocks", type=int, default=1024, help="per replica")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
     parser.add_argument("--prefill-weight", type=float, default=None)

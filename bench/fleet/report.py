@@ -53,31 +53,38 @@ def _row(run: dict) -> str:
     total = sum(tiers.values()) or 1.0
     shares = ", ".join(f"{t} {v / total:.0%}" for t, v in sorted(tiers.items()) if v)
     answered = f"{run['ok']}/{run['requests']}"
-    return (f"| {run['scenario']} | {run['route']} | {answered} | {run['partial']} | "
-            f"{run['lost']} | {_fmt(run['ttft_p50_ms'], '.0f')} | "
-            f"{_fmt(run['ttft_p90_ms'], '.0f')} | {_fmt(run['output_tok_per_s'], '.1f')} | "
-            f"{_fmt(run['cached_share'], '.1%')} | {shares or '-'} | "
-            f"{run['requests_per_replica']} |")  # fmt: skip
+    return (
+        f"| {run['scenario']} | {run['route']} | {answered} | {run['partial']} | "
+        f"{run['lost']} | {_fmt(run['ttft_p50_ms'], '.0f')} | "
+        f"{_fmt(run['ttft_p90_ms'], '.0f')} | {_fmt(run['output_tok_per_s'], '.1f')} | "
+        f"{_fmt(run['cached_share'], '.1%')} | {shares or '-'} | "
+        f"{run['requests_per_replica']} |"
+    )
 
 
 def print_report(report: dict) -> str:
-    head = ("| scenario | route | answered | partial | lost | TTFT p50 ms | TTFT p90 ms | "
-            "tok/s | cached | cached by tier | requests per replica |\n"
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|")  # fmt: skip
+    head = (
+        "| scenario | route | answered | partial | lost | TTFT p50 ms | TTFT p90 ms | "
+        "tok/s | cached | cached by tier | requests per replica |\n"
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|"
+    )
     lines = [head, *(_row(run) for run in report["runs"])]
     for scenario in ("private", "shared"):
         kv, rr = (_find(report, scenario, r) for r in ("kv", "round-robin"))
         if kv and rr:
             ttft = _ratio(kv["ttft_p50_ms"], rr["ttft_p50_ms"])
             device = _ratio(kv["device_share"], rr["device_share"])
-            lines.append(f"\n{scenario}: kv / round-robin: TTFT p50 {ttft}, "
-                         f"device share of cached tokens {device}")  # fmt: skip
+            lines.append(
+                f"\n{scenario}: kv / round-robin: TTFT p50 {ttft}, "
+                f"device share of cached tokens {device}"
+            )
     return "\n".join(lines)
 
 
 def _find(report: dict, scenario: str, route: str) -> dict | None:
-    return next((r for r in report["runs"] if (r["scenario"], r["route"]) == (scenario, route)),
-                None)  # fmt: skip
+    return next(
+        (r for r in report["runs"] if (r["scenario"], r["route"]) == (scenario, route)), None
+    )
 
 
 def write_plot(report: dict, path: Path) -> None:

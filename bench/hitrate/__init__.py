@@ -25,91 +25,21 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
-import numpy as np
 from tqdm import tqdm
 
 from bench.hitrate.offline import infinite_hits, offline_leaf_hits, upper_bound_hits
-from bench.hitrate.plan_output import write_report
-from bench.hitrate.tiers import KEY_BYTES, key_blob
+from bench.hitrate.output import print_table, write_outputs
+from bench.hitrate.simulate import ReplayResult, replay
 from bench.traces import BlockTrace, TraceError, from_token_requests, load_trace
 from bench.workloads import WORKLOADS, WorkloadError, make_workload, parse_params
 from engine.extras import require
-from kvstore.index import RadixIndex
-from kvstore.policies import POLICIES, make_policy
-from kvstore.policies.base import Policy
+from kvstore.policies import POLICIES
 
 __all__ = ["ReplayResult", "main", "parse_capacities", "replay", "run", "trace_summary"]
-
-Progress = Callable[[int], None]
-OnRequest = Callable[[int, int, RadixIndex], None]
-
-
-class ReplayResult(NamedTuple):
-    block_hits: int
-    token_hits: int
-
-
-def replay(
-    trace: BlockTrace,
-    policy: str | Policy,
-    capacity: int,
-    progress: Progress | None = None,
-    on_request: OnRequest | None = None,
-) -> ReplayResult:
-    """Replay `trace` on a RadixIndex of `capacity` blocks evicting by `policy` (a name, or a
-    fresh instance that only this replay uses).
-
-    `on_request(r, hit_blocks, index)` runs after request r (tests check the index there).
-    """
-    if capacity < 1:
-        raise ValueError(f"capacity must be >= 1 block, got {capacity}")
-    if trace.num_unique >= 2**32:
-        raise ValueError("more than 2^32 unique blocks do not fit the uint32 token ids")
-    if not isinstance(policy, str) and policy.entries():
-        raise ValueError("replay needs a fresh policy instance; this one already has entries")
-    index = RadixIndex(1, make_policy(policy, capacity) if isinstance(policy, str) else policy)
-    blob = key_blob(trace.num_unique)
-    tokens = trace.blocks.astype(np.uint32)
-    blocks, offsets = trace.blocks.tolist(), trace.offsets.tolist()
-    block_hits = 0
-    for r in range(trace.num_requests):
-        lo, hi = offsets[r], offsets[r + 1]
-        ids = blocks[lo:hi]
-        keys = [blob[b * KEY_BYTES : (b + 1) * KEY_BYTES] for b in ids]
-        hit = _serve(index, capacity, keys, tokens[lo:hi], ids)
-        block_hits += hit
-        if on_request is not None:
-            on_request(r, hit, index)
-        if progress is not None and r & 0x3FF == 0:
-            progress(lo)
-    return ReplayResult(block_hits, block_hits * trace.block_tokens)
-
-
-def _serve(
-    index: RadixIndex, capacity: int, keys: list[bytes], tokens: np.ndarray, ids: list[int]
-) -> int:
-    """One request: match, lock the hit path, make room, insert what fits, unlock."""
-    n = len(ids)
-    if n == 0:
-        return 0
-    match = index.match_prefix(keys, tokens)
-    hit, node = match.num_blocks, match.last_node
-    locked = node is not index.root
-    if locked:
-        index.lock(node)
-    need = n - hit - (capacity - index.num_cached_blocks)
-    if need > 0:
-        index.evict(need)
-    fit = hit + min(n - hit, capacity - index.num_cached_blocks)
-    if fit > hit:
-        index.insert(keys[:fit], tokens[:fit], ids[:fit])
-    if locked:
-        index.unlock(node)
-    return hit
 
 
 def parse_capacities(text: str, num_unique: int) -> list[int]:
@@ -210,106 +140,6 @@ def trace_summary(trace: BlockTrace) -> dict[str, Any]:
     }
 
 
-# --- output --------------------------------------------------------------------------------
-def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{100 * x:.1f}%"
-
-
-def _rows(report: dict[str, Any]) -> list[list[str]]:
-    unique = report["unique_blocks"]
-    return [
-        [
-            f"{r['capacity_blocks']:,} ({_pct(r['capacity_blocks'] / unique if unique else None)})",
-            r["policy"],
-            _pct(r["block_hit_rate"]),
-            _pct(r["token_hit_rate"]),
-            _pct(r["offline_block_hit_rate"]),
-            _pct(r["optimal_block_hit_rate"]),
-            "-" if r["ratio_to_offline"] is None else f"{r['ratio_to_offline']:.2f}",
-            "-" if r["ratio_to_optimal"] is None else f"{r['ratio_to_optimal']:.2f}",
-        ]
-        for r in report["results"]
-    ]
-
-
-COLUMNS = (
-    "capacity (of unique)",
-    "policy",
-    "block hit",
-    "token hit",
-    "offline ref",
-    "upper bound",
-    "/ offline",
-    "/ upper",
-)
-
-
-def _summary(report: dict[str, Any]) -> str:
-    return (
-        f"{report['workload']}: {report['requests']:,} requests, {report['block_refs']:,} block "
-        f"references, {report['unique_blocks']:,} unique blocks of {report['block_tokens']} "
-        f"tokens, mean input {report['mean_input_tokens']:,.0f} tokens; infinite-capacity "
-        f"block hit rate {_pct(report['infinite_block_hit_rate'])}"
-    )
-
-
-def markdown(report: dict[str, Any]) -> str:
-    lines = [_summary(report), "", "| " + " | ".join(COLUMNS) + " |"]
-    lines.append("|" + "|".join("---:" for _ in COLUMNS) + "|")
-    lines += ["| " + " | ".join(row) + " |" for row in _rows(report)]
-    return "\n".join(lines) + "\n"
-
-
-def plot(report: dict[str, Any], path: Path) -> None:
-    """Block hit rate vs capacity: one line per policy, both offline figures, infinite."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    results = report["results"]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for policy in dict.fromkeys(r["policy"] for r in results):
-        rows = [r for r in results if r["policy"] == policy]
-        ax.plot(
-            [r["capacity_blocks"] for r in rows],
-            [r["block_hit_rate"] for r in rows],
-            "o-",
-            label=policy,
-        )
-    first = [r for r in results if r["policy"] == results[0]["policy"]]
-    caps = [r["capacity_blocks"] for r in first]
-    ax.plot(caps, [r["offline_block_hit_rate"] for r in first], "k:", label="offline reference")
-    ax.plot(caps, [r["optimal_block_hit_rate"] for r in first], "k--", label="upper bound")
-    ax.axhline(report["infinite_block_hit_rate"], color="grey", lw=0.8, label="infinite")
-    ax.set_xscale("log")
-    ax.set_xlabel("capacity (blocks)")
-    ax.set_ylabel("block hit rate")
-    ax.set_title(report["workload"])
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def write_outputs(report: dict[str, Any], out: Path) -> None:
-    write_report(report, out, markdown(report), plot)
-
-
-def print_table(report: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=_summary(report))
-    for col in COLUMNS:
-        table.add_column(col, justify="right")
-    for row in _rows(report):
-        table.add_row(*row)
-    Console().print(table)
-
-
-# --- command line --------------------------------------------------------------------------
 def load_workload(spec: str, params: list[str], block_size: int) -> BlockTrace:
     """`trace:PATH` or a generated workload with KEY=VALUE overrides, as a BlockTrace."""
     if spec.startswith("trace:"):

@@ -172,8 +172,9 @@ class WhetherOracle(LRUPolicy):
     its chain starts at chain_r[p]; a split moves the tail's start by the head's blocks (the
     index tells the policy of a split by a `resize` without a tag)."""
 
-    def __init__(self, capacity: int, trace: BlockTrace, refs: list[list[int]], tpr: float,
-                 fpr: float) -> None:  # fmt: skip
+    def __init__(
+        self, capacity: int, trace: BlockTrace, refs: list[list[int]], tpr: float, fpr: float
+    ) -> None:
         super().__init__(capacity)
         self.trace, self.refs, self.tpr, self.fpr = trace, refs, tpr, fpr
         self.now = 0  # index of the request being served
@@ -223,8 +224,9 @@ class WhetherOracle(LRUPolicy):
     touch = access
 
 
-def oracle_hits(trace: BlockTrace, refs: list[list[int]], capacity: int, tpr: float,
-                fpr: float) -> int:  # fmt: skip
+def oracle_hits(
+    trace: BlockTrace, refs: list[list[int]], capacity: int, tpr: float, fpr: float
+) -> int:
     policy = WhetherOracle(capacity, trace, refs, tpr, fpr)
 
     def advance(r: int, hit: int, index: RadixIndex) -> None:
@@ -249,26 +251,39 @@ def prediction_report(trace: BlockTrace, refs: list[list[int]]) -> dict[str, Any
     }
 
 
-def oracle_rows(trace: BlockTrace, refs: list[list[int]], capacities: Sequence[int],
-                points: Sequence[tuple[float, float, bool]], bar: tqdm) -> list[dict]:  # fmt: skip
+def oracle_rows(
+    trace: BlockTrace,
+    refs: list[list[int]],
+    capacities: Sequence[int],
+    points: Sequence[tuple[float, float, bool]],
+    bar: tqdm,
+) -> list[dict]:
     """One row per capacity and (tpr, fpr, from the held-out predictor) point."""
     rows = []
     for capacity in capacities:
         offline = offline_leaf_hits(trace, capacity).block_hits
         for tpr, fpr, held_out in points:
             hits = oracle_hits(trace, refs, capacity, tpr, fpr)
-            rows.append({
-                "capacity_blocks": capacity, "tpr": tpr, "fpr": fpr, "held_out": held_out,
-                "block_hit_rate": round(hits / trace.num_refs, 6) if trace.num_refs else 0.0,
-                "ratio_to_offline": _rounded(hits / offline if offline else None),
-            })  # fmt: skip
+            rows.append(
+                {
+                    "capacity_blocks": capacity,
+                    "tpr": tpr,
+                    "fpr": fpr,
+                    "held_out": held_out,
+                    "block_hit_rate": round(hits / trace.num_refs, 6) if trace.num_refs else 0.0,
+                    "ratio_to_offline": _rounded(hits / offline if offline else None),
+                }
+            )
             bar.update(1)
     return rows
 
 
-def run(trace: BlockTrace, capacities: Sequence[int],
-        points: Sequence[tuple[float, float]] = ORACLE_POINTS, show_progress: bool = False,
-        ) -> dict[str, Any]:  # fmt: skip
+def run(
+    trace: BlockTrace,
+    capacities: Sequence[int],
+    points: Sequence[tuple[float, float]] = ORACLE_POINTS,
+    show_progress: bool = False,
+) -> dict[str, Any]:
     """The prediction report, and the oracle at each point plus the held-out predictor's."""
     refs = references(trace)
     report = prediction_report(trace, refs)

@@ -3,10 +3,11 @@
 The tree is path-compressed: a node holds a run of consecutive blocks, stored compactly as one
 bytes object of keys (16 bytes a block), one bytes object of token ids (little-endian uint32,
 block_size a block) and one int64 array of block ids. A node's children are keyed by their
-first block key. Matching compares keys and token ids run by run with bytes slices, so a hit
-costs a few C-level comparisons per node, not a Python loop per block or token.
+first block key. Matching compares keys and token ids run by run with bytes slices
+(match.py), so a hit costs a few C-level comparisons per node, not a Python loop per block or
+token.
 
-Invariants (checked by `check_integrity`):
+Invariants (checked by `check_integrity`, in integrity.py):
 - every non-root node holds >= 1 block; `start` = blocks before it on its path;
 - `ref_cnt` = direct locks on the node + sum of its children's `ref_cnt` (locks count on the
   node and every ancestor), so a locked node's whole path is locked;
@@ -15,6 +16,11 @@ Invariants (checked by `check_integrity`):
 - a key hit alone is never trusted: a block matches only if its token ids match too;
 - counts, locks' evictable totals and policy sizes count held blocks: a hole (`punch`) keeps
   its key and tokens, so paths through it match, but holds no K/V and frees nothing.
+
+The index owns the bookkeeping (node table, block counts, policy, events); the concepts it
+composes live beside it: the node, its cuts and its events (tree.py), comparing a query with
+runs (match.py), holes (holes.py), reading paths back (paths.py) and the consistency checks
+(integrity.py).
 
 Not thread-safe: the owner (PrefixCache) serializes calls.
 """
@@ -27,21 +33,24 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from hashing import HASH_BYTES, as_token_array
+from hashing import HASH_BYTES
 from kvstore.events import BlockStored, EventSink
+from kvstore.index import paths
+from kvstore.index.holes import fill_holes, punch_run, punch_spans
+from kvstore.index.integrity import check_counts, check_tree
+from kvstore.index.match import num_matching, pack_query
 from kvstore.index.tree import (
     HOLE,
     MatchResult,
     TreeNode,
-    count_held,
-    num_equal,
+    cut_tail,
     removed_event,
     run_tag,
     snapshot_events,
+    split_run,
     stored_event,
 )
 from kvstore.policies import IntegrityError, Policy, make_policy
-from kvstore.units import cdiv
 
 __all__ = ["IntegrityError", "MatchResult", "RadixIndex", "TreeNode"]
 
@@ -91,31 +100,6 @@ class RadixIndex:
         return len(self._nodes)
 
     # --- lookup and insert -----------------------------------------------------------------
-    def _prepare(self, keys: Sequence[bytes], token_ids: np.ndarray) -> tuple[int, bytes, bytes]:
-        n = len(keys)
-        joined = b"".join(keys)
-        if len(joined) != HASH_BYTES * n:
-            raise ValueError(f"every key must be a {HASH_BYTES}-byte block hash")
-        tokens = as_token_array(token_ids)
-        if len(tokens) < n * self.block_size:
-            raise ValueError(
-                f"token_ids has {len(tokens)} tokens; {n} blocks need {n * self.block_size}"
-            )
-        return n, joined, tokens[: n * self.block_size].tobytes()
-
-    def _num_matching(self, node: TreeNode, keys: bytes, tokens: bytes, pos: int, n: int) -> int:
-        """How many blocks of `node`'s run equal blocks pos.. of the query (keys and tokens)."""
-        m = len(node.block_ids)
-        size = min(m, n - pos)
-        kw, tw = HASH_BYTES, self._token_bytes
-        qk = keys[pos * kw : (pos + size) * kw]
-        qt = tokens[pos * tw : (pos + size) * tw]
-        nk = node.keys if size == m else node.keys[: size * kw]
-        nt = node.tokens if size == m else node.tokens[: size * tw]
-        if qk == nk and qt == nt:
-            return size
-        return min(num_equal(qk, nk, kw), num_equal(qt, nt, tw))
-
     def match_prefix(self, keys: Sequence[bytes], token_ids: np.ndarray) -> MatchResult:
         """Longest cached prefix of the blocks `keys` (token ids cover at least those blocks).
 
@@ -129,13 +113,13 @@ class RadixIndex:
         return self._match(keys, token_ids, record=False)
 
     def _match(self, keys: Sequence[bytes], token_ids: np.ndarray, record: bool) -> MatchResult:
-        n, joined, tokens = self._prepare(keys, token_ids)
-        node, pos, ids = self.root, 0, []
+        n, joined, tokens = pack_query(keys, token_ids, self.block_size)
+        node, pos, ids, tw = self.root, 0, [], self._token_bytes
         while pos < n:
             child = node.children.get(keys[pos])
             if child is None:
                 break
-            k = self._num_matching(child, joined, tokens, pos, n)
+            k = num_matching(child, joined, tokens, pos, n, tw)
             if k == 0:  # a key hit with different tokens is a miss
                 break
             ids += child.ids(0, k)
@@ -162,17 +146,17 @@ class RadixIndex:
         are returned too. A None id is a block the caller does not hold; a hole (`punch`)
         takes the caller's block there, and `filled` (if given) gets those ids.
         """
-        n, joined, tokens = self._prepare(keys, token_ids)
+        n, joined, tokens = pack_query(keys, token_ids, self.block_size)
         ids = [None if b is None else int(b) for b in block_ids]
         if len(ids) != n:
             raise ValueError(f"got {len(ids)} block ids for {n} keys; pass one per key")
-        node, pos, unkept = self.root, 0, []
+        node, pos, unkept, tw = self.root, 0, [], self._token_bytes
         while pos < n:
             child = node.children.get(keys[pos])
             if child is None:
                 self._add_leaf(node, joined, tokens, ids, pos, n)
                 break
-            k = self._num_matching(child, joined, tokens, pos, n)
+            k = num_matching(child, joined, tokens, pos, n, tw)
             unkept += self._merge(child, ids[pos : pos + k], filled)
             if k:
                 self.policy.touch(child.id)
@@ -193,18 +177,9 @@ class RadixIndex:
         """Blocks ids[i] the caller holds for the node's matched block i: a hole takes the
         caller's block (the index keeps it, and `filled` gets it); the caller's other ids
         are returned (unkept)."""
-        held = node.block_ids
         if node.num_held == node.num_blocks and None not in ids:
-            return [b for a, b in zip(held, ids, strict=False) if a != b]
-        unkept, fills = [], []
-        for i, b in enumerate(ids):
-            if b is None or held[i] == b:
-                continue
-            if held[i] == HOLE:
-                held[i] = b
-                fills.append(b)
-            else:
-                unkept.append(b)
+            return [b for a, b in zip(node.block_ids, ids, strict=False) if a != b]
+        unkept, fills = fill_holes(node, ids)
         self._recount(node, len(fills))
         if filled is not None:
             filled += fills
@@ -244,25 +219,7 @@ class RadixIndex:
     def _split(self, node: TreeNode, k: int) -> TreeNode:
         """Cut `node` after k blocks; a new parent takes blocks [:k] and node keeps the rest
         (so handles to `node` stay valid). The new parent inherits node's ref_cnt."""
-        kw, tw = HASH_BYTES, self._token_bytes
-        parent = node.parent
-        assert parent is not None
-        head = TreeNode(
-            next(self._next_id),
-            parent,
-            node.start,
-            node.keys[: k * kw],
-            node.tokens[: k * tw],
-            node.block_ids[:k],
-        )
-        head.ref_cnt = node.ref_cnt
-        head.children[node.key(k)] = node
-        parent.children[head.key(0)] = head
-        node.parent = head
-        node.start += k
-        node.keys, node.tokens = node.keys[k * kw :], node.tokens[k * tw :]
-        node.block_ids = node.block_ids[k:]
-        node.num_held -= head.num_held
+        head = split_run(node, k, next(self._next_id), self._token_bytes)
         self._nodes[head.id] = head
         self.policy.insert(head.id, head.num_held, tag=run_tag(head.keys), like=node.id)
         self.policy.resize(node.id, node.num_held)
@@ -321,7 +278,7 @@ class RadixIndex:
             node = self._nodes[key]
             if not node.evictable:
                 raise IntegrityError(f"policy chose {node!r}, which is not an unlocked leaf")
-            start = self._tail_start(node, num_blocks - len(freed))
+            start = node.tail_start(num_blocks - len(freed))
             ids = node.held(start)
             if on_evict is not None:
                 on_evict(node, start, ids)
@@ -333,16 +290,6 @@ class RadixIndex:
             else:
                 self._trim(node, start)
         return freed
-
-    @staticmethod
-    def _tail_start(node: TreeNode, want: int) -> int:
-        """Where a tail of `node`'s run holding `want` blocks starts (0: the whole run)."""
-        if node.num_held <= want:
-            return 0
-        if node.num_held == node.num_blocks:
-            return node.num_blocks - want
-        held = np.flatnonzero(np.frombuffer(node.block_ids, dtype=np.int64) != HOLE)
-        return int(held[-want])
 
     def _remove_leaf(self, node: TreeNode) -> None:
         parent = node.parent
@@ -356,12 +303,8 @@ class RadixIndex:
         self._sync(parent)
 
     def _trim(self, node: TreeNode, start: int) -> None:
-        dropped = count_held(node.block_ids[start:])
         tag = run_tag(node.keys[start * HASH_BYTES :])
-        node.keys = node.keys[: start * HASH_BYTES]
-        node.tokens = node.tokens[: start * self._token_bytes]
-        node.block_ids = node.block_ids[:start]
-        node.num_held -= dropped
+        dropped = cut_tail(node, start, self._token_bytes)
         self.policy.resize(node.id, node.num_held, tag=tag)
         self._num_cached -= dropped
         self._num_evictable -= dropped
@@ -375,69 +318,33 @@ class RadixIndex:
         widened to whole runs of `align` blocks (tier chunks). Returns the freed ids; no
         event is emitted, since every key stays matchable."""
         freed: list[int] = []
-        for run, a, b in self._punch_spans(node, lo, hi, keep, align):
-            freed += self._punch_run(run, a, b)
+        for run, a, b in punch_spans(self._path(node), lo, hi, keep, align):
+            ids = punch_run(run, a, b)
+            self._recount(run, -len(ids))
+            freed += ids
         return freed
 
     def punchable(self, node: TreeNode, lo: int, hi: int, keep: int, align: int = 1) -> list[int]:
         """The held ids `punch` would drop, left in place (a hybrid model's cache lets go of
         their window layers' part only)."""
-        return [
-            i for run, a, b in self._punch_spans(node, lo, hi, keep, align) for i in run.held(a, b)
-        ]
-
-    def _punch_spans(
-        self, node: TreeNode, lo: int, hi: int, keep: int, align: int
-    ) -> list[tuple[TreeNode, int, int]]:
-        """(run, first, end) within each run of the path: blocks [lo, hi) less the kept
-        windows before branch points."""
-        path = self._path(node)
-        kept = [_widen(r.start + r.num_blocks, keep, align) for r in path if len(r.children) > 1]
-        spans = []
-        for run in path:
-            a, b = max(lo, run.start), min(hi, run.start + run.num_blocks)
-            spans += [(run, x - run.start, y - run.start) for x, y in _minus(a, b, kept)]
-        return spans
-
-    def _punch_run(self, node: TreeNode, a: int, b: int) -> list[int]:
-        ids = node.held(a, b)
-        if ids:
-            node.block_ids[a:b] = array("q", [HOLE]) * (b - a)
-            self._recount(node, -len(ids))
-        return ids
+        spans = punch_spans(self._path(node), lo, hi, keep, align)
+        return [i for run, a, b in spans for i in run.held(a, b)]
 
     # --- paths -------------------------------------------------------------------------------
     def _path(self, node: TreeNode) -> list[TreeNode]:
-        path = []
-        while node is not self.root:
-            path.append(node)
-            if node.parent is None:
-                raise ValueError(f"{node!r} is detached from the index")
-            node = node.parent
-        return path[::-1]
-
-    def _path_bytes(self, node: TreeNode, field: str, width: int, upto: int | None) -> bytes:
-        parts = [getattr(n, field) for n in self._path(node)]
-        if parts and upto is not None:
-            parts[-1] = parts[-1][: upto * width]
-        return b"".join(parts)
+        return paths.path_to(self.root, node)
 
     def path_keys(self, node: TreeNode, upto: int | None = None) -> list[bytes]:
         """Block keys from the root through the first `upto` blocks of `node` (default all)."""
-        joined = self._path_bytes(node, "keys", HASH_BYTES, upto)
-        return [joined[i : i + HASH_BYTES] for i in range(0, len(joined), HASH_BYTES)]
+        return paths.path_keys(self._path(node), upto)
 
     def path_token_ids(self, node: TreeNode, upto: int | None = None) -> np.ndarray:
         """Token ids (uint32) from the root through the first `upto` blocks of `node`."""
-        joined = self._path_bytes(node, "tokens", self._token_bytes, upto)
-        return np.frombuffer(joined, dtype="<u4").copy()
+        return paths.path_token_ids(self._path(node), self._token_bytes, upto)
 
     def path_block_ids(self, node: TreeNode, upto: int | None = None) -> list[int | None]:
         """Block ids from the root through the first `upto` blocks of `node` (None: a hole)."""
-        ids: list[int | None] = []
-        for n in self._path(node)[:-1]:
-            ids += n.ids()
-        return ids + node.ids(0, upto)
+        return paths.path_block_ids(self._path(node), upto)
 
     def all_block_ids(self) -> list[int]:
         """Every block id the index holds."""
@@ -454,63 +361,6 @@ class RadixIndex:
     # --- integrity ---------------------------------------------------------------------------
     def check_integrity(self) -> None:
         """Raise IntegrityError unless links, counts, locks and the policy are all consistent."""
-        seen: dict[int, TreeNode] = {}
-        stack = [self.root]
-        while stack:
-            node = stack.pop()
-            self._check_node(node)
-            for first_key, child in node.children.items():
-                if child.parent is not node or child.key(0) != first_key:
-                    raise IntegrityError(f"{child!r} is linked under a wrong parent or key")
-                if child.id in seen:
-                    raise IntegrityError(f"{child!r} is reachable twice")
-                seen[child.id] = child
-                stack.append(child)
-        if seen != self._nodes:
+        if check_tree(self.root, self._token_bytes) != self._nodes:
             raise IntegrityError("the node table does not match the nodes reachable from the root")
-        self._check_counts()
-
-    def _check_node(self, node: TreeNode) -> None:
-        m = node.num_blocks
-        if node is not self.root:
-            parent = node.parent
-            assert parent is not None
-            if m < 1 or node.start != parent.start + parent.num_blocks:
-                raise IntegrityError(f"{node!r} is empty or its start is wrong")
-        if node.num_held != count_held(node.block_ids):
-            raise IntegrityError(f"{node!r} num_held is {node.num_held}, it holds otherwise")
-        if len(node.keys) != m * HASH_BYTES or len(node.tokens) != m * self._token_bytes:
-            raise IntegrityError(f"{node!r} keys/tokens do not cover its {m} blocks")
-        children_refs = sum(c.ref_cnt for c in node.children.values())
-        if node.ref_cnt < children_refs or node.ref_cnt < 0:
-            raise IntegrityError(f"{node!r} ref_cnt < its children's sum {children_refs}")
-        flag = node.ref_cnt == 0 and not node.children and node is not self.root
-        if node.evictable != flag:
-            raise IntegrityError(f"{node!r} evictable flag is {node.evictable}, should be {flag}")
-
-    def _check_counts(self) -> None:
-        ids = self.all_block_ids()
-        if len(ids) != self._num_cached:
-            raise IntegrityError(f"num_cached_blocks {self._num_cached} != {len(ids)} held")
-        if len(set(ids)) != len(ids):
-            raise IntegrityError("a block id is held twice")
-        evictable = sum(n.num_held for n in self._nodes.values() if n.ref_cnt == 0)
-        if evictable != self._num_evictable:
-            raise IntegrityError(f"num_evictable_blocks {self._num_evictable} != {evictable}")
-        expected = {n.id: (n.num_held, n.evictable) for n in self._nodes.values()}
-        if self.policy.entries() != expected:
-            raise IntegrityError("policy entries (sizes / evictable flags) out of sync with nodes")
-        self.policy.check_integrity()
-
-
-def _widen(end: int, keep: int, align: int) -> tuple[int, int]:
-    """Blocks [end - keep, end), widened to multiples of `align`."""
-    return (end - keep) // align * align, cdiv(end, align) * align
-
-
-def _minus(a: int, b: int, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """[a, b) less every range, as sorted disjoint ranges."""
-    parts = [(a, b)] if a < b else []
-    for lo, hi in ranges:
-        parts = [p for x, y in parts for p in ((x, min(y, lo)), (max(x, hi), y)) if p[0] < p[1]]
-    return parts
+        check_counts(self._nodes, self._num_cached, self._num_evictable, self.policy)

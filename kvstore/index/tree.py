@@ -1,4 +1,6 @@
-"""The radix tree's node: a path-compressed run of cached blocks (see `kvstore.index`)."""
+"""The radix tree's node: a path-compressed run of cached blocks (see `kvstore.index`), the
+two cuts of a run (split in two where prompts diverge, trim its tail on eviction), and the
+events that describe runs."""
 
 from __future__ import annotations
 
@@ -14,10 +16,11 @@ __all__ = [
     "HOLE",
     "MatchResult",
     "TreeNode",
-    "num_equal",
+    "cut_tail",
     "removed_event",
     "run_tag",
     "snapshot_events",
+    "split_run",
     "stored_event",
 ]
 
@@ -81,6 +84,15 @@ class TreeNode:
     def key(self, i: int) -> bytes:
         return self.keys[i * HASH_BYTES : (i + 1) * HASH_BYTES]
 
+    def tail_start(self, want: int) -> int:
+        """Where a tail of the run holding `want` blocks starts (0: the whole run)."""
+        if self.num_held <= want:
+            return 0
+        if self.num_held == self.num_blocks:
+            return self.num_blocks - want
+        held = np.flatnonzero(np.frombuffer(self.block_ids, dtype=np.int64) != HOLE)
+        return int(held[-want])
+
     def __repr__(self) -> str:
         return (
             f"TreeNode(id={self.id}, start={self.start}, n={self.num_blocks}, ref={self.ref_cnt})"
@@ -101,17 +113,40 @@ class MatchResult(NamedTuple):
     last_node: TreeNode  # deepest node matched (the root when nothing matched)
 
 
+def split_run(node: TreeNode, k: int, head_id: int, token_bytes: int) -> TreeNode:
+    """Cut `node`'s run after k blocks: a new node (`head_id`) takes blocks [:k] and node's
+    place under its parent, and node keeps the rest under it (so handles to `node` stay
+    valid). The head inherits node's ref_cnt. `token_bytes`: one block's token id bytes."""
+    kw, tw = HASH_BYTES, token_bytes
+    parent = node.parent
+    assert parent is not None
+    head = TreeNode(
+        head_id, parent, node.start, node.keys[: k * kw], node.tokens[: k * tw], node.block_ids[:k]
+    )
+    head.ref_cnt = node.ref_cnt
+    head.children[node.key(k)] = node
+    parent.children[head.key(0)] = head
+    node.parent = head
+    node.start += k
+    node.keys, node.tokens = node.keys[k * kw :], node.tokens[k * tw :]
+    node.block_ids = node.block_ids[k:]
+    node.num_held -= head.num_held
+    return head
+
+
+def cut_tail(node: TreeNode, start: int, token_bytes: int) -> int:
+    """Drop blocks [start:] of `node`'s run; returns how many of them it held."""
+    dropped = count_held(node.block_ids[start:])
+    node.keys = node.keys[: start * HASH_BYTES]
+    node.tokens = node.tokens[: start * token_bytes]
+    node.block_ids = node.block_ids[:start]
+    node.num_held -= dropped
+    return dropped
+
+
 def run_tag(keys: bytes) -> int:
     """Content fingerprint of a run (its first block key) for policies with ghost history."""
     return int.from_bytes(keys[:8], "little")
-
-
-def num_equal(a: bytes, b: bytes, width: int) -> int:
-    """Number of leading equal items (of `width` bytes) of two equally long byte strings."""
-    if a == b:
-        return len(a) // width
-    diff = np.flatnonzero(np.frombuffer(a, np.uint8) != np.frombuffer(b, np.uint8))
-    return int(diff[0]) // width
 
 
 def _split_keys(keys: bytes) -> list[bytes]:

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from hashing import BlockHasher, Namespace
 from kvstore.index import RadixIndex, TreeNode
-from kvstore.index.radix import _widen
+from kvstore.index.holes import widen
 
 BS = 2
 HASHER = BlockHasher(Namespace("holes-model", "float32", 1, 1, 4, BS))
@@ -110,7 +110,7 @@ class Holes:
         for k in range(1, n + 1):  # a branch point: two or more one-block extensions
             p = self.prefix(tokens, k)
             if sum(1 for q in self.ref if len(q) == len(p) + BS and q[: len(p)] == p) > 1:
-                a, b = _widen(k, keep, align)
+                a, b = widen(k, keep, align)
                 kept |= set(range(a, b))
         want = []
         for i in range(lo, min(lo + span, n)):

@@ -86,7 +86,8 @@ def test_the_tally_counts_a_perturbed_answer_wrong_and_an_unexplained_error_fail
         token_ids=[(ids.output_token_ids[0] + 1) % 256, *ids.output_token_ids[1:]],
     )
     broken = Answer(prompt, 0.0, status=200, error="server_error")
-    o = tally(model, [good], [good, bad, broken], Checks(0, True, 0, ""), "control", "none")
+    checks = Checks(leaked_blocks=0, integrity_ok=True, lost_entries=0, lost_note="")
+    o = tally(model, [good], [good, bad, broken], checks, name="control", injected="none")
     assert (o.succeeded, o.wrong_outputs, o.failed) == (2, 1, 1)
     assert not must_haves_hold(o)
 
@@ -97,8 +98,21 @@ def test_the_soak_fails_on_heap_growth_of_5_percent_or_any_descriptor_or_thread_
     from bench.faults.soak import Sample, SoakReport, holds, markdown, verdict
 
     warm = Sample(rss_mib=300.0, rss_file_mib=128.0, fds=13, threads=9)
-    ok = SoakReport(600, 16, 100, 90, 5, 5, 0, 0, {"redis-kill": 2}, warm,
-                    replace(warm, rss_mib=314.0), 0, True)  # fmt: skip
+    ok = SoakReport(
+        seconds=600,
+        clients=16,
+        answers=100,
+        succeeded=90,
+        refused=5,
+        left=5,
+        failed=0,
+        wrong_outputs=0,
+        faults={"redis-kill": 2},
+        warm=warm,
+        end=replace(warm, rss_mib=314.0),
+        leaked_blocks=0,
+        integrity_ok=True,
+    )
     assert holds(ok)
     assert "300 -> 314 (+4.7%)" in markdown(ok, "python -m bench faults --soak 600")
     assert verdict(replace(ok, end=replace(warm, rss_mib=320.0))).endswith(
