@@ -12,7 +12,7 @@ from dataclasses import asdict
 
 from engine.commands import add_model_arguments, command
 from kvstore.config import CacheConfig, ConfigError
-from kvstore.settings import add_cache_args, config_from_args
+from kvstore.config.settings import add_cache_args, config_from_args
 from kvstore.stores import SpillStore, make_stores
 
 TIER_FIELDS = ("entries", "bytes", "capacity_bytes")  # what `stats` reports of each tier

@@ -1,7 +1,7 @@
 """`kvstore` command line: generate, demo, serve here; stats and clear in engine/admin.py.
 
 Cache flags are derived from `CacheConfig` fields (`--block-size` -> block_size, ...), so
-every subcommand that builds a cache shares them via `kvstore.settings.add_cache_args`.
+every subcommand that builds a cache shares them via `kvstore.config.settings.add_cache_args`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from engine.commands import (  # noqa: F401  (re-exported for callers of the CLI
 )
 from engine.extras import as_missing_extra, require
 from kvstore.config import ConfigError
-from kvstore.settings import add_cache_args, config_from_args
+from kvstore.config.settings import add_cache_args, config_from_args
 
 # Modules whose typed errors mean "fix the input" (exit 2 with their message).
 USER_ERRORS = {

@@ -1,7 +1,7 @@
 """The command registry and the flags every `kvstore` subcommand shares.
 
 Subcommands register with `@command(name, help, add_arguments)`; cache flags are derived from
-`CacheConfig` fields (`--block-size` -> block_size, ...) by kvstore.settings (flags over
+`CacheConfig` fields (`--block-size` -> block_size, ...) by kvstore.config.settings (flags over
 KVSTORE_* env over TOML).
 """
 
@@ -12,13 +12,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 from kvstore.config import CacheConfig
-from kvstore.settings import config_from_args
+from kvstore.config.settings import config_from_args
 
 if TYPE_CHECKING:
     import torch
 
     from engine.model import LoadedModel
-    from kvstore.events import EventSink
+    from kvstore.fleet.events import EventSink
 
 
 class Command(NamedTuple):
@@ -100,7 +100,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 def check_cache_config(config: CacheConfig) -> torch.device:
     """The pool's device, once the settings that would fail after the model loaded are
     checked: the device exists, the LMDB directory is usable (`ConfigError` otherwise)."""
-    from kvstore.pool import resolve_device
+    from kvstore.device.pool import resolve_device
     from kvstore.stores import check_local_tiers
 
     device = resolve_device(config.device)

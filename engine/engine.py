@@ -43,8 +43,8 @@ from engine.threads import LoopCalls
 from hashing import Namespace, validate_salt
 from kvstore.cache import PrefixCache
 from kvstore.config import CacheConfig
-from kvstore.events import EventSink
-from kvstore.sequences import BlockTables, SeqBlocks
+from kvstore.device.block_tables import BlockTables, SeqBlocks
+from kvstore.fleet.events import EventSink
 
 log = logging.getLogger("kvstore.engine")
 
@@ -74,7 +74,7 @@ class Engine(SyncPaths):
         events: EventSink | None = None,
         linear_config: LinearConfig | None = None,
     ):
-        """`events` gets the device index's block events (kvstore/events.py);
+        """`events` gets the device index's block events (kvstore/fleet/events.py);
         `linear_config` says how steps compute the model's linear layers (engine/linear.py)."""
         self.model = model
         self.cache_config = cache_config

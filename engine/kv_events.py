@@ -11,7 +11,7 @@ from a dead or partitioned one).
 A replay that asks for batches older than the buffer holds is answered, when the publisher
 has a `snapshot` (the cache's `snapshot_events`), by one batch `[AllBlocksCleared(),
 *snapshot()]` numbered with the last published seq. Events are idempotent set operations
-(kvstore/events.py), so that batch followed by every later one gives the index's blocks,
+(kvstore/fleet/events.py), so that batch followed by every later one gives the index's blocks,
 even though events queued before the snapshot was taken are sent after it.
 """
 
@@ -39,7 +39,7 @@ from engine.kv_events_wire import (
     seq_bytes,
 )
 from kvstore.config import ConfigError
-from kvstore.events import AllBlocksCleared, BlockStored, EventSink, KVEvent
+from kvstore.fleet.events import AllBlocksCleared, BlockStored, EventSink, KVEvent
 
 __all__ = [
     "EventSubscriber",
@@ -50,7 +50,7 @@ __all__ = [
     "medium_for",
 ]
 
-log = logging.getLogger("kvstore.events")
+log = logging.getLogger("kvstore.fleet.events")
 PUB_HWM = 100_000  # batches ZMQ queues per subscriber before it drops (vLLM's default)
 REPLAY_REQUESTS_PER_TURN = 16
 POLL_MS = 50  # longest wait between two looks at the stop flag

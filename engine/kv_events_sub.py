@@ -24,9 +24,9 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from engine.kv_events_wire import decode_batch, ipv6_socket, seq_bytes, seq_of
-from kvstore.events import AllBlocksCleared, BlockSet, KVEvent
+from kvstore.fleet.events import AllBlocksCleared, BlockSet, KVEvent
 
-log = logging.getLogger("kvstore.events")
+log = logging.getLogger("kvstore.fleet.events")
 DEFAULT_TOPIC = "kv@kvstore"
 POLL_MS = 50
 RECV_PER_TURN = 256

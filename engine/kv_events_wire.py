@@ -16,7 +16,7 @@ from __future__ import annotations
 import msgspec
 import zmq
 
-from kvstore.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvstore.fleet.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
@@ -134,6 +134,6 @@ def decode_wire(payload: bytes) -> WireBatch:
 
 
 def decode_batch(payload: bytes) -> tuple[float, list[KVEvent]]:
-    """(ts, events) of one payload, as kvstore.events values."""
+    """(ts, events) of one payload, as kvstore.fleet.events values."""
     batch = decode_wire(payload)
     return batch.ts, [_from_wire(event) for event in batch.events]

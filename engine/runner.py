@@ -30,8 +30,8 @@ from engine.linear import install_linears, uninstall_linears
 from engine.model import LoadedModel, has_window, with_cache
 from engine.paged import PagedAttention, PagedAttentionError, Row, StepBatch, build_step
 from engine.step_cache import StepCache, alibi_of, step_keys
-from kvstore.pool import BlockPool
-from kvstore.sequences import BlockTables
+from kvstore.device.block_tables import BlockTables
+from kvstore.device.pool import BlockPool
 from kvstore.units import cdiv
 
 log = logging.getLogger("kvstore.engine")

@@ -19,14 +19,14 @@ from engine.request import (
     SamplingParams,
     TokenCallback,
 )
-from kvstore.sequences import SeqBlocks
+from kvstore.device.block_tables import SeqBlocks
 
 if TYPE_CHECKING:
     from engine.paged import Row
     from engine.runner import PagedRunner
     from engine.sequential import SequentialPath
     from engine.threads import LoopCalls
-    from kvstore.sequences import BlockTables
+    from kvstore.device.block_tables import BlockTables
 
 T = TypeVar("T")
 

@@ -18,18 +18,18 @@ import torch
 from hashing import BlockHash, Namespace, as_token_array
 from kvstore.attention import check_window, make_attention
 from kvstore.config import CacheConfig
-from kvstore.device_index import DeviceIndex
-from kvstore.events import BlockStored, EventSink
-from kvstore.held import HeldBlocks
+from kvstore.device.device_index import DeviceIndex
+from kvstore.device.held import HeldBlocks
+from kvstore.device.hybrid_pool import make_pool
+from kvstore.device.tails import TailCache, tail_capacity
+from kvstore.fleet.events import BlockStored, EventSink
 from kvstore.hits import CacheHit, KVPrefix
-from kvstore.hybrid_pool import make_pool
 from kvstore.index import RadixIndex
+from kvstore.index.policies import make_policy
 from kvstore.layout import LayerKV
 from kvstore.metrics import DEVICE_TIER, CacheMetrics
-from kvstore.policies import make_policy
 from kvstore.scopes import Scope, Scopes
 from kvstore.stores import SpillStore, make_stores
-from kvstore.tails import TailCache, tail_capacity
 from kvstore.tenants import TenantBlocks
 from kvstore.tiers import Tiers
 from kvstore.units import cdiv
@@ -48,7 +48,7 @@ class PrefixCache:
         window_layers: Sequence[int] | None = None,
     ):
         """`stores` overrides the spill tiers the config names (fastest first); `events` gets
-        the device index's block events (kvstore/events.py), under the cache's lock.
+        the device index's block events (kvstore/fleet/events.py), under the cache's lock.
 
         `window`: the sliding window (in tokens) of every attention layer of the model, None
         when some layer attends to the whole prefix. A window cache lets a running request
@@ -58,7 +58,7 @@ class PrefixCache:
         `window_layers`: with `window`, the layers that attend through it when others attend
         to the whole prefix (a hybrid model). Their K/V go to a window plane of their own
         (`window_share` slots per block), and what slides out of a request's window lets go
-        of that part only (kvstore/hybrid.py)."""
+        of that part only (kvstore/attention/hybrid.py)."""
         check_window(window, window_layers)
         # a hybrid pool's window plane holds at least a request's window, the tier chunk it
         # fills, the block it writes and the engine's scratch and self-test blocks

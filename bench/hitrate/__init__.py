@@ -37,7 +37,7 @@ from bench.hitrate.simulate import ReplayResult, replay
 from bench.traces import BlockTrace, TraceError, from_token_requests, load_trace
 from bench.workloads import WORKLOADS, WorkloadError, make_workload, parse_params
 from engine.extras import require
-from kvstore.policies import POLICIES
+from kvstore.index.policies import POLICIES
 
 __all__ = ["ReplayResult", "main", "parse_capacities", "replay", "run", "trace_summary"]
 

@@ -8,7 +8,7 @@ the Redis tier is one set shared by all of them. Routes:
   routed so far, then the lowest index), and every later one follows it. No trace format
   here carries a session id, so sessions are derived from the prefix chains
   (`derive_sessions`);
-- `kv`: the live router's choice, by its own code (`kvstore.routing.choose_replica`): the
+- `kv`: the live router's choice, by its own code (`kvstore.fleet.routing.choose_replica`): the
   cheapest replica by the prefill the request needs there plus the replica's load. Each
   replica's device index publishes its block events to a `BlockSet`, as a replica's events
   reach the router, so the route never looks into an index (and, like the router, never
@@ -55,9 +55,9 @@ import numpy as np
 from bench.hitrate.keysets import make_keyset
 from bench.hitrate.tiers import BlockRequest, Replica, TierConfig, block_requests
 from bench.traces import BlockTrace
-from kvstore.events import BlockSet
-from kvstore.policies import POLICIES
-from kvstore.routing import ReplicaLoad, RoutingConfig, choose_replica
+from kvstore.fleet.events import BlockSet
+from kvstore.fleet.routing import ReplicaLoad, RoutingConfig, choose_replica
+from kvstore.index.policies import POLICIES
 
 __all__ = [
     "ROUTES",

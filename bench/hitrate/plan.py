@@ -46,7 +46,7 @@ from bench.hitrate.keysets import LOWER_TIERS
 from bench.hitrate.offline import offline_leaf_hits, upper_bound_hits
 from bench.hitrate.tiers import TIERS, TierConfig
 from bench.traces import BlockTrace
-from kvstore.routing import RoutingConfig
+from kvstore.fleet.routing import RoutingConfig
 
 __all__ = ["add_arguments", "build_configs", "main", "requested", "run_plan"]
 

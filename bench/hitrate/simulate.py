@@ -11,8 +11,8 @@ import numpy as np
 from bench.hitrate.tiers import KEY_BYTES, key_blob
 from bench.traces import BlockTrace
 from kvstore.index import RadixIndex
-from kvstore.policies import make_policy
-from kvstore.policies.base import Policy
+from kvstore.index.policies import make_policy
+from kvstore.index.policies.base import Policy
 
 __all__ = ["OnRequest", "Progress", "ReplayResult", "replay"]
 

@@ -36,11 +36,11 @@ import numpy as np
 from bench.hitrate.keysets import LOWER_TIERS, KeySet, make_keyset
 from bench.traces import BlockTrace
 from kvstore.config import WRITE_POLICIES, CacheConfig
-from kvstore.events import EventSink
+from kvstore.fleet.events import EventSink
 from kvstore.index import RadixIndex, TreeNode
+from kvstore.index.policies import make_policy
+from kvstore.index.policies.base import Policy
 from kvstore.metrics import DEVICE_TIER
-from kvstore.policies import make_policy
-from kvstore.policies.base import Policy
 from kvstore.tiers.policy import WritePolicies
 
 __all__ = [
@@ -145,7 +145,7 @@ def block_requests(trace: BlockTrace) -> Iterator[BlockRequest]:
 
 class Replica:
     """One cache: a device index and its spill tiers (`shared` ones are other replicas' too);
-    `events` gets the index's block events (kvstore.events), as a router would."""
+    `events` gets the index's block events (kvstore.fleet.events), as a router would."""
 
     def __init__(
         self,

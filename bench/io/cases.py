@@ -16,9 +16,9 @@ import torch
 
 from hashing import BlockHasher, Namespace
 from kvstore.config import CacheConfig
+from kvstore.device.pool import BlockPool
 from kvstore.entry import CHECKSUM_BYTES, BlockEntry, encode_entry
 from kvstore.metrics import CacheMetrics
-from kvstore.pool import BlockPool
 from kvstore.scopes import Scope, Scopes
 from kvstore.stores import LmdbStore, MemoryStore, RedisStore, SpillStore
 from kvstore.tiers import PendingWrite, Tiers

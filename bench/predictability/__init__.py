@@ -43,7 +43,7 @@ from bench.hitrate import add_workload_arguments, parse_workload, replay
 from bench.hitrate.offline import offline_leaf_hits
 from bench.traces import BlockTrace
 from kvstore.index import RadixIndex
-from kvstore.policies import LRUPolicy
+from kvstore.index.policies import LRUPolicy
 
 ORACLE_POINTS = ((1.0, 0.0), (1.0, 0.2), (0.9, 0.1), (0.8, 0.2), (0.5, 0.5), (0.0, 0.0))
 FPR_LEVELS = (0.05, 0.1, 0.2, 0.3)

@@ -25,7 +25,7 @@ from engine.model import (
 )
 from engine.request import Request, SamplingParams
 from kvstore.config import CacheConfig
-from kvstore.sequences import SeqBlocks
+from kvstore.device.block_tables import SeqBlocks
 from kvstore.units import cdiv
 
 BLOCK_SIZE = 4

@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 from engine.server.config import API_KEY_ENV, api_keys_from_args, check_api_key
 from hashing import DEFAULT_SECRET
 from kvstore.config import ConfigError
-from kvstore.routing import RoutingConfig
+from kvstore.fleet.routing import RoutingConfig
 
 POLICIES = ("kv", "round-robin")
 SESSION_HEADER = "x-session-id"

@@ -1,5 +1,5 @@
 """The router's view of its replicas: liveness and load from each one's /health, blocks from
-each one's KV events, and the choice of a replica for a request (kvstore/routing.py).
+each one's KV events, and the choice of a replica for a request (kvstore/fleet/routing.py).
 
 A replica's load is what it last reported plus the prompt tokens the router sent it since
 that report was asked for (so a burst of requests between two reports does not all land on
@@ -19,8 +19,8 @@ import httpx
 
 from engine.router.config import RouterConfig
 from hashing import BlockHash, BlockHasher, Namespace, as_token_array, combine_salts
-from kvstore.events import BlockSet
-from kvstore.routing import ReplicaLoad, RouteChoice, choose_replica
+from kvstore.fleet.events import BlockSet
+from kvstore.fleet.routing import ReplicaLoad, RouteChoice, choose_replica
 
 log = logging.getLogger("kvstore.router")
 MAX_HASHERS = 1024  # salts whose hashers are kept

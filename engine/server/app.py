@@ -32,7 +32,7 @@ from engine.server.config import ServerConfig, check_port_free, server_config_fr
 from engine.server.heap import QuietTrimmer, cap_malloc_arenas
 from engine.server.protocol import ApiError, now
 from engine.server.service import Service
-from kvstore.events import EventSink
+from kvstore.fleet.events import EventSink
 from kvstore.stores.redis import redact_url
 
 GRACEFUL_CLOSE_S = 5.0  # after the drain: how long uvicorn waits for open responses
@@ -186,7 +186,7 @@ def run_server(args: argparse.Namespace) -> int:
     """`kvstore serve`: load the model and cache, then serve until SIGINT/SIGTERM."""
     cap_malloc_arenas()
     from engine.commands import check_cache_config, load_engine
-    from kvstore.settings import config_from_args
+    from kvstore.config.settings import config_from_args
 
     config = server_config_from_args(args)  # invalid flags fail before the model loads
     check_port_free(config.host, config.port)

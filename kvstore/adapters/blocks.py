@@ -26,10 +26,10 @@ from typing import Any, NamedTuple
 
 from hashing import StackHasher, StackNamespace
 from kvstore.config import CacheConfig, ConfigError
+from kvstore.config.settings import load_config
 from kvstore.entry import EntryError
 from kvstore.entry.stack import STACK_CODECS, decode_stack_entry, encode_stack_entry
 from kvstore.metrics import CacheMetrics
-from kvstore.settings import load_config
 from kvstore.stores import SpillStore, make_stores
 from kvstore.tiers.rejects import Rejections
 

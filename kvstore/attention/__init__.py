@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from kvstore.attention.base import AttentionKind, FullAttention
 from kvstore.attention.hybrid import HybridAttention, IndexWindows
 from kvstore.attention.sliding import SlidingWindow, window_prefix
+from kvstore.device.pool import BlockPool
 from kvstore.index import RadixIndex
-from kvstore.pool import BlockPool
 
 __all__ = [
     "AttentionKind",

@@ -17,11 +17,11 @@ from typing import Protocol
 import numpy as np
 
 from hashing import BlockHash
+from kvstore.device.pool import BlockPool
+from kvstore.device.seq_blocks import SeqBlocks
 from kvstore.hits import CacheHit
 from kvstore.index import MatchResult, RadixIndex, TreeNode
 from kvstore.layout import LayerKV
-from kvstore.pool import BlockPool
-from kvstore.seq_blocks import SeqBlocks
 
 Relock = Callable[[list[BlockHash], np.ndarray, TreeNode | None], MatchResult]
 Span = Callable[[TreeNode, int, int], None]  # blocks [lo, hi) of a node's path
@@ -30,7 +30,7 @@ Forget = Callable[[TreeNode, list[int]], None]  # blocks of a node's path the in
 
 class Held(Protocol):
     """What a running request's side of a kind calls: the cache's API for blocks a caller
-    holds (`HeldBlocks`, kvstore/held.py), each call under the cache's lock."""
+    holds (`HeldBlocks`, kvstore/device/held.py), each call under the cache's lock."""
 
     def free(self, block_ids: Sequence[int], window: bool = True) -> None: ...
     def window_room(self, n: int) -> int: ...
@@ -57,7 +57,7 @@ class AttentionKind(ABC):
 
     @property
     def keeps_tails(self) -> bool:
-        """Whether finished requests' partial last blocks are kept (kvstore/tails.py): not
+        """Whether finished requests' partial last blocks are kept (kvstore/device/tails.py): not
         when requests let go of blocks as they decode."""
         return self.window is None
 
@@ -146,7 +146,7 @@ class AttentionKind(ABC):
         """The kind's own invariants over the index's blocks (`check_integrity`)."""
         return None
 
-    # --- a running request (kvstore/sequences.py): called without the lock ------------------
+    # --- a running request (kvstore/device/block_tables.py), called without the lock ---
 
     shrinks_steps: bool = False  # a step the kind cannot hold may shrink by halves
 

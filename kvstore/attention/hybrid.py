@@ -1,4 +1,4 @@
-"""The index side of a hybrid model's window plane (kvstore/window_plane.py).
+"""The index side of a hybrid model's window plane (kvstore/device/window_plane.py).
 
 A hybrid model's cache never drops a block's full layers while the block is cached: its
 full layers' queries read the whole prefix. What slides out of a running request's window is
@@ -24,11 +24,11 @@ import numpy as np
 from hashing import BlockHash
 from kvstore.attention.base import AttentionKind, Forget, Held, Relock, Span
 from kvstore.attention.sliding import cut_tier_tokens, slid_to, window_prefix
+from kvstore.device.pool import BlockPool
+from kvstore.device.seq_blocks import SeqBlocks
 from kvstore.hits import CacheHit
 from kvstore.index import RadixIndex, TreeNode
 from kvstore.layout import LayerKV
-from kvstore.pool import BlockPool
-from kvstore.seq_blocks import SeqBlocks
 from kvstore.units import cdiv
 
 

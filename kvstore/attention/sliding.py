@@ -15,11 +15,11 @@ import numpy as np
 import torch
 
 from kvstore.attention.base import AttentionKind, Forget, Held, Relock, Span
+from kvstore.device.pool import BlockPool
+from kvstore.device.seq_blocks import SeqBlocks
 from kvstore.hits import CacheHit
 from kvstore.index import RadixIndex, TreeNode
 from kvstore.layout import LayerKV
-from kvstore.pool import BlockPool
-from kvstore.seq_blocks import SeqBlocks
 from kvstore.units import cdiv
 
 

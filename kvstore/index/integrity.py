@@ -5,8 +5,8 @@ IntegrityError on the first inconsistency found."""
 from __future__ import annotations
 
 from hashing import HASH_BYTES
+from kvstore.index.policies import IntegrityError, Policy
 from kvstore.index.tree import TreeNode, count_held
-from kvstore.policies import IntegrityError, Policy
 
 __all__ = ["check_counts", "check_tree"]
 

@@ -34,11 +34,12 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from hashing import HASH_BYTES
-from kvstore.events import BlockStored, EventSink
+from kvstore.fleet.events import BlockStored, EventSink
 from kvstore.index import paths
 from kvstore.index.holes import fill_holes, punch_run, punch_spans
 from kvstore.index.integrity import check_counts, check_tree
 from kvstore.index.match import num_matching, pack_query
+from kvstore.index.policies import IntegrityError, Policy, make_policy
 from kvstore.index.tree import (
     HOLE,
     MatchResult,
@@ -50,7 +51,6 @@ from kvstore.index.tree import (
     split_run,
     stored_event,
 )
-from kvstore.policies import IntegrityError, Policy, make_policy
 
 __all__ = ["IntegrityError", "MatchResult", "RadixIndex", "TreeNode"]
 
@@ -68,7 +68,7 @@ class RadixIndex:
     def __init__(
         self, block_size: int, policy: Policy | str = "lru", events: EventSink | None = None
     ):
-        """`events` gets every block stored and removed (kvstore.events), in order."""
+        """`events` gets every block stored and removed (kvstore.fleet.events), in order."""
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         if isinstance(policy, str):

@@ -10,7 +10,7 @@ from typing import NamedTuple
 import numpy as np
 
 from hashing import HASH_BYTES
-from kvstore.events import BlockRemoved, BlockStored
+from kvstore.fleet.events import BlockRemoved, BlockStored
 
 __all__ = [
     "HOLE",

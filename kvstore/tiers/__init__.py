@@ -24,8 +24,8 @@ from dataclasses import asdict
 import numpy as np
 
 from kvstore.config import CacheConfig
+from kvstore.device.pool import BlockPool
 from kvstore.metrics import CacheMetrics
-from kvstore.pool import BlockPool
 from kvstore.scopes import Scope
 from kvstore.stores import SpillStore
 from kvstore.tiers.fetch import Allocate, Segment, TierReader

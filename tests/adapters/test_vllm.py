@@ -50,7 +50,7 @@ from hashing import Namespace
 from kvstore.adapters.vllm import KvstoreTier
 from kvstore.cache import PrefixCache
 from kvstore.config import CacheConfig, ConfigError
-from kvstore.events import AllBlocksCleared, BlockRemoved, BlockStored, EventSink, KVEvent
+from kvstore.fleet.events import AllBlocksCleared, BlockRemoved, BlockStored, EventSink, KVEvent
 
 BLOCK_BYTES = 2 * 2 * 2 * 16 * 8 * 2  # layers x K/V x heads x 16 tokens x head_dim x bf16
 STEP = ScheduleEndContext((), ())

@@ -26,9 +26,9 @@ from bench.hitrate.fleet import (
 from bench.hitrate.offline import infinite_hits
 from bench.hitrate.tiers import TierConfig, block_requests, key_blob
 from bench.traces import BlockTrace, from_chains, load_trace
-from kvstore.events import BlockRemoved, BlockSet
-from kvstore.policies import LRUPolicy
-from kvstore.routing import ReplicaLoad, RoutingConfig
+from kvstore.fleet.events import BlockRemoved, BlockSet
+from kvstore.fleet.routing import ReplicaLoad, RoutingConfig
+from kvstore.index.policies import LRUPolicy
 
 FIXTURES = Path(__file__).resolve().parents[2] / "bench" / "fixtures"
 TOKEN_FIXTURE = FIXTURES / "conversation_tokens.jsonl"

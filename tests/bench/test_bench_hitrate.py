@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from bench.hitrate import main, parse_capacities, replay
 from bench.hitrate.offline import infinite_hits, offline_leaf_hits, upper_bound_hits
 from bench.traces import BlockTrace, from_chains
-from kvstore.policies import POLICIES
+from kvstore.index.policies import POLICIES
 
 FIXTURES = Path(__file__).resolve().parents[2] / "bench" / "fixtures"
 TOKEN_FIXTURE = FIXTURES / "conversation_tokens.jsonl"

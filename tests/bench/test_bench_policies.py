@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvstore.policies import MAIN, SMALL, AdaptiveS3FIFOPolicy, ARCPolicy
+from kvstore.index.policies import MAIN, SMALL, AdaptiveS3FIFOPolicy, ARCPolicy
 
 
 def add(policy, *keys: int, size: int = 1) -> None:

@@ -21,7 +21,7 @@ from bench.predictability import (
     tpr_at_fpr,
 )
 from bench.traces import from_chains, load_trace
-from kvstore.policies import LRUPolicy
+from kvstore.index.policies import LRUPolicy
 
 FIXTURE = "bench/fixtures/conversation_mooncake.jsonl"
 

@@ -13,7 +13,7 @@ from bench.hitrate.keysets import FifoSet, LruSet, UnboundedSet, make_keyset
 from bench.hitrate.offline import infinite_hits
 from bench.hitrate.tiers import Replica, TierConfig, block_requests
 from bench.traces import BlockTrace, from_chains, load_trace
-from kvstore.policies import POLICIES
+from kvstore.index.policies import POLICIES
 
 MOONCAKE_FIXTURE = Path(__file__).resolve().parents[2] / "bench" / "fixtures"
 MOONCAKE_FIXTURE = MOONCAKE_FIXTURE / "conversation_mooncake.jsonl"

@@ -11,10 +11,10 @@ import torch
 from hashing import Namespace
 from kvstore.cache import PrefixCache
 from kvstore.config import CacheConfig, ConfigError
-from kvstore.hybrid_pool import HybridPool, make_pool
-from kvstore.pool import BlockPool, PoolExhausted
-from kvstore.sequences import BlockTables, SeqBlocks
-from kvstore.window_plane import WindowPlaneError
+from kvstore.device.block_tables import BlockTables, SeqBlocks
+from kvstore.device.hybrid_pool import HybridPool, make_pool
+from kvstore.device.pool import BlockPool, PoolExhausted
+from kvstore.device.window_plane import WindowPlaneError
 
 BS, WINDOW = 4, 8  # a hit needs the window parts of the 2 blocks before its point
 LAYERS, WINDOW_LAYERS = 3, [0, 2]  # layer 1 attends to the whole prefix

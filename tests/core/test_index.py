@@ -5,7 +5,7 @@ import pytest
 
 from hashing import BlockHasher, Namespace
 from kvstore.index import IntegrityError, RadixIndex, TreeNode
-from kvstore.policies import POLICIES, LFUPolicy, make_policy
+from kvstore.index.policies import POLICIES, LFUPolicy, make_policy
 
 BS = 4
 HASHER = BlockHasher(Namespace("index-model", "float32", 1, 1, 4, BS))

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hashing import BlockHasher, Namespace
 from kvstore.config import POLICY_NAMES
 from kvstore.index import RadixIndex, TreeNode
-from kvstore.policies import make_policy
+from kvstore.index.policies import make_policy
 
 BS = 2
 NS = Namespace("prop-model", "float32", 1, 1, 4, BS)

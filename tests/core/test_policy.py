@@ -3,7 +3,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore.config import POLICY_NAMES
-from kvstore.policies import (
+from kvstore.index.policies import (
     POLICIES,
     LFUPolicy,
     LRUPolicy,

@@ -5,9 +5,9 @@ from hypothesis import strategies as st
 from test_index_properties import Harness, ops, prompts
 from test_policy import OPS, apply_ops_checking_victims
 
-from kvstore.policies import LHDPolicy, Policy, make_policy
-from kvstore.policies.base import IntegrityError
-from kvstore.policies.lhd import LHDParams
+from kvstore.index.policies import LHDPolicy, Policy, make_policy
+from kvstore.index.policies.base import IntegrityError
+from kvstore.index.policies.lhd import LHDParams
 
 
 def add(policy: Policy, *keys: int, size: int = 1) -> None:

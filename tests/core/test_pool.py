@@ -3,7 +3,7 @@ import torch
 
 from hashing import Namespace
 from kvstore.config import CacheConfig
-from kvstore.pool import BlockPool, PoolExhausted, bytes_per_block, pool_blocks
+from kvstore.device.pool import BlockPool, PoolExhausted, bytes_per_block, pool_blocks
 
 LAYERS, HEADS, BS, DIM = 3, 2, 4, 8
 

@@ -1,14 +1,14 @@
-"""The index's block events and the routing cost built on them (kvstore/events.py,
-kvstore/routing.py): one implementation for `kvstore router` and the replay's kv route."""
+"""The index's block events and the routing cost built on them (kvstore/fleet/events.py,
+kvstore/fleet/routing.py): one implementation for `kvstore router` and the replay's kv route."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from kvstore.events import AllBlocksCleared, BlockRemoved, BlockSet, BlockStored, EventSink
+from kvstore.fleet.events import AllBlocksCleared, BlockRemoved, BlockSet, BlockStored, EventSink
+from kvstore.fleet.routing import ReplicaLoad, RoutingConfig, choose_replica
 from kvstore.index import RadixIndex
-from kvstore.routing import ReplicaLoad, RoutingConfig, choose_replica
 
 BS = 16
 

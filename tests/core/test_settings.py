@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 from kvstore.config import CacheConfig, ConfigError
-from kvstore.config_help import flag_name, with_table
-from kvstore.settings import add_cache_args, config_from_args, load_config
+from kvstore.config.help import flag_name, with_table
+from kvstore.config.settings import add_cache_args, config_from_args, load_config
 
 
 def test_sources_merge_with_flags_over_env_over_toml(tmp_path):
@@ -82,7 +82,7 @@ def documented_flags(text: str) -> set[str]:
 
 def test_the_config_table_in_the_docs_is_the_one_the_fields_generate():
     doc = (ROOT / "docs" / "CONFIG.md").read_text()
-    assert with_table(doc) == doc, "run: python -m kvstore.config_help --write docs/CONFIG.md"
+    assert with_table(doc) == doc, "run: python -m kvstore.config.help --write docs/CONFIG.md"
     assert "--secret" not in doc
 
 

@@ -10,7 +10,7 @@ import torch
 from hashing import Namespace
 from kvstore.cache import PrefixCache
 from kvstore.config import CacheConfig, ConfigError
-from kvstore.sequences import BlockTables, SeqBlocks
+from kvstore.device.block_tables import BlockTables, SeqBlocks
 
 BS = 4
 NS = Namespace("tail-model", "float32", 2, 2, 8, BS)

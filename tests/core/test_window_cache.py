@@ -10,7 +10,7 @@ import pytest
 from hashing import Namespace
 from kvstore.cache import PrefixCache
 from kvstore.config import CacheConfig
-from kvstore.sequences import BlockTables, SeqBlocks
+from kvstore.device.block_tables import BlockTables, SeqBlocks
 
 BS, WINDOW = 4, 8  # a hit needs the 2 blocks before its point
 NS = Namespace("window-model", "float32", 2, 2, 8, BS)

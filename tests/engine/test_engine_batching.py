@@ -16,7 +16,7 @@ from engine.model import LoadedModel
 from engine.request import Request, RequestCancelled, SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from kvstore.cache import PrefixCache
-from kvstore.sequences import BlockTables
+from kvstore.device.block_tables import BlockTables
 
 GREEDY = SamplingParams(max_new_tokens=10, ignore_eos=True)
 BS = 4

@@ -72,7 +72,7 @@ def test_second_turn_hits_the_first_turns_generated_tokens(engine: Engine) -> No
     assert len(first.output_token_ids) == 12
     assert greedy_matches_reference(engine.model, turn1, first.output_token_ids)
     # stored: KV of prompt + 11 generated tokens = 33 tokens -> 8 whole blocks and a tail
-    # holding position 32 (kvstore/tails.py)
+    # holding position 32 (kvstore/device/tails.py)
     turn2 = [*turn1, *first.output_token_ids, *tokens(10, seed=5)]
     check_prefill(engine, turn2, expected_cached=33)  # 33 > 22: generated tokens hit
     second = engine.generate([turn2], params)[0]

@@ -26,7 +26,7 @@ from engine.kv_events_wire import END_SEQ, decode_wire
 from hashing import Namespace
 from kvstore.cache import PrefixCache
 from kvstore.config import CacheConfig, ConfigError
-from kvstore.events import (
+from kvstore.fleet.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockSet,

@@ -1,5 +1,5 @@
 """Two things that make one client's chat faster, held to the output contract: the next turn
-reuses the partly filled last block its previous turn ended in (kvstore/tails.py), and a
+reuses the partly filled last block its previous turn ended in (kvstore/device/tails.py), and a
 request decoding alone reads its K/V from one contiguous buffer (engine/decode_mirror.py)."""
 
 from __future__ import annotations

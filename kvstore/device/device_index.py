@@ -1,5 +1,5 @@
 """The device pool's blocks as the radix index holds them: what lookups, stores and
-caller-held blocks (kvstore/held.py) share under the cache's one lock.
+caller-held blocks (kvstore/device/held.py) share under the cache's one lock.
 
 Insert and relock a path, take and give back a hit's references, allocate with eviction
 (tails go last), and what an eviction tells the tenants and the write-back tiers. The
@@ -15,9 +15,9 @@ import numpy as np
 
 from hashing import BlockHash
 from kvstore.attention import AttentionKind
+from kvstore.device.pool import BlockPool, PoolExhausted
 from kvstore.index import MatchResult, RadixIndex, TreeNode
 from kvstore.metrics import CacheMetrics
-from kvstore.pool import BlockPool, PoolExhausted
 from kvstore.scopes import Scopes
 from kvstore.tenants import TenantBlocks
 from kvstore.tiers import Tiers

@@ -1,7 +1,7 @@
 """BlockPool: one preallocated paged KV tensor on the device, a free list and ref counts.
 
 A hybrid model's pool (full and sliding-window layers) keeps its window layers apart, in a
-window plane: `HybridPool` (kvstore/hybrid_pool.py). This one holds every layer of a block
+window plane: `HybridPool` (kvstore/device/hybrid_pool.py). This one holds every layer of a block
 in one row; its window arguments and methods are the shared interface's, with nothing to do.
 """
 
@@ -15,8 +15,8 @@ import torch
 
 from hashing import Namespace
 from kvstore.config import CacheConfig, ConfigError
+from kvstore.device.window_plane import WindowPlane
 from kvstore.layout import KVLayout, LayerKV, layers_to_blocks, split_layers, tensor_bytes
-from kvstore.window_plane import WindowPlane
 
 
 class PoolExhausted(RuntimeError):
@@ -69,7 +69,9 @@ class BlockPool:
     """Paged KV storage. A block's ref_cnt counts its owners (the index, queued writes, ...);
     a block is on the free list iff its ref_cnt is 0."""
 
-    window: WindowPlane | None = None  # a hybrid pool's window plane (kvstore/hybrid_pool.py)
+    window: WindowPlane | None = (
+        None  # a hybrid pool's window plane (kvstore/device/hybrid_pool.py)
+    )
 
     def __init__(self, num_blocks: int, namespace: Namespace, device: torch.device):
         self.layout = KVLayout.of(namespace)

@@ -1,14 +1,13 @@
 """Eviction policies by name: `POLICIES` and `make_policy`. Each policy implements the
-`Policy` contract of `kvstore.policies.base`: the recency and frequency policies live in
-`kvstore.policies.heap`, the FIFO family in `kvstore.policies.fifo`, LHD in `kvstore.policies.lhd`
-(docs/POLICIES.md describes them all)."""
+`Policy` contract of `base.py`: the recency and frequency policies live in `heap.py`, the
+FIFO family in `fifo.py`, LHD in `lhd.py` (docs/POLICIES.md describes them all)."""
 
 from __future__ import annotations
 
-from kvstore.policies.base import IntegrityError, Policy
-from kvstore.policies.fifo import MAIN, SMALL, AdaptiveS3FIFOPolicy, ARCPolicy, S3FIFOPolicy
-from kvstore.policies.heap import LFUPolicy, LRUPolicy, SLRUPolicy
-from kvstore.policies.lhd import LHDPolicy
+from kvstore.index.policies.base import IntegrityError, Policy
+from kvstore.index.policies.fifo import MAIN, SMALL, AdaptiveS3FIFOPolicy, ARCPolicy, S3FIFOPolicy
+from kvstore.index.policies.heap import LFUPolicy, LRUPolicy, SLRUPolicy
+from kvstore.index.policies.lhd import LHDPolicy
 
 __all__ = [
     "MAIN",

@@ -3,7 +3,7 @@
 One implementation for the live router (`kvstore router`, engine/router/) and the capacity
 replay's `kv` route (bench/hitrate/fleet.py). Each replica is known by
 
-- its blocks, a `BlockSet` rebuilt from the replica's own index events (kvstore/events.py),
+- its blocks, a `BlockSet` rebuilt from the replica's own index events (kvstore/fleet/events.py),
   never guessed from the requests routed to it;
 - its load, as the replica reports it: tokens waiting for prefill and tokens held by
   running requests.
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from hashing import BlockHash
-from kvstore.events import BlockSet
+from kvstore.fleet.events import BlockSet
 
 __all__ = ["ReplicaLoad", "RouteChoice", "RoutingConfig", "choose_replica"]
 

@@ -3,7 +3,7 @@
 A hybrid model (full layers and sliding-window layers) needs a block's full layers for as
 long as it is cached, its window layers only while some query can still see them. So a
 block's full part is its row of `kv` (the full layers) and its window part a slot of the
-window plane (kvstore/window_plane.py), which the block lets go of on its own. Block reads
+window plane (kvstore/device/window_plane.py), which the block lets go of on its own. Block reads
 and writes (`read_blocks`, `write_blocks`, `gather`, `scatter`) still speak whole blocks,
 every layer in model order, so tier entries are the same as a plain pool's.
 """
@@ -17,8 +17,7 @@ import torch
 
 from hashing import Namespace
 from kvstore.config import CacheConfig, ConfigError
-from kvstore.layout import LayerKV, split_layers
-from kvstore.pool import (
+from kvstore.device.pool import (
     BlockPool,
     PoolExhausted,
     budget_bytes,
@@ -26,7 +25,8 @@ from kvstore.pool import (
     pool_blocks,
     resolve_device,
 )
-from kvstore.window_plane import WindowPlane
+from kvstore.device.window_plane import WindowPlane
+from kvstore.layout import LayerKV, split_layers
 
 
 def window_slots(config: CacheConfig, num_blocks: int) -> int:

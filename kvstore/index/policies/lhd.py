@@ -41,7 +41,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kvstore.policies.base import IntegrityError, Policy
+from kvstore.index.policies.base import IntegrityError, Policy
 
 DEFAULT_SCALE = 1024  # blocks: the unit of age when the policy is given no capacity
 

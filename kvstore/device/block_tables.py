@@ -31,8 +31,8 @@ import numpy as np
 
 from hashing import BlockHash, as_token_array
 from kvstore.cache import PrefixCache
+from kvstore.device.seq_blocks import SeqBlocks
 from kvstore.metrics import DEVICE_TIER
-from kvstore.seq_blocks import SeqBlocks
 from kvstore.units import cdiv
 
 __all__ = ["BlockTables", "SeqBlocks"]
@@ -43,7 +43,7 @@ class BlockTables:
 
     def __init__(self, cache: PrefixCache):
         self.cache = cache
-        self.held = cache.held  # the cache's API for blocks a caller holds (kvstore/held.py)
+        self.held = cache.held  # the cache's API for blocks a caller holds (kvstore/device/held.py)
         self.kind = cache.kind  # the model's attention kind (kvstore/attention/)
         self.pool = cache.pool
         self.block_size = cache.block_size
@@ -93,7 +93,7 @@ class BlockTables:
 
     def keep_tail(self, seq: SeqBlocks, token_ids: Sequence[int] | np.ndarray) -> bool:
         """At a request's end, before `close`: its last, partly filled block becomes a tail
-        of the cache (kvstore/tails.py), for a request that goes on from these tokens.
+        of the cache (kvstore/device/tails.py), for a request that goes on from these tokens.
         `token_ids`: the tokens whose K/V the table holds that later lookups may reuse. Only
         when every full block before it is committed (a lookup can then hit them)."""
         m, r = divmod(len(token_ids), self.block_size)

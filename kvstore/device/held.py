@@ -1,5 +1,5 @@
 """The blocks a caller holds apart from lookups: an engine's block tables
-(kvstore/sequences.py) take a hit's blocks over, allocate their own, commit them to the
+(kvstore/device/block_tables.py) take a hit's blocks over, allocate their own, commit them to the
 index in place, drop them, and (sliding-window and hybrid models) let go of what left the
 window. `PrefixCache.held` is one, over the cache's `DeviceIndex`."""
 
@@ -11,13 +11,13 @@ from typing import NamedTuple
 import numpy as np
 
 from hashing import BlockHash
-from kvstore.device_index import DeviceIndex
+from kvstore.device.device_index import DeviceIndex
 from kvstore.hits import CacheHit
 from kvstore.index import TreeNode
 
 
 class Commit(NamedTuple):
-    """Where a `PrefixCache.commit` left a caller's path."""
+    """Where a `HeldBlocks.commit` left a caller's path."""
 
     node: TreeNode | None  # the locked last node of the committed path
     num_blocks: int  # leading blocks committed (the path's length)

@@ -1,14 +1,14 @@
 """FIFO-family eviction policies: S3-FIFO, and two long-memory adaptive variants of it
 (adaptive S3-FIFO and ARC over radix entries); docs/POLICIES.md describes them. They share
-the lazy-heap machinery of `kvstore.policies.heap`."""
+the lazy-heap machinery of `kvstore.index.policies.heap`."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from typing import Any
 
-from kvstore.policies.base import IntegrityError
-from kvstore.policies.heap import HeapEntry, HeapPolicy
+from kvstore.index.policies.base import IntegrityError
+from kvstore.index.policies.heap import HeapEntry, HeapPolicy
 
 SMALL, MAIN = 0, 1
 _MAX_FREQ = 3

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.config import CacheConfig, ConfigError
-from kvstore.config_help import FIELD_HELP, flag_name
+from kvstore.config.help import FIELD_HELP, flag_name
 
 if sys.version_info >= (3, 11):
     import tomllib

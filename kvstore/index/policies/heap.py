@@ -1,5 +1,5 @@
 """Recency and frequency eviction policies (LRU, LFU, SLRU) and the lazy-heap machinery
-they share with the FIFO family (`kvstore.policies.fifo`).
+they share with the FIFO family (`kvstore.index.policies.fifo`).
 
 A policy tracks every entry of the index (an opaque int key with a size in blocks) and an
 evictable flag per entry; `victim()` names the evictable entry to evict next. The index
@@ -11,7 +11,7 @@ Every policy in this module orders evictable entries in lazy min-heaps: an updat
 is evictable and still has that priority. Stale items are dropped when they reach the top,
 and the heaps are rebuilt once they hold twice as many items as there are entries, so every
 operation is O(log n) amortized and no eviction scans the entries. `lhd` (in
-`kvstore.policies.lhd`) ranks by a score that changes with age, so it samples instead.
+`kvstore.index.policies.lhd`) ranks by a score that changes with age, so it samples instead.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import heapq
 from collections import OrderedDict
 from typing import Any
 
-from kvstore.policies.base import IntegrityError, Policy
+from kvstore.index.policies.base import IntegrityError, Policy
 
 
 class HeapEntry:
