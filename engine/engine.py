@@ -21,7 +21,6 @@ import torch
 
 from engine.linear import LinearConfig
 from engine.model import LoadedModel, hybrid_window, shared_window
-from engine.paged import Row
 from engine.request import (
     EngineClosedError,
     GenerateResult,
@@ -38,6 +37,7 @@ from engine.request import (
 from engine.runner import start_paged
 from engine.scheduler import QueueStats, Scheduled, Scheduler, SchedulerConfig
 from engine.sequential import SequentialPath
+from engine.step_row import Row, blocks_row
 from engine.sync_paths import SyncPaths
 from engine.threads import LoopCalls
 from hashing import Namespace, validate_salt
@@ -299,11 +299,7 @@ class Engine(SyncPaths):
 
     def _table_row(self, blocks: SeqBlocks, start: int, num_new: int) -> Row:
         assert self.runner is not None
-        table = blocks.readable_table(self.runner.scratch_block)
-        return Row(
-            table, start, num_new, blocks.num_shared_blocks, blocks.num_dropped, blocks,
-            blocks.num_window_dropped,
-        )  # fmt: skip
+        return blocks_row(blocks, start, num_new, self.runner.scratch_block)
 
     def _started(self, request: Request) -> bool:
         """Mark a request's first step; False if its future was cancelled meanwhile."""

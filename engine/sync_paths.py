@@ -22,9 +22,9 @@ from engine.request import (
 from kvstore.sequences import SeqBlocks
 
 if TYPE_CHECKING:
-    from engine.paged import Row
     from engine.runner import PagedRunner
     from engine.sequential import SequentialPath
+    from engine.step_row import Row
     from engine.threads import LoopCalls
     from kvstore.sequences import BlockTables
 

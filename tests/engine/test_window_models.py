@@ -266,7 +266,8 @@ def test_a_hybrid_synchronous_prefill_longer_than_the_window_slots_runs_in_chunk
 
 
 def test_a_step_reading_a_block_without_its_window_part_is_refused() -> None:
-    from engine.paged import PagedAttentionError, Row
+    from engine.paged import PagedAttentionError
+    from engine.step_row import Row
 
     with Engine(model_of("gemma2"), micro_cache_config()) as engine:
         block = engine.cache.allocate(1, window=False)
