@@ -169,7 +169,13 @@ class Engine:
         """
         params = params or SamplingParams()
         ids = self.encode(prompt, params)
-        request = Request(ids, params, cache_salt, tenant or None, on_token)
+        request = Request(
+            token_ids=ids,
+            params=params,
+            cache_salt=cache_salt,
+            tenant=tenant or None,
+            on_token=on_token,
+        )
         return self.add_request(request).future
 
     def generate(

@@ -118,7 +118,11 @@ class SyncPaths:
                 pre = self.sequential.prefill(ids, salt)
                 if store:
                     self.sequential.store(ids, [], pre, salt)
-            return PrefillResult(pre.logits, pre.cached_tokens, pre.cached_by_tier)
+            return PrefillResult(
+                logits=pre.logits,
+                cached_tokens=pre.cached_tokens,
+                cached_by_tier=pre.cached_by_tier,
+            )
         seq = self.tables.open(ids, salt, "", whole_prompt=False)
         if not store:
             seq.commit_end = 0  # (nothing is committed: slides need not wait for a chunk)
@@ -127,7 +131,9 @@ class SyncPaths:
             logits = self._forward_here(seq, ids, start, store)
             if store:
                 self.tables.commit(seq, ids, len(ids))
-            return PrefillResult(logits, start, dict(seq.tier_tokens))
+            return PrefillResult(
+                logits=logits, cached_tokens=start, cached_by_tier=dict(seq.tier_tokens)
+            )
         finally:
             self.tables.close(seq)
 
