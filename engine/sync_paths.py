@@ -11,12 +11,7 @@ from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 import torch
 
-from engine.request import (
-    GenerateResult,
-    Prompt,
-    SamplingParams,
-    TokenCallback,
-)
+from engine.request import GenerateResult, Prompt, SamplingParams, TokenCallback
 from engine.step_row import blocks_row
 from kvstore.sequences import SeqBlocks
 
