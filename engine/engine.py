@@ -28,7 +28,6 @@ from engine.request import (
     GenerateResult,
     InvalidRequestError,
     Prompt,
-    QueueFullError,
     Request,
     RequestCancelled,
     SamplingParams,
@@ -219,16 +218,8 @@ class Engine:
                     displaced.append(self.scheduler.add(request, max_waiting))
                 self._cond.notify()
         finally:
-            self._refuse_displaced([r for r in displaced if r is not None], max_waiting)
+            self.outcomes.displaced([r for r in displaced if r is not None], max_waiting)
         return requests
-
-    def _refuse_displaced(self, requests: list[Request], bound: int | None) -> None:
-        """A tenant over its share of a full queue gave way: its newest waiting requests
-        fail with QueueFullError (429)."""
-        for request in requests:
-            request.displaced = True
-            busy = f"{bound} requests are waiting, the most of them from its tenant"
-            self.outcomes.fail(request, QueueFullError(busy))
 
     def cancel(self, request: Request) -> None:
         """Stop a request: a waiting one is dropped, a running one ends before its next step."""

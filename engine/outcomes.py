@@ -1,5 +1,5 @@
 """How an engine's requests resolve: a step's sampled tokens, and a request that stops,
-fails or is cancelled.
+fails, is cancelled or gives way in a full queue.
 
 Whichever way a request ends, the scheduler lets it go, its `on_done` (its metrics) runs
 before its future resolves (whoever sees the result also sees it counted), and a finished
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.request import GenerateResult, Request, Sampler, StopChecker
+from engine.request import GenerateResult, QueueFullError, Request, Sampler, StopChecker
 
 if TYPE_CHECKING:
     from engine.model import LoadedModel
@@ -115,3 +115,11 @@ class Outcomes:
         self.done(request, None)
         if not future.done() and (future.running() or future.set_running_or_notify_cancel()):
             future.set_exception(error)
+
+    def displaced(self, requests: list[Request], bound: int | None) -> None:
+        """A tenant over its share of a full queue gave way: its newest waiting requests
+        fail with QueueFullError (429)."""
+        for request in requests:
+            request.displaced = True
+            busy = f"{bound} requests are waiting, the most of them from its tenant"
+            self.fail(request, QueueFullError(busy))
