@@ -14,13 +14,13 @@ _EXPORTS = {
     "GenerateResult": "engine.engine",
     "InvalidRequestError": "engine.engine",
     "SamplingParams": "engine.engine",
-    "reference_generate": "engine.engine",
+    "reference_generate": "engine.sequential",
     "LoadedModel": "engine.model",
     "ModelLoadError": "engine.model",
     "UnsupportedModelError": "engine.model",
-    "byte_tokenizer": "engine.model",
+    "byte_tokenizer": "engine.tiny_model",
     "load_model": "engine.model",
-    "tiny_config": "engine.model",
+    "tiny_config": "engine.tiny_model",
     "wrap_model": "engine.model",
 }
 

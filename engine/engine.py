@@ -13,40 +13,40 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from typing import TypeVar
 
-import numpy as np
 import torch
 
 from engine.linear import LinearConfig
 from engine.model import LoadedModel, hybrid_window, shared_window
-from engine.paged import Row
+from engine.outcomes import Outcomes
+from engine.prompt import prompt_ids
 from engine.request import (
     EngineClosedError,
     GenerateResult,
     InvalidRequestError,
     Prompt,
-    QueueFullError,
     Request,
     RequestCancelled,
-    Sampler,
     SamplingParams,
-    StopChecker,
     TokenCallback,
 )
-from engine.runner import start_paged
+from engine.runner import PagedRunner, start_paged
 from engine.scheduler import QueueStats, Scheduled, Scheduler, SchedulerConfig
 from engine.sequential import SequentialPath
-from engine.sync_paths import SyncPaths
+from engine.step_row import Row, blocks_row
+from engine.sync_paths import PrefillResult, SyncPaths
 from engine.threads import LoopCalls
 from hashing import Namespace, validate_salt
 from kvstore.cache import PrefixCache
 from kvstore.config import CacheConfig
-from kvstore.device.block_tables import BlockTables, SeqBlocks
+from kvstore.device.block_tables import BlockTables
 from kvstore.fleet.events import EventSink
 
 log = logging.getLogger("kvstore.engine")
+T = TypeVar("T")
 
 
 def _cache_for(
@@ -62,7 +62,7 @@ def _cache_for(
     return PrefixCache(config, namespace, events=events, window=window)
 
 
-class Engine(SyncPaths):
+class Engine:
     """Generates with prefix caching through one `PrefixCache` for the model's namespace."""
 
     def __init__(
@@ -86,12 +86,27 @@ class Engine(SyncPaths):
         self.tables = BlockTables(self.cache)
         self.scheduler = Scheduler(scheduler_config or SchedulerConfig(), self.tables)
         self.sequential = SequentialPath(model, self.cache, cache_generated)
+        self.outcomes = Outcomes(model, self.scheduler, self.tables, cache_generated)
         self._forward_lock = threading.Lock()  # one forward pass at a time
         self._cond = threading.Condition()
         self._closed = False
         self._calls = LoopCalls(self._cond)  # synchronous paths, run on the loop thread
         # the runner starts (packs, self-tests) on the loop thread, which then runs every
         # step: one thread does the model's parallel work (engine/threads.py)
+        self.runner, self.fallback_reason = self._start_loop(kernel)
+        self.sync = SyncPaths(
+            runner=self.runner,
+            tables=self.tables,
+            sequential=self.sequential,
+            calls=self._calls,
+            forward_lock=self._forward_lock,
+            refuse=self._refusal,
+            encode=self.encode,
+        )
+        self._log_start()
+
+    def _start_loop(self, kernel: str) -> tuple[PagedRunner | None, str | None]:
+        """Start the loop thread; the runner it started, or None and why not."""
         started: Future = Future()
         threads = torch.get_num_threads()
         self._worker = threading.Thread(
@@ -100,17 +115,21 @@ class Engine(SyncPaths):
         self._calls.thread = self._worker
         self._worker.start()
         try:
-            self.runner, self.fallback_reason = started.result()
+            return started.result()
         except BaseException:
             self.cache.close()  # its tier writer and stores
             raise
+
+    def _log_start(self) -> None:
+        """Say once what serves the model less well than it might: dense linear layers, or
+        one request at a time."""
         note = None if self.runner is None else self.runner.linear_note
         if note is not None:
-            log.warning("model %s: %s; its linear layers run dense", model.name, note)
+            log.warning("model %s: %s; its linear layers run dense", self.model.name, note)
         if self.runner is None:
             log.warning(
                 "model %s: paged attention unavailable (%s); serving one request at a time",
-                model.name,
+                self.model.name,
                 self.fallback_reason,
             )
 
@@ -129,25 +148,7 @@ class Engine(SyncPaths):
 
     def encode(self, prompt: Prompt, params: SamplingParams) -> list[int]:
         """Validated token ids of a prompt (text is tokenized with the model's tokenizer)."""
-        if isinstance(prompt, str):
-            ids = self.model.tokenizer(prompt)["input_ids"] if prompt else []
-        elif isinstance(prompt, Sequence | torch.Tensor | np.ndarray):
-            ids = prompt.tolist() if hasattr(prompt, "tolist") else list(prompt)
-            ids = [int(t) if isinstance(t, np.integer) else t for t in ids]
-        else:
-            raise InvalidRequestError(f"a prompt is a str or a list of token ids, got {prompt!r}")
-        if not ids:
-            raise InvalidRequestError("prompt is empty; give at least one token")
-        vocab = self.model.vocab_size
-        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids):
-            raise InvalidRequestError(f"token ids must be ints in [0, {vocab})")
-        limit = self.model.max_positions
-        if limit is not None and len(ids) + params.max_new_tokens > limit:
-            raise InvalidRequestError(
-                f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds "
-                f"the model's {limit} positions; shorten the prompt or lower max_new_tokens"
-            )
-        return ids
+        return prompt_ids(self.model, prompt, params)
 
     def submit(
         self,
@@ -167,7 +168,13 @@ class Engine(SyncPaths):
         """
         params = params or SamplingParams()
         ids = self.encode(prompt, params)
-        request = Request(ids, params, cache_salt, tenant or None, on_token)
+        request = Request(
+            token_ids=ids,
+            params=params,
+            cache_salt=cache_salt,
+            tenant=tenant or None,
+            on_token=on_token,
+        )
         return self.add_request(request).future
 
     def generate(
@@ -213,16 +220,8 @@ class Engine(SyncPaths):
                     displaced.append(self.scheduler.add(request, max_waiting))
                 self._cond.notify()
         finally:
-            self._refuse_displaced([r for r in displaced if r is not None], max_waiting)
+            self.outcomes.displaced([r for r in displaced if r is not None], max_waiting)
         return requests
-
-    def _refuse_displaced(self, requests: list[Request], bound: int | None) -> None:
-        """A tenant over its share of a full queue gave way: its newest waiting requests
-        fail with QueueFullError (429)."""
-        for request in requests:
-            request.displaced = True
-            busy = f"{bound} requests are waiting, the most of them from its tenant"
-            self._fail(request, QueueFullError(busy))
 
     def cancel(self, request: Request) -> None:
         """Stop a request: a waiting one is dropped, a running one ends before its next step."""
@@ -231,7 +230,7 @@ class Engine(SyncPaths):
             dropped = self.scheduler.waiting.remove(request)
             self._cond.notify()
         if dropped and request.future.cancel():
-            self._done(request, None)
+            self.outcomes.done(request, None)
 
     def queue_stats(self) -> QueueStats:
         return self.scheduler.stats()
@@ -239,6 +238,34 @@ class Engine(SyncPaths):
     @property
     def alive(self) -> bool:
         return self._worker.is_alive()
+
+    # --- synchronous paths, on the loop thread (engine/sync_paths.py) ------------------------
+
+    def run(
+        self,
+        token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str = "",
+        on_token: TokenCallback | None = None,
+        tenant: str = "",
+    ) -> GenerateResult:
+        """One request, synchronously, on the per-request path (validated token ids)."""
+        return self.sync.run(token_ids, params, cache_salt, on_token, tenant)
+
+    def prefill(self, token_ids: list[int], cache_salt: str = "") -> PrefillResult:
+        """Lookup, load and prefill of validated token ids; stores nothing."""
+        return self.sync.prefill(token_ids, cache_salt)
+
+    def prefill_logits(self, token_ids: Sequence[int]) -> tuple[torch.Tensor, int]:
+        """Last-position logits ([vocab], float32) and cached_tokens; stores the prompt's blocks."""
+        return self.sync.prefill_logits(token_ids)
+
+    def on_loop(self, function: Callable[[], T], step_kernels: bool = True) -> T:
+        """`function()` on the loop thread, between steps (`SyncPaths.on_loop`)."""
+        return self.sync.on_loop(function, step_kernels)
+
+    def _refusal(self) -> EngineClosedError | None:
+        return EngineClosedError("the engine is closed") if self._closed else None
 
     # --- the loop -------------------------------------------------------------------------
 
@@ -276,13 +303,14 @@ class Engine(SyncPaths):
             except Exception:  # a bug must not kill the loop silently: fail what ran
                 log.exception("engine step failed")
                 for request in list(self.scheduler.running):
-                    self._fail(request, RuntimeError("engine step failed"))
+                    self.outcomes.fail(request, RuntimeError("engine step failed"))
 
     def _step(self) -> None:
         for request in list(self.scheduler.running):
             if request.cancelled:
-                self._fail(request, RequestCancelled("the client went away"))
-        rows = [row for row in self.scheduler.schedule(self._fail) if self._started(row.request)]
+                self.outcomes.fail(request, RequestCancelled("the client went away"))
+        scheduled = self.scheduler.schedule(self.outcomes.fail)
+        rows = [row for row in scheduled if self.outcomes.started(row.request)]
         if not rows:
             time.sleep(0.001)  # nothing could be admitted now (all waiting on blocks)
             return
@@ -294,28 +322,12 @@ class Engine(SyncPaths):
             logits = self.runner.forward([self._row(row) for row in rows], fed, sample)
         for row in rows:
             self._computed(row)
-        self._sample([rows[i].request for i in sample], logits)
+        self.outcomes.sample([rows[i].request for i in sample], logits)
 
     def _row(self, row: Scheduled) -> Row:
-        return self._table_row(row.request.state.blocks, row.start, row.num_new)
-
-    def _table_row(self, blocks: SeqBlocks, start: int, num_new: int) -> Row:
         assert self.runner is not None
-        table = blocks.readable_table(self.runner.scratch_block)
-        return Row(
-            table, start, num_new, blocks.num_shared_blocks, blocks.num_dropped, blocks,
-            blocks.num_window_dropped,
-        )  # fmt: skip
-
-    def _started(self, request: Request) -> bool:
-        """Mark a request's first step; False if its future was cancelled meanwhile."""
-        if request.scheduled is not None:
-            return True
-        request.scheduled = time.perf_counter()
-        if request.future.set_running_or_notify_cancel():
-            return True
-        self.scheduler.finish(request)
-        return False
+        blocks = row.request.state.blocks
+        return blocks_row(blocks, row.start, row.num_new, self.runner.scratch_block)
 
     def _computed(self, row: Scheduled) -> None:
         """K/V of the row's tokens is written: commit the blocks that became full."""
@@ -329,75 +341,11 @@ class Engine(SyncPaths):
             self.tables.commit(state.blocks, row.request.token_slice(0, limit), limit)
         self.tables.slide(state.blocks, state.num_computed)  # a window model's old blocks
 
-    def _sample(self, requests: list[Request], logits: torch.Tensor) -> None:
-        greedy = logits.argmax(dim=-1).tolist()
-        for i, request in enumerate(requests):
-            if request.sampler is None:
-                request.sampler = Sampler(request.params)
-            token = greedy[i] if request.params.temperature == 0 else request.sampler(logits[i])
-            try:
-                request.emit(token)
-            except BaseException as e:  # a cancelled request or a failing callback
-                self._fail(request, e)
-                continue
-            done = self._stop(request)
-            if done is not None:
-                self._finish(request, *done)
-
-    def _stop(self, request: Request) -> tuple[str, str] | None:
-        state = request.state
-        if state.stop is None:
-            state.stop = StopChecker(request.params, self.model.eos_token_ids, self.model.tokenizer)
-        return state.stop(request.output)
-
-    def _finish(self, request: Request, reason: str, text: str) -> None:
-        self._keep_tail(request)
-        self.scheduler.finish(request)
-        result = GenerateResult(
-            len(request.token_ids),
-            request.num_cached_tokens,
-            list(request.output),
-            text,
-            request.first_token - request.scheduled,
-            reason,
-            request.cached_by_tier,
-            request.scheduled - request.arrival,
-        )
-        self._done(request, result)
-        request.future.set_result(result)
-
-    def _keep_tail(self, request: Request) -> None:
-        """The finished request's partly filled last block stays for the next turn."""
-        state = request.state
-        if state is None:
-            return
-        limit = state.num_computed  # K/V is written up to here (the last token is not fed)
-        if not self.cache_generated:
-            limit = min(limit, len(request.token_ids))
-        self.tables.keep_tail(state.blocks, request.token_slice(0, limit))
-
-    def _done(self, request: Request, result: GenerateResult | None) -> None:
-        """The request's `on_done` (its metrics), before its future resolves: whoever sees the
-        result also sees it counted. A failing callback is logged, never kept from the caller."""
-        if request.on_done is not None:
-            try:
-                request.on_done(request, result)
-            except Exception:
-                log.exception("on_done of a request failed")
-
-    def _fail(self, request: Request, error: BaseException) -> None:
-        """End a request with `error` (waiting or running)."""
-        self.scheduler.finish(request)
-        future = request.future
-        self._done(request, None)
-        if not future.done() and (future.running() or future.set_running_or_notify_cancel()):
-            future.set_exception(error)
-
     def _step_sequential(self) -> None:
         """The fallback: the next fair request runs alone, start to finish."""
         request = self.scheduler.waiting.pop()
-        if request.cancelled or not self._started(request):
-            self._fail(request, RequestCancelled("cancelled while waiting"))
+        if request.cancelled or not self.outcomes.started(request):
+            self.outcomes.fail(request, RequestCancelled("cancelled while waiting"))
             return
         try:
             with self._forward_lock:
@@ -410,9 +358,9 @@ class Engine(SyncPaths):
                     request.sampler,
                 )
         except BaseException as e:
-            self._fail(request, e)
+            self.outcomes.fail(request, e)
             return
-        self._done(request, result)
+        self.outcomes.done(request, result)
         request.future.set_result(result._replace(queue_s=request.scheduled - request.arrival))
 
     # --- lifecycle ----------------------------------------------------------------------------
@@ -430,7 +378,7 @@ class Engine(SyncPaths):
             waiting = self.scheduler.waiting.drain() if cancel_waiting else []
             self._cond.notify_all()
         for request in waiting:
-            self._fail(request, EngineClosedError("the server is shutting down"))
+            self.outcomes.fail(request, EngineClosedError("the server is shutting down"))
         self._worker.join()
         if self.runner is not None:
             self.runner.close()

@@ -1,4 +1,5 @@
-"""Load a causal LM (the pinned `tiny` model or a local directory) and fingerprint its weights.
+"""Load a causal LM (the pinned `tiny` model, a built-in or GGUF model, or a local directory)
+and wrap it with what its KV namespace needs: its KV shape and fingerprint.
 
 A model is cacheable only if every layer is full or sliding-window attention whose K and V
 share one head dim; anything else raises `UnsupportedModelError` naming the layer type, never
@@ -9,49 +10,24 @@ from __future__ import annotations
 
 import functools
 import inspect
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import xxhash
-from transformers import (
-    AutoModelForCausalLM,
-    DynamicCache,
-    LlamaConfig,
-    PretrainedConfig,
-    PreTrainedModel,
-    PreTrainedTokenizerFast,
-)
+from transformers import AutoModelForCausalLM, DynamicCache, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from engine.fingerprint import fingerprint
 from engine.gguf_models import BUILTINS, gguf_model_dir
 from engine.model_files import ModelLoadError, attn_implementation, load_tokenizer, read_config
 from engine.threads import on_own_thread
+from engine.tiny_model import BYTE_VOCAB_SIZE as BYTE_VOCAB_SIZE  # importable from here too
+from engine.tiny_model import TINY_NAME, byte_tokenizer, random_model, tiny_config
 from hashing import Namespace
 from kvstore.layout import DTYPES as KV_DTYPES
 
-TINY_NAME = "tiny"
-TINY_SEED = 0
-BOS, EOS, PAD, END_OF_TURN = "<|bos|>", "<|eos|>", "<|pad|>", "<|end_of_turn|>"
-SPECIAL_TOKENS = (BOS, EOS, PAD, END_OF_TURN)  # ids 256.. after the 256 bytes
-BYTE_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}"
-    "<|end_of_turn|>\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
-)
 DTYPES = KV_DTYPES | {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-# Config keys that change on save/load but not the computation (dtype is hashed separately).
-_VOLATILE_CONFIG_KEYS = (
-    "_name_or_path",
-    "transformers_version",
-    "architectures",
-    "dtype",
-    "torch_dtype",
-    "_commit_hash",
-    "_attn_implementation_autoset",
-)
 _RECURRENT_CONFIG_KEYS = ("ssm_state_size", "mamba_d_state", "state_size", "layers_block_type")
 
 
@@ -67,70 +43,6 @@ class UnsupportedModelError(ValueError):
         super().__init__(msg + (f": {detail}" if detail else "") + hint)
         self.model_type = model_type
         self.layer_type = layer_type
-
-
-def tiny_config() -> LlamaConfig:
-    """The pinned `tiny` model: Llama-style, 8 layers, hidden 512, GQA 8/2, byte vocabulary."""
-    return LlamaConfig(
-        vocab_size=BYTE_VOCAB_SIZE,
-        hidden_size=512,
-        intermediate_size=1408,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=4096,
-        initializer_range=0.1,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        bos_token_id=256,
-        eos_token_id=257,
-        pad_token_id=258,
-    )
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """The GPT-2 byte -> printable character table that the ByteLevel pre-tokenizer uses."""
-    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    table, extra = {b: chr(b) for b in printable}, 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
-def byte_tokenizer() -> PreTrainedTokenizerFast:
-    """Byte-level tokenizer: token id = byte value; specials 256..259; a plain chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-
-    vocab = {char: byte for byte, char in bytes_to_unicode().items()}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(list(SPECIAL_TOKENS))
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, 256)]
-    )
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=BOS,
-        eos_token=EOS,
-        pad_token=PAD,
-        additional_special_tokens=[END_OF_TURN],
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
-
-
-def random_model(config: PretrainedConfig, seed: int = TINY_SEED) -> PreTrainedModel:
-    """A causal LM with weights drawn from `seed` (init std = config.initializer_range)."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return AutoModelForCausalLM.from_config(
-            config, attn_implementation=attn_implementation(config)
-        )
 
 
 # Layer types whose K/V the pool holds per position (a window is a mask over them).
@@ -249,31 +161,6 @@ def probe_kv_layout(model: PreTrainedModel) -> KVShape:
         raise UnsupportedModelError(model_type, "heterogeneous_attention", f"KV shapes {shapes}")
     _, heads, _, head_dim = shapes.pop()
     return KVShape(len(past.layers), heads, head_dim)
-
-
-def config_digest_input(config: PretrainedConfig) -> bytes:
-    """The config as sorted JSON, without the keys that save/load rewrites."""
-    data = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
-    data["model_class"] = config.__class__.__name__
-    return json.dumps(data, sort_keys=True, default=str).encode()
-
-
-def fingerprint(model: PreTrainedModel, model_revision: str | None = None) -> str:
-    """xxh3-128 over config, dtype and every tensor (name, dtype, shape, bytes); hex string.
-
-    With `model_revision`, the weights are pinned by that string instead of being hashed.
-    """
-    dtype = next(model.parameters()).dtype
-    h = xxhash.xxh3_128(config_digest_input(model.config))
-    h.update(str(dtype).encode())
-    if model_revision is not None:
-        h.update(b"revision\x00" + model_revision.encode())
-        return h.hexdigest()
-    for name, tensor in sorted(model.state_dict().items()):
-        t = tensor.detach().contiguous().reshape(-1)
-        h.update(f"{name}\x00{t.dtype}\x00{tuple(tensor.shape)}\x00".encode())
-        h.update(t.cpu().view(torch.uint8).numpy().data)
-    return h.hexdigest()
 
 
 @dataclass(frozen=True)

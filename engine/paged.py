@@ -20,227 +20,16 @@ attention does. Both come from the model through the attention interface: no mod
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 
 from engine.eager_attention import Extras, attend_eager
-from kvstore.units import cdiv
-
-if TYPE_CHECKING:
-    from engine.decode_mirror import DecodeMirror
+from engine.step_batch import Reads, StepBatch
 
 
 class PagedAttentionError(RuntimeError):
     """The model called attention in a way the paged path cannot serve (the runner falls back)."""
-
-
-@dataclass(frozen=True)
-class Row:
-    """One request's part of a step: `num_new` query tokens ending at position `end` - 1."""
-
-    block_table: Sequence[int]  # the row's pool blocks, in position order
-    start: int  # first position fed this step (positions below it are in the blocks)
-    num_new: int  # tokens fed this step
-    num_shared_blocks: int = 0  # leading blocks entered by reference: never written
-    num_dropped: int = 0  # leading blocks a window model's request let go (never read)
-    seq: object | None = field(default=None, compare=False)  # the request's identity, if any
-    num_window_dropped: int = 0  # a hybrid model's: leading blocks without window parts
-
-    @property
-    def end(self) -> int:
-        return self.start + self.num_new
-
-
-@dataclass
-class _Prefill:
-    offset: int  # first query index in the flattened batch
-    num_new: int
-    table: torch.Tensor  # [blocks] long
-    context: int  # keys attended: positions [0, context)
-    mask: torch.Tensor | None  # [num_new, context] bool, causal with the row's offset; None
-    # when the row starts at position 0 (plain causal: SDPA skips the masked half)
-    start: int = 0  # position of the first query
-
-
-@dataclass(frozen=True)
-class _Reads:
-    """What one row group reads for one window: key blocks and which keys each query sees."""
-
-    tables: torch.Tensor  # [blocks] (a prefill row) or [B, blocks] (decode rows) long
-    context: int  # keys read: the first `context` positions of the tables' blocks
-    mask: torch.Tensor  # [n, context] bool (prefill) or [B, 1, 1, context] float 0/-inf
-
-
-@dataclass
-class StepBatch:
-    """Everything a step's attention needs, built once and shared by every layer."""
-
-    write_blocks: torch.Tensor  # [T] long: the block each new token's K/V goes to
-    write_offsets: torch.Tensor  # [T] long: its offset inside the block
-    decode_index: torch.Tensor | None  # [B] long: query index of each one-token row
-    decode_shared: torch.Tensor | None  # [k] long: leading blocks every decode row shares
-    decode_tables: torch.Tensor | None  # [B, w] long: each row's blocks after those k (padded)
-    decode_bias: torch.Tensor | None  # [B, 1, 1, w * block_size] float32: 0 to attend, -inf
-    prefills: list[_Prefill]
-    num_tokens: int
-    decode_rows: list[Row] = field(default_factory=list)
-    block_size: int = 1
-    scratch_block: int = 0
-    reads: dict[tuple, _Reads] = field(default_factory=dict)  # per (row group, window), lazily
-    max_window: int | None = None  # the widest window every row still holds (None: any)
-    mirror: DecodeMirror | None = None  # the one decode row's contiguous K/V (decode_mirror.py)
-    # a hybrid model's window plane: block id -> slot ([num_blocks] long), the widest window
-    # its rows' window parts still cover
-    slot_map: torch.Tensor | None = None
-    max_plane_window: int | None = None
-    _plane_writes: torch.Tensor | None = None
-
-    def plane_writes(self) -> torch.Tensor:
-        """The window-plane slot each new token's K/V goes to."""
-        if self._plane_writes is None:
-            self._plane_writes = self.slot_map[self.write_blocks]  # type: ignore[index]
-        return self._plane_writes
-
-    def plane_reads(self, reads: _Reads, key: tuple) -> _Reads:
-        """`reads` through the slot map (a window-plane layer's)."""
-        key = ("plane", *key)
-        if key not in self.reads:
-            tables = self.slot_map[reads.tables]  # type: ignore[index]
-            self.reads[key] = _Reads(tables, reads.context, reads.mask)
-        return self.reads[key]
-
-    def prefill_reads(self, i: int, window: int | None) -> _Reads:
-        """Prefill row i's blocks and mask under `window` (None: every earlier position)."""
-        key = ("prefill", i, window)
-        if key not in self.reads:
-            self.reads[key] = _prefill_reads(self.prefills[i], window, self.block_size)
-        return self.reads[key]
-
-    def decode_reads(self, window: int | None) -> _Reads:
-        """The decode rows' blocks (no shared prefix split) and bias under `window`."""
-        key = ("decode", window)
-        if key not in self.reads:
-            device = self.write_blocks.device
-            self.reads[key] = _decode_reads(
-                self.decode_rows, window, self.block_size, self.scratch_block, device
-            )
-        return self.reads[key]
-
-
-def build_step(
-    rows: Sequence[Row], block_size: int, scratch_block: int, device: torch.device
-) -> StepBatch:
-    """The write slots and read tables of `rows`, flattened in order."""
-    blocks, offsets, prefills = [], [], []
-    decode_rows: list[tuple[int, Row]] = []
-    offset = 0
-    for row in rows:
-        positions = torch.arange(row.start, row.end)
-        table = torch.as_tensor(list(row.block_table), dtype=torch.long)
-        if len(table) * block_size < row.end:
-            raise ValueError(f"block table of {len(table)} blocks cannot hold {row.end} tokens")
-        block_index = positions // block_size
-        target = table[block_index]
-        target[block_index < row.num_shared_blocks] = scratch_block  # a cached block: read only
-        blocks.append(target)
-        offsets.append(positions % block_size)
-        if row.num_new == 1:
-            decode_rows.append((offset, row))
-        else:
-            prefills.append(_prefill(offset, row, table, device))
-        offset += row.num_new
-    batch = StepBatch(
-        torch.cat(blocks).to(device), torch.cat(offsets).to(device),
-        None, None, None, None, prefills, offset,
-        [row for _, row in decode_rows], block_size, scratch_block,
-    )  # fmt: skip
-    if decode_rows:
-        _add_decode(batch, decode_rows, block_size, scratch_block, device)
-    bs = block_size
-    held = [row.start + 1 - row.num_dropped * bs for row in rows if row.num_dropped]
-    batch.max_window = min(held) if held else None
-    held = [row.start + 1 - row.num_window_dropped * bs for row in rows if row.num_window_dropped]
-    batch.max_plane_window = min(held) if held else None
-    return batch
-
-
-def _prefill(offset: int, row: Row, table: torch.Tensor, device: torch.device) -> _Prefill:
-    if row.start == 0:
-        return _Prefill(offset, row.num_new, table.to(device), row.end, None)
-    keys = torch.arange(row.end)
-    queries = torch.arange(row.start, row.end)
-    mask = keys.unsqueeze(0) <= queries.unsqueeze(1)  # [num_new, end]
-    return _Prefill(offset, row.num_new, table.to(device), row.end, mask.to(device), row.start)
-
-
-def _prefill_reads(row: _Prefill, window: int | None, block_size: int) -> _Reads:
-    """From the first block holding a key some query sees; mask [num_new, context]."""
-    first = 0 if window is None else max(0, row.start - window + 1) // block_size
-    device = row.table.device
-    keys = torch.arange(first * block_size, row.context, device=device)
-    queries = torch.arange(row.start, row.context, device=device).unsqueeze(1)
-    mask = keys <= queries
-    if window is not None:
-        mask &= keys > queries - window
-    return _Reads(row.table[first:], row.context - first * block_size, mask)
-
-
-def _decode_reads(
-    rows: list[Row],
-    window: int | None,
-    block_size: int,
-    scratch_block: int,
-    device: torch.device,
-    skip: int = 0,
-) -> _Reads:
-    """Each row's blocks from the first one its window reaches (or from block `skip`, which
-    every row shares and which are read apart), padded with the scratch block; bias
-    [B, 1, 1, width * block_size]: 0 where the row's query sees the key."""
-    firsts = [skip if window is None else max(0, r.end - window) // block_size for r in rows]
-    used = [cdiv(r.end, block_size) for r in rows]
-    width = max(u - f for u, f in zip(used, firsts, strict=True))
-    tables = torch.full((len(rows), width), scratch_block, dtype=torch.long)
-    for i, (row, first, last) in enumerate(zip(rows, firsts, used, strict=True)):
-        tables[i, : last - first] = torch.as_tensor(list(row.block_table[first:last]))
-    keys = torch.tensor(firsts).unsqueeze(1) * block_size + torch.arange(width * block_size)
-    ends = torch.tensor([row.end for row in rows]).unsqueeze(1)  # the query sits at end - 1
-    seen = keys < ends
-    if window is not None:
-        seen &= keys >= ends - window
-    bias = torch.zeros(seen.shape).masked_fill_(~seen, float("-inf"))
-    return _Reads(tables.to(device), width * block_size, bias[:, None, None, :].to(device))
-
-
-def _shared_prefix(rows: list[Row], block_size: int) -> int:
-    """Leading blocks that every row's table holds (the same block ids: read once for all);
-    each row keeps at least the block of its own last position."""
-    if len(rows) < 2:
-        return 0
-    limit = min((row.end - 1) // block_size for row in rows)
-    first = rows[0].block_table
-    k = 0
-    while k < limit and all(row.block_table[k] == first[k] for row in rows[1:]):
-        k += 1
-    return k
-
-
-def _add_decode(
-    batch: StepBatch,
-    decode_rows: list[tuple[int, Row]],
-    block_size: int,
-    scratch_block: int,
-    device: torch.device,
-) -> None:
-    rows = [row for _, row in decode_rows]
-    k = _shared_prefix(rows, block_size)
-    own = _decode_reads(rows, None, block_size, scratch_block, device, skip=k)
-    batch.decode_index = torch.tensor([offset for offset, _ in decode_rows], device=device)
-    if k:
-        batch.decode_shared = torch.as_tensor(list(rows[0].block_table[:k])).to(device)
-    batch.decode_tables, batch.decode_bias = own.tables, own.mask
 
 
 def _read(kv_layer: torch.Tensor, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -389,7 +178,7 @@ class PagedAttention:
         for i, row in enumerate(batch.prefills):
             q = query[:, :, row.offset : row.offset + row.num_new]
             if window is None and extras.plain:
-                reads = _Reads(row.table, row.context, row.mask)
+                reads = Reads(row.table, row.context, row.mask)
             else:
                 reads = batch.prefill_reads(i, window)
             if plane:
@@ -402,7 +191,7 @@ class PagedAttention:
     def _attend_reads(
         q: torch.Tensor,  # [B, Hq, n, D]: one prefill row (B = 1), or decode rows (n = 1)
         layer: torch.Tensor,
-        reads: _Reads,
+        reads: Reads,
         scale: float | None,
         extras: Extras,
     ) -> torch.Tensor:

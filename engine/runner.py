@@ -28,8 +28,10 @@ from engine.contract import tolerance_for
 from engine.decode_mirror import DecodeMirror
 from engine.linear import install_linears, uninstall_linears
 from engine.model import LoadedModel, has_window, with_cache
-from engine.paged import PagedAttention, PagedAttentionError, Row, StepBatch, build_step
+from engine.paged import PagedAttention, PagedAttentionError
+from engine.step_batch import StepBatch, build_step
 from engine.step_cache import StepCache, alibi_of, step_keys
+from engine.step_row import Row
 from kvstore.device.block_tables import BlockTables
 from kvstore.device.pool import BlockPool
 from kvstore.units import cdiv

@@ -98,7 +98,14 @@ class SequentialPath:
             reason, text = self._decode(pre.past, output, params, sampler, emit)
             self.store(token_ids, output, pre, cache_salt, tenant)
         return GenerateResult(
-            len(token_ids), pre.cached_tokens, output, text, ttft, reason, pre.cached_by_tier, 0.0
+            prompt_tokens=len(token_ids),
+            cached_tokens=pre.cached_tokens,
+            output_token_ids=output,
+            text=text,
+            ttft_s=ttft,
+            finish_reason=reason,
+            cached_by_tier=pre.cached_by_tier,
+            queue_s=0.0,
         )
 
     def _forward(self, ids: list[int], past: DynamicCache) -> torch.Tensor:
@@ -113,7 +120,13 @@ class SequentialPath:
             self.cache.release(hit)
         past = past_from_prefix(self.model.model.config, kv, self.model.device)
         logits = self._forward(token_ids[kv.num_tokens :], past)
-        return Prefill(logits, kv.num_tokens, past, hit.tier_tokens, hit.keys)
+        return Prefill(
+            logits=logits,
+            cached_tokens=kv.num_tokens,
+            past=past,
+            cached_by_tier=hit.tier_tokens,
+            keys=hit.keys,
+        )
 
     def _decode(
         self,

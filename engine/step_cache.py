@@ -24,7 +24,9 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from engine.paged import PagedAttentionError, Row, StepBatch
+from engine.paged import PagedAttentionError
+from engine.step_batch import StepBatch
+from engine.step_row import Row
 
 
 @dataclass(frozen=True)
@@ -54,9 +56,11 @@ def step_keys(
     )  # [T, S]
     mask = torch.zeros(seen.shape, dtype=dtype).masked_fill_(~seen, torch.finfo(dtype).min)
     return StepKeys(
-        torch.cat(blocks).to(device), (key_pos % block_size).to(device), key_pos.to(device),
-        mask[None, None].to(device),
-    )  # fmt: skip
+        blocks=torch.cat(blocks).to(device),
+        offsets=(key_pos % block_size).to(device),
+        positions=key_pos.to(device),
+        mask=mask[None, None].to(device),
+    )
 
 
 class StepCache(DynamicCache):

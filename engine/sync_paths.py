@@ -1,28 +1,21 @@
 """The engine's synchronous single-request paths: `run` (the per-request path), `prefill`
 and `prefill_logits` (paged when the model is), and `on_loop` (a caller's own model work),
-each handed to the loop thread and waited for (engine/threads.py). A mixin of `Engine`."""
+each handed to the loop thread and waited for (engine/threads.py). An object `Engine` owns."""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from dataclasses import replace
 from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 import torch
 
-from engine.request import (
-    EngineClosedError,
-    GenerateResult,
-    Prompt,
-    SamplingParams,
-    TokenCallback,
-)
+from engine.request import GenerateResult, Prompt, SamplingParams, TokenCallback
+from engine.step_row import blocks_row
 from kvstore.device.block_tables import SeqBlocks
 
 if TYPE_CHECKING:
-    from engine.paged import Row
     from engine.runner import PagedRunner
     from engine.sequential import SequentialPath
     from engine.threads import LoopCalls
@@ -42,17 +35,29 @@ class PoolExhaustedError(RuntimeError):
 
 
 class SyncPaths:
-    """`Engine`'s synchronous paths. The state is the engine's, and so are `encode` and
-    `_table_row`."""
+    """An engine's synchronous paths, each handed to its loop thread and waited for. The
+    engine owns it and gives it what they use: its runner (None: the per-request path
+    only), block tables and per-request path, its loop's calls, the lock that keeps one
+    forward at a time, why the loop takes no more calls (`refuse`) and how a prompt becomes
+    validated token ids (`encode`)."""
 
-    runner: PagedRunner | None
-    tables: BlockTables
-    sequential: SequentialPath
-    _calls: LoopCalls
-    _forward_lock: threading.Lock
-    _closed: bool
-    encode: Callable[[Prompt, SamplingParams], list[int]]
-    _table_row: Callable[[SeqBlocks, int, int], Row]
+    def __init__(
+        self,
+        runner: PagedRunner | None,
+        tables: BlockTables,
+        sequential: SequentialPath,
+        calls: LoopCalls,
+        forward_lock: threading.Lock,
+        refuse: Callable[[], BaseException | None],
+        encode: Callable[[Prompt, SamplingParams], list[int]],
+    ):
+        self.runner = runner
+        self.tables = tables
+        self.sequential = sequential
+        self._calls = calls
+        self._forward_lock = forward_lock
+        self._refuse = refuse
+        self._encode = encode
 
     def run(
         self,
@@ -78,12 +83,12 @@ class SyncPaths:
 
     def prefill_logits(self, token_ids: Sequence[int]) -> tuple[torch.Tensor, int]:
         """Last-position logits ([vocab], float32) and cached_tokens; stores the prompt's blocks."""
-        ids = self.encode(list(token_ids), SamplingParams(max_new_tokens=1))
+        ids = self._encode(list(token_ids), SamplingParams(max_new_tokens=1))
         pre = self._prefill(ids, "", store=True)
         return pre.logits, pre.cached_tokens
 
     def _prefill(self, ids: list[int], salt: str, store: bool) -> PrefillResult:
-        return self._calls.call(lambda: self._prefill_here(ids, salt, store), self._refusal)
+        return self._calls.call(lambda: self._prefill_here(ids, salt, store), self._refuse)
 
     def on_loop(self, function: Callable[[], T], step_kernels: bool = True) -> T:
         """`function()` on the engine's loop thread, between steps: model work of the
@@ -100,10 +105,7 @@ class SyncPaths:
             with torch.inference_mode(inference), torch.set_grad_enabled(grad), kernels:
                 return function()
 
-        return self._calls.call(run, self._refusal)
-
-    def _refusal(self) -> EngineClosedError | None:
-        return EngineClosedError("the engine is closed") if self._closed else None
+        return self._calls.call(run, self._refuse)
 
     def _prefill_here(self, ids: list[int], salt: str, store: bool) -> PrefillResult:
         if self.runner is None:
@@ -111,7 +113,11 @@ class SyncPaths:
                 pre = self.sequential.prefill(ids, salt)
                 if store:
                     self.sequential.store(ids, [], pre, salt)
-            return PrefillResult(pre.logits, pre.cached_tokens, pre.cached_by_tier)
+            return PrefillResult(
+                logits=pre.logits,
+                cached_tokens=pre.cached_tokens,
+                cached_by_tier=pre.cached_by_tier,
+            )
         seq = self.tables.open(ids, salt, "", whole_prompt=False)
         if not store:
             seq.commit_end = 0  # (nothing is committed: slides need not wait for a chunk)
@@ -120,7 +126,9 @@ class SyncPaths:
             logits = self._forward_here(seq, ids, start, store)
             if store:
                 self.tables.commit(seq, ids, len(ids))
-            return PrefillResult(logits, start, dict(seq.tier_tokens))
+            return PrefillResult(
+                logits=logits, cached_tokens=start, cached_by_tier=dict(seq.tier_tokens)
+            )
         finally:
             self.tables.close(seq)
 
@@ -135,7 +143,7 @@ class SyncPaths:
             num_new = self.tables.fit(seq, len(ids), pos, len(ids) - pos)
             if num_new is None:
                 raise PoolExhaustedError(f"the device pool cannot hold {len(ids)} tokens now")
-            row = replace(self._table_row(seq, pos, num_new), seq=None)
+            row = blocks_row(seq, pos, num_new, self.runner.scratch_block, identified=False)
             with self._forward_lock:
                 logits = self.runner.forward([row], [ids[pos : pos + num_new]], [0])[0]
             pos += num_new

@@ -16,9 +16,10 @@ from arch_configs import ALL_ARCHS, SEQUENTIAL, WINDOWED, arch_config
 from engine_helpers import micro_cache_config
 
 from engine.engine import Engine
-from engine.model import LoadedModel, byte_tokenizer, random_model, wrap_model
+from engine.model import LoadedModel, wrap_model
 from engine.request import SamplingParams
 from engine.scheduler import SchedulerConfig
+from engine.tiny_model import byte_tokenizer, random_model
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "ARCHITECTURES.md"
 BEGIN, END = "<!-- generated: begin -->", "<!-- generated: end -->"

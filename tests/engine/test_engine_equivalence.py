@@ -19,8 +19,9 @@ from engine_helpers import (
 from transformers import GPT2Config, Qwen3Config
 
 from engine.engine import Engine, SamplingParams
-from engine.model import LoadedModel, byte_tokenizer, load_model, random_model, wrap_model
+from engine.model import LoadedModel, load_model, wrap_model
 from engine.model_files import attn_implementation
+from engine.tiny_model import byte_tokenizer, random_model
 
 
 def tokens(n: int, seed: int) -> list[int]:

@@ -20,19 +20,18 @@ from transformers import (
     Qwen3Config,
 )
 
+from engine.fingerprint import fingerprint
 from engine.model import (
     KVShape,
     LoadedModel,
     ModelLoadError,
     UnsupportedModelError,
-    byte_tokenizer,
     check_supported,
-    fingerprint,
     has_window,
     load_model,
-    random_model,
     wrap_model,
 )
+from engine.tiny_model import byte_tokenizer, random_model
 
 
 def test_tiny_model_is_pinned_and_produces_varied_greedy_text() -> None:

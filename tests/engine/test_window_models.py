@@ -12,16 +12,10 @@ from engine_helpers import close_to_reference, micro_cache_config, reference_log
 
 from engine.contract import greedy_matches_reference
 from engine.engine import Engine
-from engine.model import (
-    LoadedModel,
-    byte_tokenizer,
-    kv_cache,
-    random_model,
-    with_cache,
-    wrap_model,
-)
+from engine.model import LoadedModel, kv_cache, with_cache, wrap_model
 from engine.request import Request, SamplingParams
 from engine.scheduler import SchedulerConfig
+from engine.tiny_model import byte_tokenizer, random_model
 
 GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
 
@@ -266,7 +260,8 @@ def test_a_hybrid_synchronous_prefill_longer_than_the_window_slots_runs_in_chunk
 
 
 def test_a_step_reading_a_block_without_its_window_part_is_refused() -> None:
-    from engine.paged import PagedAttentionError, Row
+    from engine.paged import PagedAttentionError
+    from engine.step_row import Row
 
     with Engine(model_of("gemma2"), micro_cache_config()) as engine:
         block = engine.cache.held.allocate(1, window=False)

@@ -1,0 +1,125 @@
+"""How an engine's requests resolve: a step's sampled tokens, and a request that stops,
+fails, is cancelled or gives way in a full queue.
+
+Whichever way a request ends, the scheduler lets it go, its `on_done` (its metrics) runs
+before its future resolves (whoever sees the result also sees it counted), and a finished
+request's partly filled last block stays for the next turn.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.request import GenerateResult, QueueFullError, Request, Sampler, StopChecker
+
+if TYPE_CHECKING:
+    from engine.model import LoadedModel
+    from engine.scheduler import Scheduler
+    from kvstore.device.block_tables import BlockTables
+
+log = logging.getLogger("kvstore.engine")
+
+
+class Outcomes:
+    """The ends of one engine's requests, on its scheduler and block tables; with
+    `cache_generated` False a request's generated tokens are never kept."""
+
+    def __init__(
+        self,
+        model: LoadedModel,
+        scheduler: Scheduler,
+        tables: BlockTables,
+        cache_generated: bool,
+    ):
+        self.model = model
+        self.scheduler = scheduler
+        self.tables = tables
+        self.cache_generated = cache_generated
+
+    def started(self, request: Request) -> bool:
+        """Mark a request's first step; False if its future was cancelled meanwhile."""
+        if request.scheduled is not None:
+            return True
+        request.scheduled = time.perf_counter()
+        if request.future.set_running_or_notify_cancel():
+            return True
+        self.scheduler.finish(request)
+        return False
+
+    def sample(self, requests: list[Request], logits: torch.Tensor) -> None:
+        """Each request's next token from its row of `logits` [len(requests), vocab]; a
+        request it stops finishes."""
+        greedy = logits.argmax(dim=-1).tolist()
+        for i, request in enumerate(requests):
+            if request.sampler is None:
+                request.sampler = Sampler(request.params)
+            token = greedy[i] if request.params.temperature == 0 else request.sampler(logits[i])
+            try:
+                request.emit(token)
+            except BaseException as e:  # a cancelled request or a failing callback
+                self.fail(request, e)
+                continue
+            done = self._stop(request)
+            if done is not None:
+                self._finish(request, *done)
+
+    def _stop(self, request: Request) -> tuple[str, str] | None:
+        state = request.state
+        if state.stop is None:
+            state.stop = StopChecker(request.params, self.model.eos_token_ids, self.model.tokenizer)
+        return state.stop(request.output)
+
+    def _finish(self, request: Request, reason: str, text: str) -> None:
+        self._keep_tail(request)
+        self.scheduler.finish(request)
+        result = GenerateResult(
+            prompt_tokens=len(request.token_ids),
+            cached_tokens=request.num_cached_tokens,
+            output_token_ids=list(request.output),
+            text=text,
+            ttft_s=request.first_token - request.scheduled,
+            finish_reason=reason,
+            cached_by_tier=request.cached_by_tier,
+            queue_s=request.scheduled - request.arrival,
+        )
+        self.done(request, result)
+        request.future.set_result(result)
+
+    def _keep_tail(self, request: Request) -> None:
+        """The finished request's partly filled last block stays for the next turn."""
+        state = request.state
+        if state is None:
+            return
+        limit = state.num_computed  # K/V is written up to here (the last token is not fed)
+        if not self.cache_generated:
+            limit = min(limit, len(request.token_ids))
+        self.tables.keep_tail(state.blocks, request.token_slice(0, limit))
+
+    def done(self, request: Request, result: GenerateResult | None) -> None:
+        """The request's `on_done` (its metrics), before its future resolves. A failing
+        callback is logged, never kept from the caller."""
+        if request.on_done is not None:
+            try:
+                request.on_done(request, result)
+            except Exception:
+                log.exception("on_done of a request failed")
+
+    def fail(self, request: Request, error: BaseException) -> None:
+        """End a request with `error` (waiting or running)."""
+        self.scheduler.finish(request)
+        future = request.future
+        self.done(request, None)
+        if not future.done() and (future.running() or future.set_running_or_notify_cancel()):
+            future.set_exception(error)
+
+    def displaced(self, requests: list[Request], bound: int | None) -> None:
+        """A tenant over its share of a full queue gave way: its newest waiting requests
+        fail with QueueFullError (429)."""
+        for request in requests:
+            request.displaced = True
+            busy = f"{bound} requests are waiting, the most of them from its tenant"
+            self.fail(request, QueueFullError(busy))
