@@ -22,25 +22,18 @@ from transformers import (
     LlamaConfig,
     PretrainedConfig,
     PreTrainedModel,
-    PreTrainedTokenizerFast,
 )
 from transformers.cache_utils import DynamicLayer
 
 from engine.gguf_models import BUILTINS, gguf_model_dir
 from engine.model_files import ModelLoadError, attn_implementation, load_tokenizer, read_config
 from engine.threads import on_own_thread
+from engine.tokenizer import BYTE_VOCAB_SIZE, TINY_NAME, byte_tokenizer
+from engine.tokenizer import bytes_to_unicode as bytes_to_unicode  # re-exported
 from hashing import Namespace
 from kvstore.layout import DTYPES as KV_DTYPES
 
-TINY_NAME = "tiny"
 TINY_SEED = 0
-BOS, EOS, PAD, END_OF_TURN = "<|bos|>", "<|eos|>", "<|pad|>", "<|end_of_turn|>"
-SPECIAL_TOKENS = (BOS, EOS, PAD, END_OF_TURN)  # ids 256.. after the 256 bytes
-BYTE_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}"
-    "<|end_of_turn|>\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
-)
 DTYPES = KV_DTYPES | {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # Config keys that change on save/load but not the computation (dtype is hashed separately).
 _VOLATILE_CONFIG_KEYS = (
@@ -88,40 +81,6 @@ def tiny_config() -> LlamaConfig:
         eos_token_id=257,
         pad_token_id=258,
     )
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """The GPT-2 byte -> printable character table that the ByteLevel pre-tokenizer uses."""
-    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    table, extra = {b: chr(b) for b in printable}, 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
-def byte_tokenizer() -> PreTrainedTokenizerFast:
-    """Byte-level tokenizer: token id = byte value; specials 256..259; a plain chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-
-    vocab = {char: byte for byte, char in bytes_to_unicode().items()}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(list(SPECIAL_TOKENS))
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, 256)]
-    )
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=BOS,
-        eos_token=EOS,
-        pad_token=PAD,
-        additional_special_tokens=[END_OF_TURN],
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
 
 
 def random_model(config: PretrainedConfig, seed: int = TINY_SEED) -> PreTrainedModel:
@@ -366,21 +325,6 @@ def _load_local(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, Any]:
         path, dtype=dtype, local_files_only=True, attn_implementation=attn_implementation(config)
     )
     return model, tokenizer
-
-
-def load_tokenizer_of(name_or_path: str) -> Any:
-    """The tokenizer `load_model(name_or_path)` would load, without the weights (a router
-    renders prompts as its replicas do)."""
-    if name_or_path == TINY_NAME:
-        return byte_tokenizer()
-    if (converted := gguf_model_dir(name_or_path)) is not None:
-        return load_tokenizer(converted[0])
-    if Path(name_or_path).is_dir():
-        return load_tokenizer(Path(name_or_path))
-    names = ", ".join([TINY_NAME, *BUILTINS])
-    raise ModelLoadError(
-        f"{name_or_path!r} is not a model: use {names}, a .gguf file or a model directory"
-    )
 
 
 def load_model(
