@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from bench.faults.common import Context, FaultOutcome, wait_for
 from bench.launch import free_port
-from engine.server.protocol import ChatMessage, ChatRequest, CompletionRequest, StreamOptions
+from engine.api.openai import ChatMessage, ChatRequest, CompletionRequest, StreamOptions
 
 MODEL, KEYS, KEY = "micro", {"sk-fuzz-a": "a", "sk-fuzz-b": "b"}, "sk-fuzz-a"
 AUTH = {"Authorization": f"Bearer {KEY}"}
