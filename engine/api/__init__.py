@@ -3,6 +3,7 @@
 
 Parts every API shape uses:
 - `errors`: ApiError and the app's error handlers; `body`: reading a JSON body;
+- `keys`: the API keys configured (flags, keys file, environment);
 - `auth`: Bearer keys -> tenants -> cache salts; `sse`: event streams and their closing;
 - `prompts`: a request's prompt rendered to token ids, as the replicas render it.
 

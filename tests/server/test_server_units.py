@@ -13,10 +13,11 @@ from engine_helpers import micro_cache_config, micro_model
 from engine.api import openai as protocol
 from engine.api.auth import Authenticator, AuthError, CacheSaltError, request_salt, tenant_salt
 from engine.api.errors import ApiError
+from engine.api.keys import load_api_keys
 from engine.engine import Engine
 from engine.model import byte_tokenizer
 from engine.request import GenerateResult, QueueFullError, Request, RequestCancelled, SamplingParams
-from engine.server.config import ServerConfig, load_api_keys
+from engine.server.config import ServerConfig
 from engine.server.metrics import ServerMetrics
 from engine.server.streaming import TextStreamer
 from kvstore.config import ConfigError
