@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import transformers
-from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
-from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+import transformers  # its Auto classes import torch: loaded where used
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 # Files holding a vocabulary, by tokenizer kind (one group is enough).
 TOKENIZER_FILE_GROUPS = (
@@ -39,6 +39,8 @@ def _one_line(error: BaseException) -> str:
 def read_config(path: Path) -> PretrainedConfig:
     """The directory's config; `ModelLoadError` if config.json is missing, unreadable or names
     a model type transformers does not know."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
     file = path / "config.json"
     if not file.is_file():
         raise ModelLoadError(
@@ -55,13 +57,15 @@ def read_config(path: Path) -> PretrainedConfig:
             f"{transformers.__version__}; fix model_type or upgrade transformers"
         )
     try:
-        return AutoConfig.from_pretrained(path, local_files_only=True)
+        return transformers.AutoConfig.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot load {file}: {_one_line(e)}") from None
 
 
 def attn_implementation(config: PretrainedConfig) -> str:
     """`sdpa` where the model's class supports it, else `eager` (GPT-J, Bloom)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
     if model_class is None:
         model_type = getattr(config, "model_type", "unknown")
@@ -76,8 +80,9 @@ def missing_tokenizer_files(path: Path) -> str | None:
     return ", ".join(" + ".join(group) for group in TOKENIZER_FILE_GROUPS)
 
 
-def load_tokenizer(path: Path) -> Any:
-    """The directory's tokenizer; `ModelLoadError` naming the missing files if it has none."""
+def load_tokenizer(path: Path, tokenizer_class: type | None = None) -> Any:
+    """The directory's tokenizer, by `tokenizer_class` (default `AutoTokenizer`, which imports
+    torch); `ModelLoadError` naming the missing files if it has none."""
     missing = missing_tokenizer_files(path)
     if missing is not None:
         raise ModelLoadError(
@@ -85,6 +90,7 @@ def load_tokenizer(path: Path) -> Any:
             "with tokenizer.save_pretrained(dir)"
         )
     try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+        loader = tokenizer_class or transformers.AutoTokenizer
+        return loader.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, ImportError) as e:
         raise ModelLoadError(f"cannot load the tokenizer in {path}: {_one_line(e)}") from None

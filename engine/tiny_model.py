@@ -1,29 +1,35 @@
 """The pinned `tiny` model: a Llama-style model whose weights come from a fixed seed, with a
-byte-level tokenizer (token id = byte value) and a plain chat template. It needs no download:
-tests, demos and benchmarks run on it anywhere."""
+byte-level tokenizer (token id = byte value, engine/tokenizer.py) and a plain chat
+template. It needs no download: tests, demos and benchmarks run on it anywhere."""
 
 from __future__ import annotations
 
 import torch
-from transformers import (
-    AutoModelForCausalLM,
-    LlamaConfig,
-    PretrainedConfig,
-    PreTrainedModel,
-    PreTrainedTokenizerFast,
-)
+from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, PreTrainedModel
 
 from engine.model_files import attn_implementation
-
-TINY_NAME = "tiny"
-TINY_SEED = 0
-BOS, EOS, PAD, END_OF_TURN = "<|bos|>", "<|eos|>", "<|pad|>", "<|end_of_turn|>"
-SPECIAL_TOKENS = (BOS, EOS, PAD, END_OF_TURN)  # ids 256.. after the 256 bytes
-BYTE_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}"
-    "<|end_of_turn|>\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
+from engine.tokenizer import (  # the byte tokenizer, importable from here too
+    BYTE_VOCAB_SIZE,
+    CHAT_TEMPLATE,
+    SPECIAL_TOKENS,
+    TINY_NAME,
+    byte_tokenizer,
+    bytes_to_unicode,
 )
+
+__all__ = [
+    "BYTE_VOCAB_SIZE",
+    "CHAT_TEMPLATE",
+    "SPECIAL_TOKENS",
+    "TINY_NAME",
+    "TINY_SEED",
+    "byte_tokenizer",
+    "bytes_to_unicode",
+    "random_model",
+    "tiny_config",
+]
+
+TINY_SEED = 0
 
 
 def tiny_config() -> LlamaConfig:
@@ -45,40 +51,6 @@ def tiny_config() -> LlamaConfig:
         eos_token_id=257,
         pad_token_id=258,
     )
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """The GPT-2 byte -> printable character table that the ByteLevel pre-tokenizer uses."""
-    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    table, extra = {b: chr(b) for b in printable}, 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
-def byte_tokenizer() -> PreTrainedTokenizerFast:
-    """Byte-level tokenizer: token id = byte value; specials 256..259; a plain chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-
-    vocab = {char: byte for byte, char in bytes_to_unicode().items()}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(list(SPECIAL_TOKENS))
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, 256)]
-    )
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=BOS,
-        eos_token=EOS,
-        pad_token=PAD,
-        additional_special_tokens=[END_OF_TURN],
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
 
 
 def random_model(config: PretrainedConfig, seed: int = TINY_SEED) -> PreTrainedModel:

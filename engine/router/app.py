@@ -21,16 +21,17 @@ import httpx
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
+from engine.api import openai as p
+from engine.api.auth import Authenticator, authenticate, engine_salt
+from engine.api.errors import ApiError, bad_request
+from engine.api.prompts import prompt_ids
+from engine.api.routes import OPENAI_PATHS, add_openai_routes
+from engine.api.sse import ClosingStream, sse
 from engine.router.config import SESSION_HEADER, RouterConfig
 from engine.router.fleet import Fleet, NoReplicaError, Replica
 from engine.router.metrics import RouterMetrics
-from engine.server import protocol as p
-from engine.server.app import add_openai_routes
-from engine.server.auth import Authenticator, CacheSaltError, request_salt
-from engine.server.prompts import prompt_ids
-from engine.server.service import SSE_HEADERS, authenticate, read_json
 from hashing import BlockHash
 
 MAX_SESSIONS = 100_000  # session ids whose replica is remembered
@@ -48,18 +49,6 @@ class Busy(Exception):
     def __init__(self, response: Response):
         super().__init__("queue full")
         self.response = response
-
-
-class ClosingStream(StreamingResponse):
-    """A relayed stream whose upstream is closed however it ends, a client that went away
-    included (the replica then cancels the request)."""
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self.body_iterator.aclose()
 
 
 class Router:
@@ -83,14 +72,10 @@ class Router:
 
     async def handle(self, request: Request, kind: str) -> Response:
         tenant = self.authenticate(request)
-        data = await read_json(request, self.config.max_body_bytes)
-        req = p.parse_body(p.CompletionRequest if kind == "completion" else p.ChatRequest, data)
-        try:
-            salt = request_salt(self.auth.salt(tenant), req.cache_salt)
-        except CacheSaltError as e:
-            raise p.bad_request(str(e), "cache_salt") from None
+        data, req = await p.read_request(request, kind, self.config.max_body_bytes)
+        salt = engine_salt(self.auth, tenant, req.cache_salt)
         ids, keys = await run_in_threadpool(self._tokens, req, salt)
-        path = "/v1/completions" if kind == "completion" else "/v1/chat/completions"
+        path = OPENAI_PATHS[kind]
         body = json.dumps(data).encode()
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED}
         session = request.headers.get(SESSION_HEADER)
@@ -99,7 +84,7 @@ class Router:
         while True:
             try:
                 replica, entry = self._pick(ids, keys, session, tried)
-            except p.ApiError:
+            except ApiError:
                 if busy is None:
                     raise
                 return busy
@@ -123,7 +108,7 @@ class Router:
         try:
             return ids, self.fleet.keys(ids, salt)
         except ValueError as e:  # token ids out of range: the replica would say the same
-            raise p.bad_request(str(e), "prompt") from None
+            raise bad_request(str(e), "prompt") from None
 
     def _pick(
         self, ids: list[int], keys: list[BlockHash], session: str | None, tried: list
@@ -137,7 +122,7 @@ class Router:
         try:
             replica, choice = self.fleet.choose(len(ids), keys, tried)
         except NoReplicaError as e:
-            raise p.ApiError(503, f"{e}: retry later", type="server_error") from None
+            raise ApiError(503, f"{e}: retry later", type="server_error") from None
         cached = choice.num_cached_tokens if choice is not None else 0
         self.metrics.predicted_cached.inc(cached)
         entry = self.fleet.sent(replica, len(ids) - cached, keys)
@@ -182,7 +167,7 @@ class Router:
         if whole:
             return Response(first, upstream.status_code, headers=where, media_type=media)
         relay = self._relay(replica, upstream, first, chunks)
-        return ClosingStream(relay, media_type=media, headers=SSE_HEADERS | where)
+        return ClosingStream(relay, media_type=media, headers=where)
 
     async def _relay(
         self, replica: Replica, upstream: httpx.Response, first: bytes, chunks: AsyncIterator
@@ -197,8 +182,7 @@ class Router:
             self.fleet.dead(replica, f"{type(e).__name__} mid-stream")
             self.metrics.broken_streams.inc()
             message = f"replica {replica.url} failed mid-answer ({type(e).__name__}); retry"
-            error = {"error": {"message": message, "type": "server_error", "code": None}}
-            yield f"data: {json.dumps(error)}\n\n".encode()
+            yield sse(ApiError(502, message, type="server_error").body()).encode()
         finally:
             await upstream.aclose()
 
@@ -212,7 +196,7 @@ class Router:
                 except httpx.HTTPError:
                     continue
                 return Response(answer.content, answer.status_code, media_type="application/json")
-        raise p.ApiError(503, "no replica is up: retry later", type="server_error")
+        raise ApiError(503, "no replica is up: retry later", type="server_error")
 
     def health(self) -> JSONResponse:
         replicas = [self.metrics.describe(r) for r in self.fleet.replicas]

@@ -24,12 +24,12 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
     requires=("transformers", "fastapi", "uvicorn", "httpx", "zmq", "msgspec"),
 )
 def run_router(args: argparse.Namespace) -> int:
-    config = router_config_from_args(args)  # flags and the port first: before torch loads
+    config = router_config_from_args(args)  # flags and the port first: before the tokenizer
     check_port_free(config.host, config.port)
     import uvicorn
 
-    from engine.model import load_tokenizer_of
     from engine.router.app import create_router_app
+    from engine.tokenizer import load_tokenizer_of
 
     tokenizer = load_tokenizer_of(args.model)
     app = create_router_app(config, tokenizer)

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from engine.server.config import API_KEY_ENV, api_keys_from_args, check_api_key
+from engine.api.keys import API_KEY_ENV, api_keys_from_args, check_api_key
 from hashing import DEFAULT_SECRET
 from kvstore.config import ConfigError
 from kvstore.fleet.routing import RoutingConfig

@@ -15,7 +15,7 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from types import FrameType
 
@@ -23,14 +23,15 @@ import uvicorn
 from fastapi import FastAPI
 from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4
 from starlette.concurrency import run_in_threadpool
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from engine.api.errors import ApiError
+from engine.api.openai_responses import now
+from engine.api.routes import add_openai_routes
 from engine.engine import Engine
 from engine.server.config import ServerConfig, check_port_free, server_config_from_args
 from engine.server.heap import QuietTrimmer, cap_malloc_arenas
-from engine.server.protocol import ApiError, now
 from engine.server.service import Service
 from kvstore.fleet.events import EventSink
 from kvstore.stores.redis import redact_url
@@ -89,37 +90,6 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         return Response(page, media_type=CONTENT_TYPE_PLAIN_0_0_4)
 
     return app
-
-
-Handle = Callable[[Request, str], Awaitable[Response]]
-
-
-def add_openai_routes(
-    app: FastAPI, handle: Handle, on_error: Callable[[ApiError], None] | None = None
-) -> None:
-    """POST /v1/completions and /v1/chat/completions through `handle(request, kind)`, and
-    every error (ours, an unknown path, a wrong method) in OpenAI's error shape;
-    `on_error` sees each ApiError first (the server counts refusals)."""
-
-    @app.exception_handler(ApiError)
-    async def api_error(request: Request, error: ApiError) -> JSONResponse:
-        if on_error is not None:
-            on_error(error)
-        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
-        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
-        message = f"{request.method} {request.url.path}: {error.detail}"
-        return await api_error(request, ApiError(error.status_code, message, type=kind))
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await handle(request, "completion")
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await handle(request, "chat")
 
 
 def _tier_names(engine: Engine) -> list[str]:

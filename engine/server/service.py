@@ -6,18 +6,22 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import json
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
-import anyio
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request as HTTPRequest
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
+from engine.api import openai as p
+from engine.api.auth import Authenticator, authenticate, engine_salt
+from engine.api.errors import ApiError, bad_request
+from engine.api.openai_responses import StreamChunks, response_body
+from engine.api.prompts import prompt_ids
+from engine.api.sse import ClosingStream, sse
 from engine.engine import Engine
 from engine.request import (
     EngineClosedError,
@@ -27,54 +31,13 @@ from engine.request import (
     Request,
     SamplingParams,
 )
-from engine.server import protocol as p
-from engine.server.auth import Authenticator, AuthError, CacheSaltError, request_salt
 from engine.server.config import ServerConfig
 from engine.server.health import Health, health
 from engine.server.metrics import ServerMetrics
-from engine.server.prompts import prompt_ids
-from engine.server.streaming import DONE, TextStreamer, TokenBridge, sse
+from engine.server.streaming import DONE, TextStreamer, TokenBridge
 
 log = logging.getLogger("kvstore.server")
 DRAIN_LINGER_S = 1.0  # after the last response of a drain: still answering 503 this long
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-async def read_json(request: HTTPRequest, limit: int) -> object:
-    """The JSON body, refusing more than `limit` bytes (413) before or while reading it."""
-    length = request.headers.get("content-length")
-    if length is not None and (not length.isdigit() or int(length) > limit):
-        raise p.ApiError(413, f"the request body is over the {limit}-byte limit", code="too_large")
-    body, size = bytearray(), 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise p.ApiError(413, f"the request body is over the {limit}-byte limit")
-        body += chunk
-    try:
-        data = json.loads(body, parse_constant=_not_json)
-        json.dumps(data, ensure_ascii=False).encode()  # a lone surrogate (\ud800) is no text
-    except UnicodeEncodeError:
-        raise p.bad_request("the request body has a string that is not valid Unicode") from None
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, NaN or Infinity
-        raise p.bad_request(f"the request body is not valid JSON: {e}") from None
-    except RecursionError:
-        raise p.bad_request("the request body is not valid JSON: nested too deeply") from None
-    return data
-
-
-def _not_json(name: str) -> object:
-    """Python's parser takes NaN, Infinity and -Infinity; JSON has no such values."""
-    raise ValueError(f"{name} is not a JSON value")
-
-
-def authenticate(auth: Authenticator, request: HTTPRequest) -> str | None:
-    """The request's tenant; a 401 ApiError without a valid key (when keys are set)."""
-    try:
-        return auth.tenant(request.headers.get("authorization"))
-    except AuthError as e:
-        error = p.ApiError(401, str(e), type="authentication_error", code="invalid_api_key")
-        raise error from None
 
 
 def cache_info(engine: Engine, config: ServerConfig) -> dict:
@@ -132,7 +95,7 @@ class Service:
     def check_draining(self) -> None:
         if self.draining.is_set():
             message = "the server is shutting down (draining); send the request to another replica"
-            error = p.ApiError(503, message, type="server_error", code="draining")
+            error = ApiError(503, message, type="server_error", code="draining")
             error.headers = {"Retry-After": str(self.config.retry_after_s)}
             raise error
 
@@ -140,7 +103,7 @@ class Service:
         if name is not None and name != self.config.served_model_name:
             served = self.config.served_model_name
             message = f"model {name!r} is not served here; this server serves {served!r}"
-            raise p.ApiError(404, message, param="model", code="model_not_found")
+            raise ApiError(404, message, param="model", code="model_not_found")
 
     # --- request -> job --------------------------------------------------------------------
 
@@ -155,7 +118,7 @@ class Service:
             job, req, bridge = await self.admit_request(request, kind)
             if bridge is not None:
                 events = self.events(job, req, kind, bridge)
-                response = _CountedStream(events, self._in_flight.exit, headers=SSE_HEADERS)
+                response = ClosingStream(events, on_end=self._in_flight.exit)
                 streaming = True  # the response counts it out
                 return response
             result = await self.result(job)
@@ -169,13 +132,9 @@ class Service:
     ) -> tuple[Request, Any, TokenBridge | None]:
         """Read, validate and tokenize the request, and queue its job in the engine."""
         tenant = self.authenticate(request)
-        data = await read_json(request, self.config.max_body_bytes)
-        req = p.parse_body(p.CompletionRequest if kind == "completion" else p.ChatRequest, data)
+        _, req = await p.read_request(request, kind, self.config.max_body_bytes)
         self.check_model(req.model)
-        try:
-            salt = request_salt(self.auth.salt(tenant), req.cache_salt)
-        except CacheSaltError as e:
-            raise p.bad_request(str(e), "cache_salt") from None
+        salt = engine_salt(self.auth, tenant, req.cache_salt)
         ids = await run_in_threadpool(self.prompt_ids, req)
         params = self.sampling_params(req, len(ids))
         job = Request(ids, params, salt, tenant, on_done=self.metrics.observe)
@@ -191,20 +150,20 @@ class Service:
         limit = self.config.max_prompt_tokens
         if limit is not None and len(ids) > limit:
             message = f"the prompt has {len(ids)} tokens; this server takes at most {limit}"
-            raise p.bad_request(message, "prompt", "context_length_exceeded")
+            raise bad_request(message, "prompt", "context_length_exceeded")
         return ids
 
     def sampling_params(self, req: p.CompletionRequest | p.ChatRequest, num_prompt: int) -> Any:
         limit = self.config.max_tokens_limit
         asked = req.requested_max_tokens if isinstance(req, p.ChatRequest) else req.max_tokens
         if asked is not None and asked > limit:
-            raise p.bad_request(f"max_tokens is {asked}; this server allows at most {limit}")
+            raise bad_request(f"max_tokens is {asked}; this server allows at most {limit}")
         if asked is None:
             room = self.engine.model.max_positions
             asked = limit if room is None else min(limit, room - num_prompt)
             if asked < 1:
                 message = f"the prompt ({num_prompt} tokens) fills the model's {room} positions"
-                raise p.bad_request(message, "messages", "context_length_exceeded")
+                raise bad_request(message, "messages", "context_length_exceeded")
         try:
             return SamplingParams(
                 max_new_tokens=asked,
@@ -215,18 +174,18 @@ class Service:
                 ignore_eos=req.ignore_eos,
             )
         except InvalidRequestError as e:
-            raise p.bad_request(str(e)) from None
+            raise bad_request(str(e)) from None
 
     def admit(self, job: Request) -> None:
         try:
             job.token_ids = self.engine.encode(job.token_ids, job.params)  # range and positions
             self.engine.add_request(job, self.config.max_queue)
         except InvalidRequestError as e:
-            raise p.bad_request(str(e), "prompt") from None
+            raise bad_request(str(e), "prompt") from None
         except QueueFullError as e:
             raise self.failure(e) from None
         except EngineClosedError as e:
-            raise p.ApiError(503, "the server is shutting down", type="server_error") from e
+            raise ApiError(503, "the server is shutting down", type="server_error") from e
 
     # --- job -> response -------------------------------------------------------------------
 
@@ -239,30 +198,22 @@ class Service:
         except Exception as e:
             raise self.failure(e) from None
 
-    def failure(self, error: BaseException) -> p.ApiError:
+    def failure(self, error: BaseException) -> ApiError:
         if isinstance(error, InvalidRequestError):
-            return p.bad_request(str(error))
+            return bad_request(str(error))
         if isinstance(error, QueueFullError):  # full, or displaced by a fairer tenant's turn
             retry = str(self.config.retry_after_s)
             message = f"the server is busy ({error}); retry after {retry} s"
-            busy = p.ApiError(429, message, type="rate_limit_error", code="queue_full")
+            busy = ApiError(429, message, type="rate_limit_error", code="queue_full")
             busy.headers = {"Retry-After": retry}
             return busy
         if isinstance(error, EngineClosedError):
-            return p.ApiError(503, str(error), type="server_error")
+            return ApiError(503, str(error), type="server_error")
         log.error("request failed", exc_info=error)
-        return p.ApiError(500, f"internal error: {type(error).__name__}", type="server_error")
+        return ApiError(500, f"internal error: {type(error).__name__}", type="server_error")
 
     def response(self, kind: str, req: Any, result: GenerateResult) -> dict:
-        ids = result.output_token_ids if req.return_token_ids else None
-        model = self.config.served_model_name
-        if kind == "completion":
-            choice = p.completion_choice(result.text, result.finish_reason, ids)
-            body = p.envelope("text_completion", p.new_id("cmpl"), p.now(), model, [choice])
-        else:
-            choice = p.chat_choice(result.text, result.finish_reason, ids)
-            body = p.envelope("chat.completion", p.new_id("chatcmpl"), p.now(), model, [choice])
-        return {**body, "usage": p.usage(result)}
+        return response_body(kind, self.config.served_model_name, result, req.return_token_ids)
 
     async def events(
         self, job: Request, req: Any, kind: str, bridge: TokenBridge
@@ -270,7 +221,7 @@ class Service:
         """The SSE stream; a client that goes away cancels its job (queued or running). A job
         that fails, even before its first token (displaced from a full queue: code
         `queue_full`), ends it with an error event in OpenAI's error shape."""
-        chunks = _Chunks(kind, self.config.served_model_name, req.include_usage)
+        chunks = StreamChunks(kind, self.config.served_model_name, req.include_usage)
         streamer = TextStreamer(self.tokenizer, req.stop_strings)
         try:
             while (token := await bridge.get()) is not DONE:
@@ -327,55 +278,3 @@ class _Gauge:
     def exit(self) -> None:
         with self._lock:
             self.value -= 1
-
-
-class _CountedStream(StreamingResponse):
-    """An SSE response that calls `on_end` once it ends, even if its body never started (a
-    client gone before the first event), and closes its body (which cancels the job)."""
-
-    def __init__(self, events: AsyncIterator[str], on_end: Callable[[], None], **kw: Any):
-        super().__init__(events, media_type="text/event-stream", **kw)
-        self.events, self.on_end = events, on_end
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.on_end()
-            with anyio.CancelScope(shield=True):
-                await self.events.aclose()
-
-
-class _Chunks:
-    """Stream chunks of one response: completions send text, chat sends deltas."""
-
-    def __init__(self, kind: str, model: str, include_usage: bool):
-        self.kind, self.model = kind, model
-        self.object = "text_completion" if kind == "completion" else "chat.completion.chunk"
-        self.id = p.new_id("cmpl" if kind == "completion" else "chatcmpl")
-        self.created = p.now()
-        self.extra = {"usage": None} if include_usage else {}
-        self.started = False
-
-    def _event(self, choices: list[dict]) -> str:
-        body = p.envelope(self.object, self.id, self.created, self.model, choices)
-        return sse({**body, **self.extra})
-
-    def delta(self, text: str) -> list[str]:
-        """Events for new text; the first token always yields one (clients time TTFT by it)."""
-        first, self.started = not self.started, True
-        if self.kind == "completion":
-            return [self._event([p.completion_choice(text, None, None)])] if text or first else []
-        out = [self._event([p.chat_delta({"role": "assistant", "content": ""}, None, None)])]
-        out = out if first else []
-        return out + ([self._event([p.chat_delta({"content": text}, None, None)])] if text else [])
-
-    def final(self, text: str, finish_reason: str, token_ids: list[int] | None) -> str:
-        if self.kind == "completion":
-            return self._event([p.completion_choice(text, finish_reason, token_ids)])
-        delta = {"content": text} if text else {}
-        return self._event([p.chat_delta(delta, finish_reason, token_ids)])
-
-    def usage(self, result: GenerateResult) -> str:
-        body = p.envelope(self.object, self.id, self.created, self.model, [])
-        return sse({**body, "usage": p.usage(result)})

@@ -1,10 +1,10 @@
-"""Tokens from the engine's worker thread to an SSE stream: a thread-safe bridge into asyncio
-and an incremental detokenizer that never sends text a stop string will cut away."""
+"""Tokens from the engine's worker thread to an SSE stream (`engine.api.sse`): a thread-safe
+bridge into asyncio and an incremental detokenizer that never sends text a stop string will
+cut away."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -12,12 +12,6 @@ from typing import Any
 DONE = object()  # the bridge's end marker
 _INCOMPLETE = "\ufffd"  # what a partial UTF-8 sequence decodes to
 _MAX_UTF8_TAIL = 3  # bytes of a UTF-8 sequence that may still be missing
-
-
-def sse(data: Any) -> str:
-    """One server-sent event carrying JSON (or the literal [DONE])."""
-    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
-    return f"data: {payload}\n\n"
 
 
 class TokenBridge:

@@ -7,7 +7,9 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import re
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +29,7 @@ BLOCK = 4
 KEY = "sk-router-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 REPLICA = "x-kvstore-replica"
+ROUTER_MAX_RSS_KB = 150 * 1024  # a router forwards HTTP: no engine, no libtorch
 
 
 def start_replica(model_dir: Path, log_dir: Path, name: str) -> ServerProcess:
@@ -264,6 +267,45 @@ def test_bad_router_flags_fail_in_one_line(args, message):
                          timeout=60, env=clean_env())  # fmt: skip
     assert out.returncode == 2
     assert message in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def footprint(pid: int) -> tuple[int, bool]:
+    """(VmRSS in kB, whether libtorch is mapped) of a running process."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    rss_kb = int(re.search(r"^VmRSS:\s+(\d+) kB", status, re.MULTILINE).group(1))
+    return rss_kb, "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/<pid>")
+def test_a_running_router_maps_no_torch_and_stays_small(fleet):
+    router, _ = fleet
+    rss_kb, torch_mapped = footprint(router.proc.pid)
+    assert not torch_mapped and rss_kb <= ROUTER_MAX_RSS_KB, rss_kb
+    for i in range(3):
+        assert chat(router, [{"role": "user", "content": f"footprint {i} " * 20}]).is_success
+    body = {"prompt": "stream", "max_tokens": 4, "stream": True}
+    with httpx.stream("POST", f"{router.url}/v1/completions", json=body, headers=AUTH,
+                      timeout=60) as response:  # fmt: skip
+        assert response.status_code == 200 and list(response.iter_lines())[-2] == "data: [DONE]"
+    rss_kb, torch_mapped = footprint(router.proc.pid)
+    assert not torch_mapped and rss_kb <= ROUTER_MAX_RSS_KB, rss_kb
+
+
+@pytest.mark.integration
+def test_the_router_command_imports_no_torch():
+    """What `kvstore router` imports, the tokenizer of `tiny` loaded: no torch, no engine."""
+    code = (
+        "import sys, engine.cli, engine.router.command, engine.router.app\n"
+        "from engine.tokenizer import load_tokenizer_of\n"
+        "load_tokenizer_of('tiny')\n"
+        "heavy = {'torch', 'engine.engine', 'engine.model', 'engine.request'} & set(sys.modules)\n"
+        "print(sorted(heavy))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env=clean_env())  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
 
 
 def test_a_prompt_just_routed_counts_as_held_before_its_events_arrive():

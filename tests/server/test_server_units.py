@@ -10,12 +10,14 @@ from collections.abc import Iterator
 import pytest
 from engine_helpers import micro_cache_config, micro_model
 
+from engine.api import openai as protocol
+from engine.api.auth import Authenticator, AuthError, CacheSaltError, request_salt, tenant_salt
+from engine.api.errors import ApiError
+from engine.api.keys import load_api_keys
 from engine.engine import Engine
 from engine.model import byte_tokenizer
 from engine.request import GenerateResult, QueueFullError, Request, RequestCancelled, SamplingParams
-from engine.server import protocol
-from engine.server.auth import Authenticator, AuthError, CacheSaltError, request_salt, tenant_salt
-from engine.server.config import ServerConfig, load_api_keys
+from engine.server.config import ServerConfig
 from engine.server.metrics import ServerMetrics
 from engine.server.streaming import TextStreamer
 from kvstore.config import ConfigError
@@ -204,7 +206,7 @@ def test_unsupported_fields_are_400_naming_the_parameter():
              ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": []}, "prompt"),
              ({"max_tokens": 2}, "prompt")]  # fmt: skip
     for body, param in cases:
-        with pytest.raises(protocol.ApiError) as info:
+        with pytest.raises(ApiError) as info:
             protocol.parse_body(protocol.CompletionRequest, body).single_prompt()
         assert (info.value.status, info.value.param) == (400, param)
 

@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 from hypothesis import strategies as st
 
-from engine.server.protocol import ChatMessage, ChatRequest, CompletionRequest, StreamOptions
+from engine.api.openai import ChatMessage, ChatRequest, CompletionRequest, StreamOptions
 
 MODEL, KEYS, KEY = "micro", {"sk-fuzz-a": "a", "sk-fuzz-b": "b"}, "sk-fuzz-a"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.server import protocol as p
+from engine.api import openai as p
+from engine.api.errors import bad_request
 
 
 def simple_chat_prompt(messages: list[p.ChatMessage]) -> str:
@@ -23,7 +24,7 @@ def chat_ids(tokenizer: Any, messages: list[p.ChatMessage]) -> list[int]:
         text = tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
     except Exception as e:  # the template's own checks (role order, ...)
         message = f"the chat template refused the messages: {e}"
-        raise p.bad_request(message, "messages") from None
+        raise bad_request(message, "messages") from None
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 

@@ -3,7 +3,7 @@
 A tenant's salt is derived on the server from its name and the deployment secret, so tenants
 never share cached blocks unless their keys name the same tenant. A request's own
 `cache_salt` can only narrow sharing further: the engine gets
-`combine_salts(tenant_salt, cache_salt)`.
+`combine_salts(tenant_salt, cache_salt)`. The replica server and the router derive them alike.
 """
 
 from __future__ import annotations
@@ -12,6 +12,9 @@ import hashlib
 import struct
 from collections.abc import Mapping
 
+from starlette.requests import Request
+
+from engine.api.errors import ApiError, bad_request
 from hashing import combine_salts, validate_salt
 
 SALT_DOMAIN = b"kvstore-tenant-salt-v1"
@@ -83,3 +86,20 @@ class Authenticator:
 
     def salt(self, tenant: str | None) -> str:
         return "" if tenant is None else self._salts[tenant]
+
+
+def authenticate(auth: Authenticator, request: Request) -> str | None:
+    """The request's tenant; a 401 ApiError without a valid key (when keys are set)."""
+    try:
+        return auth.tenant(request.headers.get("authorization"))
+    except AuthError as e:
+        error = ApiError(401, str(e), type="authentication_error", code="invalid_api_key")
+        raise error from None
+
+
+def engine_salt(auth: Authenticator, tenant: str | None, cache_salt: object) -> str:
+    """The salt a tenant's request runs under; a 400 ApiError for an invalid `cache_salt`."""
+    try:
+        return request_salt(auth.salt(tenant), cache_salt)
+    except CacheSaltError as e:
+        raise bad_request(str(e), "cache_salt") from None

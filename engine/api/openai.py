@@ -1,4 +1,5 @@
-"""OpenAI request bodies (validated with pydantic) and the response objects the server sends.
+"""OpenAI's request bodies for /v1/completions and /v1/chat/completions, validated with
+pydantic (the response objects are in `openai_responses`).
 
 Only what the engine can honour is accepted; a field that needs something it cannot do
 (`echo` and prompt `logprobs` need a full prefill of the prompt, which a cache hit skips) is
@@ -7,40 +8,13 @@ refused with a 400 that says so, never silently ignored.
 
 from __future__ import annotations
 
-import time
-import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from starlette.requests import Request as HTTPRequest
 
-from engine.request import GenerateResult
-
-
-class ApiError(Exception):
-    """An error answered as an OpenAI-style JSON error with an HTTP status."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ):
-        super().__init__(message)
-        self.status, self.message, self.type = status, message, type
-        self.param, self.code, self.headers = param, code, headers
-
-    def body(self) -> dict:
-        error = {"message": self.message, "type": self.type, "param": self.param}
-        return {"error": {**error, "code": self.code}}
-
-
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
-    return ApiError(400, message, param=param, code=code)
-
+from engine.api.body import read_json
+from engine.api.errors import bad_request
 
 # fields OpenAI's API declares nullable whose null means their default value
 NULL_MEANS_DEFAULT = ("temperature", "top_p", "n", "presence_penalty", "frequency_penalty",
@@ -197,43 +171,15 @@ def parse_body(model: type[BaseModel], data: object) -> Any:
     return request
 
 
-# --- responses --------------------------------------------------------------------------------
+OpenAIRequest = CompletionRequest | ChatRequest
+REQUEST_MODELS: dict[str, type[OpenAIRequest]] = {
+    "completion": CompletionRequest,
+    "chat": ChatRequest,
+}
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def now() -> int:
-    return int(time.time())
-
-
-def usage(result: GenerateResult) -> dict:
-    completion = len(result.output_token_ids)
-    return {
-        "prompt_tokens": result.prompt_tokens,
-        "completion_tokens": completion,
-        "total_tokens": result.prompt_tokens + completion,
-        "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
-    }
-
-
-def completion_choice(text: str, finish_reason: str | None, token_ids: list[int] | None) -> dict:
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-    return choice if token_ids is None else {**choice, "token_ids": token_ids}
-
-
-def chat_choice(text: str, finish_reason: str, token_ids: list[int] | None) -> dict:
-    message = {"role": "assistant", "content": text}
-    choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
-    return choice if token_ids is None else {**choice, "token_ids": token_ids}
-
-
-def chat_delta(delta: dict, finish_reason: str | None, token_ids: list[int] | None) -> dict:
-    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-    return choice if token_ids is None else {**choice, "token_ids": token_ids}
-
-
-def envelope(kind: str, rid: str, created: int, model: str, choices: list[dict]) -> dict:
-    """A response or stream chunk; kind is the OpenAI `object` name."""
-    return {"id": rid, "object": kind, "created": created, "model": model, "choices": choices}
+async def read_request(request: HTTPRequest, kind: str, limit: int) -> tuple[object, Any]:
+    """The JSON body (at most `limit` bytes) and its validated request of `kind`
+    ("completion" or "chat")."""
+    data = await read_json(request, limit)
+    return data, parse_body(REQUEST_MODELS[kind], data)
