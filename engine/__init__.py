@@ -9,19 +9,19 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "Engine": "engine.engine",
-    "EngineClosedError": "engine.engine",
-    "GenerateResult": "engine.engine",
-    "InvalidRequestError": "engine.engine",
-    "SamplingParams": "engine.engine",
-    "reference_generate": "engine.sequential",
-    "LoadedModel": "engine.model",
-    "ModelLoadError": "engine.model",
-    "UnsupportedModelError": "engine.model",
-    "byte_tokenizer": "engine.tiny_model",
-    "load_model": "engine.model",
-    "tiny_config": "engine.tiny_model",
-    "wrap_model": "engine.model",
+    "Engine": "engine.loop.engine",
+    "EngineClosedError": "engine.loop.engine",
+    "GenerateResult": "engine.loop.engine",
+    "InvalidRequestError": "engine.loop.engine",
+    "SamplingParams": "engine.loop.engine",
+    "reference_generate": "engine.loop.sequential",
+    "LoadedModel": "engine.model.loading",
+    "ModelLoadError": "engine.model.loading",
+    "UnsupportedModelError": "engine.model.loading",
+    "byte_tokenizer": "engine.model.tiny",
+    "load_model": "engine.model.loading",
+    "tiny_config": "engine.model.tiny",
+    "wrap_model": "engine.model.loading",
 }
 
 __all__ = sorted(_EXPORTS)

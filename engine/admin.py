@@ -31,7 +31,7 @@ def _namespace_id(args: argparse.Namespace, config: CacheConfig) -> str:
         if len(ns_id) != 16 or any(c not in "0123456789abcdef" for c in ns_id):
             raise ConfigError("namespace", f"must be 16 hex digits, got {args.namespace!r}")
         return ns_id
-    from engine.model import load_model
+    from engine.model.loading import load_model
 
     model = load_model(args.model, args.dtype, "cpu", args.model_revision)
     return config.bind(model.namespace(config.block_size)).id

@@ -32,10 +32,10 @@ from kvstore.config.settings import add_cache_args, config_from_args
 
 # Modules whose typed errors mean "fix the input" (exit 2 with their message).
 USER_ERRORS = {
-    "engine.request": ("InvalidRequestError",),
-    "engine.model_files": ("ModelLoadError",),
-    "engine.model": ("UnsupportedModelError",),
-    "engine.linear": ("LinearKernelError",),
+    "engine.loop.request": ("InvalidRequestError",),
+    "engine.model.files": ("ModelLoadError",),
+    "engine.model.loading": ("UnsupportedModelError",),
+    "engine.model.linear": ("LinearKernelError",),
 }
 
 # --- generate -------------------------------------------------------------------------------
@@ -62,7 +62,7 @@ def _generate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _parse_ids(text: str) -> list[int]:
-    from engine.engine import InvalidRequestError
+    from engine.loop.engine import InvalidRequestError
 
     try:
         return [int(t) for t in text.replace(" ", "").split(",") if t]
@@ -78,7 +78,7 @@ def _parse_ids(text: str) -> list[int]:
     requires=ENGINE_MODULES,
 )
 def run_generate(args: argparse.Namespace) -> int:
-    from engine.engine import SamplingParams
+    from engine.loop.engine import SamplingParams
 
     params = SamplingParams(
         max_new_tokens=args.max_tokens,

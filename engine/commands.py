@@ -17,7 +17,7 @@ from kvstore.config.settings import config_from_args
 if TYPE_CHECKING:
     import torch
 
-    from engine.model import LoadedModel
+    from engine.model.loading import LoadedModel
     from kvstore.fleet.events import EventSink
 
 
@@ -114,7 +114,7 @@ def quiet_load_model(
     """`load_model` without transformers' progress bars (they would cut through ours)."""
     from transformers.utils import logging as hf_logging
 
-    from engine.model import load_model
+    from engine.model.loading import load_model
 
     hf_logging.disable_progress_bar()
     return load_model(name, dtype, device, revision)
@@ -125,9 +125,9 @@ def load_engine(
 ):
     """(LoadedModel, Engine) from model and cache flags; the model goes on the cache device;
     `events` gets the cache's block events."""
-    from engine.engine import Engine
-    from engine.linear import LinearConfig
-    from engine.scheduler import SchedulerConfig
+    from engine.loop.engine import Engine
+    from engine.loop.scheduler import SchedulerConfig
+    from engine.model.linear import LinearConfig
 
     config = config_from_args(args, **cache_defaults)
     device = check_cache_config(config)

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.model import LoadedModel
+from engine.model.loading import LoadedModel
 
 FP32_TOL = 1e-4  # fp32 logits: absolute tolerance of the contract
 HALF_TOL = 2e-2  # bf16 / fp16 logits

@@ -19,8 +19,8 @@ from kvstore.config import CacheConfig
 if TYPE_CHECKING:
     import torch
 
-    from engine.engine import Engine, GenerateResult
-    from engine.model import LoadedModel
+    from engine.loop.engine import Engine, GenerateResult
+    from engine.model.loading import LoadedModel
 
 DEFAULT_MODEL = "smollm2"
 TINY_NOTE = "random weights: its text is noise; what counts is cached output = uncached output"
@@ -70,7 +70,7 @@ def device_name(device: torch.device) -> str:
 
 
 def model_label(model_name: str) -> str:
-    from engine.gguf_models import BUILTINS
+    from engine.model.gguf import BUILTINS
 
     if model_name in BUILTINS:
         return BUILTINS[model_name].description.split(" (")[0]
@@ -81,7 +81,7 @@ class _Demo:
     """One model's demo requests, each compared with a no-cache run as it finishes."""
 
     def __init__(self, model: LoadedModel, max_tokens: int, on_row: Callable[[Row], None] | None):
-        from engine.engine import SamplingParams
+        from engine.loop.engine import SamplingParams
 
         self.model, self.tok, self.on_row = model, model.tokenizer, on_row
         self.params = SamplingParams(max_new_tokens=max_tokens)
@@ -116,7 +116,7 @@ class _Demo:
     ) -> Row:
         """The request against a no-cache greedy run, run as the engine runs the model (its
         thread and linear kernels: the speed-up is the cache's alone)."""
-        from engine.sequential import reference_generate
+        from engine.loop.sequential import reference_generate
 
         n, stops = len(result.output_token_ids), self.model.eos_token_ids
         ref, ttft_nocache = engine.on_loop(lambda: reference_generate(self.model, ids, n, stops))
@@ -140,8 +140,8 @@ def run_demo_requests(
 ) -> list[Row]:
     """Run the demo's requests through the engine and compare each with a no-cache run;
     `on_row(row)` is called as each comparison is done (progress)."""
-    from engine.engine import Engine
-    from engine.sequential import reference_generate
+    from engine.loop.engine import Engine
+    from engine.loop.sequential import reference_generate
 
     demo = _Demo(model, max_tokens, on_row)
     with Engine(model, config) as engine:

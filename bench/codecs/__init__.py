@@ -37,7 +37,7 @@ def real_kv(num_tokens: int, block_size: int):
     """The tiny model, a prompt, its prefill KV as blocks [n, layers, 2, heads, bs, dim]."""
     from transformers import DynamicCache
 
-    from engine.model import load_model, with_cache
+    from engine.model.loading import load_model, with_cache
 
     model = load_model("tiny")
     ids = torch.tensor([list(range(num_tokens))]) % model.vocab_size
@@ -55,7 +55,7 @@ def _next_logits(model, token_ids: np.ndarray, blocks: torch.Tensor, probe: int)
     """Logits after `probe` on top of the prefix KV held in `blocks` (a DynamicCache)."""
     from transformers import DynamicCache
 
-    from engine.model import with_cache
+    from engine.model.loading import with_cache
 
     past = DynamicCache(config=model.model.config)
     seq = blocks.permute(1, 2, 3, 0, 4, 5).flatten(3, 4)  # [layers, 2, heads, T, dim]

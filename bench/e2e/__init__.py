@@ -269,7 +269,7 @@ def time_paths(lm, engine, prompts: list[list[int]], args: argparse.Namespace,
 def run_workload(lm, name: str, args: argparse.Namespace) -> dict:
     from tqdm import tqdm
 
-    from engine.engine import Engine
+    from engine.loop.engine import Engine
     from kvstore.config import CacheConfig
 
     prompts = workload_prompts(name, args.scale, 256)
@@ -324,7 +324,7 @@ def main(argv: list[str], model=None) -> int:
     """`model` (a LoadedModel) replaces the pinned tiny model, for tests."""
     from transformers.utils import logging as hf_logging
 
-    from engine.model import load_model
+    from engine.model.loading import load_model
 
     args = parse_args(argv)
     torch.set_num_threads(args.threads)

@@ -12,7 +12,7 @@ import torch
 from transformers import DynamicCache
 
 from bench.ttft.point import FirstTokenClock
-from engine.sequential import forward_on
+from engine.loop.sequential import forward_on
 
 
 class RunResult(NamedTuple):
@@ -24,7 +24,7 @@ class RunResult(NamedTuple):
 
 def run_nocache(engine, lm, prompts: list[list[int]], new_tokens: int, bar) -> RunResult:
     """HF `generate` as a user runs it (the model's own kernels), on the engine's thread: the
-    process keeps one OpenMP team (engine/threads.py)."""
+    process keeps one OpenMP team (engine/loop/threads.py)."""
     outputs, ttfts = [], []
     start = time.perf_counter()
     for ids in prompts:
@@ -38,7 +38,7 @@ def run_nocache(engine, lm, prompts: list[list[int]], new_tokens: int, bar) -> R
 
 def run_engine_nocache(engine, prompts: list[list[int]], new_tokens: int, bar) -> RunResult:
     """The engine with nothing cached: its pool is emptied, untimed, before each request."""
-    from engine.engine import SamplingParams
+    from engine.loop.engine import SamplingParams
 
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     total, outputs, ttfts = 0.0, [], []
@@ -83,7 +83,7 @@ def generate_timed(lm, ids: list[int], new_tokens: int) -> tuple[list[int], floa
 
 
 def run_kvstore(engine, prompts: list[list[int]], new_tokens: int, bar) -> RunResult:
-    from engine.engine import SamplingParams
+    from engine.loop.engine import SamplingParams
 
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     outputs, ttfts, cached = [], [], 0

@@ -18,8 +18,14 @@ from transformers import LlamaConfig
 
 from bench.launch import RedisServer
 from engine.contract import greedy_matches_reference
-from engine.engine import Engine, GenerateResult, SamplingParams
-from engine.model import BYTE_VOCAB_SIZE, LoadedModel, byte_tokenizer, random_model, wrap_model
+from engine.loop.engine import Engine, GenerateResult, SamplingParams
+from engine.model.loading import (
+    BYTE_VOCAB_SIZE,
+    LoadedModel,
+    byte_tokenizer,
+    random_model,
+    wrap_model,
+)
 from hashing import KEY_ID_BYTES
 from kvstore.config import CacheConfig
 from kvstore.entry import FIXED_HEADER_BYTES, ID_BYTES

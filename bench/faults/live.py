@@ -21,7 +21,7 @@ import httpx
 
 from bench.faults.common import BS, Context
 from bench.launch import ServerProcess, free_port
-from engine.model import byte_tokenizer
+from engine.model.loading import byte_tokenizer
 
 MODEL = "micro"
 KEYS = {"sk-load-a": "a", "sk-load-b": "b"}

@@ -10,7 +10,7 @@ import numpy as np
 
 from bench.faults.live import Answer
 from engine.contract import greedy_matches_reference
-from engine.model import LoadedModel
+from engine.model.loading import LoadedModel
 
 MAX_TOKENS = 16  # generated per request (ignore_eos): a shorter answer is wrong
 REFUSED = {429: "queue_full", 503: "draining", 400: "bad_request", 413: "too_large"}

@@ -19,7 +19,7 @@ from bench.faults.common import (
     serve,
     wait_for,
 )
-from engine.engine import Engine
+from engine.loop.engine import Engine
 
 
 def redis_outage(ctx: Context) -> FaultOutcome:

@@ -24,7 +24,7 @@ from bench.faults.common import (
     outcome,
     serve,
 )
-from engine.engine import Engine
+from engine.loop.engine import Engine
 from kvstore.config import CacheConfig
 from kvstore.entry import EntryError, decode_entry
 

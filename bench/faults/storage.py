@@ -29,7 +29,7 @@ from bench.faults.common import (
     serve,
     tier_config,
 )
-from engine.engine import Engine
+from engine.loop.engine import Engine
 from hashing import KEY_ID_BYTES
 from kvstore.entry import CHECKSUM_BYTES, FIXED_HEADER_BYTES, ID_BYTES
 

@@ -12,7 +12,7 @@ from bench.faults.common import (
     outcome,
     serve,
 )
-from engine.engine import Engine
+from engine.loop.engine import Engine
 
 
 def tenant_isolation(ctx: Context) -> FaultOutcome:

@@ -29,8 +29,8 @@ from bench.faults.common import (
     outcome,
     serve,
 )
-from engine.engine import Engine, GenerateResult, SamplingParams
-from engine.model import LoadedModel, random_model, wrap_model
+from engine.loop.engine import Engine, GenerateResult, SamplingParams
+from engine.model.loading import LoadedModel, random_model, wrap_model
 from kvstore.config import CacheConfig
 
 # (salt setting, tier the shared-salt hits come from). The salted run keeps the secrets in

@@ -24,15 +24,15 @@ PEER_LABEL = "transformers serve --continuous-batching"
 
 
 def prepare_model(name: str, workdir: Path) -> Path:
-    """A local model directory as is; `tiny` (or another engine.model name) saved, model and
+    """A local model directory as is; `tiny` (or another engine.model.loading name) saved, model and
     tokenizer, under `workdir`, so both servers load the same weights."""
     path = Path(name)
     if path.is_dir():
         return path.resolve()
     from transformers.utils import logging as hf_logging
 
-    from engine.gguf_models import gguf_model_dir
-    from engine.model import load_model
+    from engine.model.gguf import gguf_model_dir
+    from engine.model.loading import load_model
 
     converted = gguf_model_dir(name)
     if converted is not None:  # smollm2 or a .gguf file: the converted directory, as it is

@@ -26,7 +26,7 @@ import torch
 
 from bench.ttft.point import TIERS, full_kv, measure_point, print_table
 from engine.extras import require
-from engine.threads import on_own_thread
+from engine.loop.threads import on_own_thread
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -67,7 +67,7 @@ def main(argv: list[str], model=None) -> int:
     """`model` (a LoadedModel) replaces the pinned tiny model, for tests."""
     from transformers.utils import logging as hf_logging
 
-    from engine.model import load_model
+    from engine.model.loading import load_model
 
     args = parse_args(argv)
     if args.out:  # before any work: no partial --out
@@ -81,7 +81,7 @@ def main(argv: list[str], model=None) -> int:
         return run_sweep(lm, args)
     rng = random.Random(0)
     ids = [rng.randrange(256) for _ in range(args.prompt_tokens)]
-    kv = on_own_thread(full_kv, lm.model, ids)  # no OpenMP team left here (engine/threads.py)
+    kv = on_own_thread(full_kv, lm.model, ids)  # no OpenMP team left here (engine/loop/threads.py)
     gc.collect()
     gc.freeze()  # long-lived objects out of the collector, so timed() collects cheaply
     points = [

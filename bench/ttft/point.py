@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers import DynamicCache
 
-from engine.model import with_cache
-from engine.sequential import forward_on
+from engine.loop.sequential import forward_on
+from engine.model.loading import with_cache
 
 TIERS = ("device", "memory", "lmdb", "redis")
 
@@ -83,7 +83,7 @@ def timed(fn: Callable[[], int]) -> tuple[float, int]:
 
 
 def measure_point(lm, ids: list[int], kv: list, tier: str, cached: int, args) -> dict:
-    from engine.engine import Engine
+    from engine.loop.engine import Engine
 
     with tempfile.TemporaryDirectory() as tmp:
         config = cache_config_for(tier, args, -(-len(ids) // args.block_size), tmp)  # the prompt
@@ -97,7 +97,7 @@ def measure_point(lm, ids: list[int], kv: list, tier: str, cached: int, args) ->
 
 def measure_variants(engine, ids: list[int], kv: list, tier: str, cached: int, args) -> dict:
     """Interleaved rounds of the three variants; medians and the paired kvstore/ideal ratio."""
-    model = engine.model.model
+    model = engine.model.loading.model
 
     def nocache() -> int:  # as the engine runs the model: its thread, its linear kernels
         return engine.on_loop(

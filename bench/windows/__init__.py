@@ -15,15 +15,15 @@ from rich.console import Console
 from rich.table import Table
 from transformers import AutoConfig, PretrainedConfig
 
-from engine.engine import Engine
-from engine.model import (
+from engine.loop.engine import Engine
+from engine.loop.request import Request, SamplingParams
+from engine.model.loading import (
     BYTE_VOCAB_SIZE,
     byte_tokenizer,
     random_model,
     shared_window,
     wrap_model,
 )
-from engine.request import Request, SamplingParams
 from kvstore.config import CacheConfig
 from kvstore.device.block_tables import SeqBlocks
 from kvstore.units import cdiv

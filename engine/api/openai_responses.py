@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from engine.api.sse import sse
 
 if TYPE_CHECKING:
-    from engine.request import GenerateResult
+    from engine.loop.request import GenerateResult
 
 
 def new_id(prefix: str) -> str:

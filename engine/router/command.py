@@ -28,8 +28,8 @@ def run_router(args: argparse.Namespace) -> int:
     check_port_free(config.host, config.port)
     import uvicorn
 
+    from engine.model.tokenizer import load_tokenizer_of
     from engine.router.app import create_router_app
-    from engine.tokenizer import load_tokenizer_of
 
     tokenizer = load_tokenizer_of(args.model)
     app = create_router_app(config, tokenizer)

@@ -258,8 +258,8 @@ class NoReplicaError(RuntimeError):
 
 
 def _subscribe(host: str, events: dict) -> object:
-    from engine.kv_events_sub import EventSubscriber
-    from engine.kv_events_wire import zmq_host
+    from engine.events.subscriber import EventSubscriber
+    from engine.events.wire import zmq_host
 
     endpoint = f"tcp://{zmq_host(host)}:{events['port']}"
     replay = f"tcp://{zmq_host(host)}:{events['replay_port']}"

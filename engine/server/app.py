@@ -29,7 +29,7 @@ from starlette.responses import JSONResponse, Response
 from engine.api.errors import ApiError
 from engine.api.openai_responses import now
 from engine.api.routes import add_openai_routes
-from engine.engine import Engine
+from engine.loop.engine import Engine
 from engine.server.config import ServerConfig, check_port_free, server_config_from_args
 from engine.server.heap import QuietTrimmer, cap_malloc_arenas
 from engine.server.service import Service
@@ -106,7 +106,7 @@ def _tier_names(engine: Engine) -> list[str]:
 
 def describe_engine(engine: Engine) -> str:
     """The start-up line: model, device, dtype, pool size, tiers and batching mode."""
-    model, pool = engine.model, engine.cache.pool
+    model, pool = engine.model.loading, engine.cache.pool
     pool_bytes = pool.nbytes
     batching = "continuous batching" if engine.mode == "paged" else "one request at a time"
     slots = "" if pool.window is None else f" (+ {pool.window.num_slots} window-layer slots)"
@@ -194,8 +194,8 @@ def start_publisher(
     """The ZMQ publisher of the cache's block events, when --kv-events-port is set."""
     if config.kv_events_port is None:
         return None
-    from engine.kv_events import EventsConfig, ZmqEventPublisher
-    from engine.kv_events_wire import medium_for, zmq_host
+    from engine.events.publisher import EventsConfig, ZmqEventPublisher
+    from engine.events.wire import medium_for, zmq_host
 
     for port in (config.kv_events_port, config.kv_events_replay_port):
         check_port_free(config.host, port)

@@ -22,8 +22,8 @@ from prometheus_client import (
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from engine.request import GenerateResult, Request
-from engine.scheduler import QueueStats
+from engine.loop.request import GenerateResult, Request
+from engine.loop.scheduler import QueueStats
 from kvstore.metrics import CACHE_FAMILIES, PREFIX
 
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,

@@ -22,8 +22,8 @@ from engine.api.errors import ApiError, bad_request
 from engine.api.openai_responses import StreamChunks, response_body
 from engine.api.prompts import prompt_ids
 from engine.api.sse import ClosingStream, sse
-from engine.engine import Engine
-from engine.request import (
+from engine.loop.engine import Engine
+from engine.loop.request import (
     EngineClosedError,
     GenerateResult,
     InvalidRequestError,
@@ -55,7 +55,7 @@ class Service:
 
     def __init__(self, engine: Engine, config: ServerConfig):
         self.engine, self.config = engine, config
-        self.tokenizer = engine.model.tokenizer
+        self.tokenizer = engine.model.loading.tokenizer
         self.auth = Authenticator(config.api_keys, engine.cache_config.secret_bytes)
         self.metrics = ServerMetrics(engine.stats, engine.queue_stats)
         self.cache_info = cache_info(engine, config)

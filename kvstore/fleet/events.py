@@ -2,7 +2,7 @@
 
 The shapes are those of vLLM's KV events (`BlockStored`, `BlockRemoved`, `AllBlocksCleared`),
 so a replica can be indexed as vLLM replicas are; the wire format (ZMQ, msgpack) is the
-transport's (`engine/kv_events.py`), never this layer's. Block hashes are the 16-byte lookup
+transport's (`engine/events/publisher.py`), never this layer's. Block hashes are the 16-byte lookup
 keys; the first block of a chain has no parent (`None`), as in vLLM.
 
 Invariant a consumer can rely on: applying every event of one index in order, as set

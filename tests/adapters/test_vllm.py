@@ -39,7 +39,7 @@ from vllm.v1.kv_offload.config import (
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from engine.kv_events import (
+from engine.events.publisher import (
     EventsConfig,
     EventSubscriber,
     ZmqEventPublisher,

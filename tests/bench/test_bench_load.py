@@ -19,7 +19,7 @@ from bench.launch import ServerProcess
 from bench.load import main
 from bench.load.servers import BLOCK_TOKENS
 from bench.load.workload import make_sessions
-from engine.model import BYTE_VOCAB_SIZE, byte_tokenizer, random_model
+from engine.model.loading import BYTE_VOCAB_SIZE, byte_tokenizer, random_model
 
 pytestmark = pytest.mark.integration
 

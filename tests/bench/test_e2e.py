@@ -18,8 +18,14 @@ from bench.e2e import (
     reusable_tokens,
     run_prefixes,
 )
-from engine.engine import Engine, SamplingParams
-from engine.model import BYTE_VOCAB_SIZE, LoadedModel, byte_tokenizer, random_model, wrap_model
+from engine.loop.engine import Engine, SamplingParams
+from engine.model.loading import (
+    BYTE_VOCAB_SIZE,
+    LoadedModel,
+    byte_tokenizer,
+    random_model,
+    wrap_model,
+)
 from kvstore.config import CacheConfig
 
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from bench.ttft import main
-from engine.model import load_model
+from engine.model.loading import load_model
 
 
 def test_sweep_reports_every_tier_with_both_peers_and_writes_the_plot(tmp_path, capsys) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from transformers import AutoConfig, PretrainedConfig
 
-from engine.tiny_model import BYTE_VOCAB_SIZE
+from engine.model.tiny import BYTE_VOCAB_SIZE
 
 COMMON = {"vocab_size": BYTE_VOCAB_SIZE, "bos_token_id": 256, "eos_token_id": 257}
 ROPE_DECODER = {

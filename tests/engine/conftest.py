@@ -12,8 +12,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from engine_helpers import micro_cache_config, micro_model
 
-from engine.engine import Engine
-from engine.model import LoadedModel
+from engine.loop.engine import Engine
+from engine.model.loading import LoadedModel
 
 
 @pytest.fixture(scope="session")

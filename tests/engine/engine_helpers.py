@@ -6,8 +6,8 @@ import torch
 from transformers import LlamaConfig
 
 from engine.contract import FP32_TOL, greedy_matches_reference  # noqa: F401 (re-exported)
-from engine.model import LoadedModel, wrap_model
-from engine.tiny_model import BYTE_VOCAB_SIZE, byte_tokenizer, random_model
+from engine.model.loading import LoadedModel, wrap_model
+from engine.model.tiny import BYTE_VOCAB_SIZE, byte_tokenizer, random_model
 from kvstore.config import CacheConfig
 
 BLOCK_SIZE = 4

@@ -9,7 +9,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from engine.tiny_model import bytes_to_unicode
+from engine.model.tiny import bytes_to_unicode
 
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 64, 128, 2, 4, 2
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")

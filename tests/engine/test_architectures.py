@@ -15,11 +15,11 @@ import torch
 from arch_configs import ALL_ARCHS, SEQUENTIAL, WINDOWED, arch_config
 from engine_helpers import micro_cache_config
 
-from engine.engine import Engine
-from engine.model import LoadedModel, wrap_model
-from engine.request import SamplingParams
-from engine.scheduler import SchedulerConfig
-from engine.tiny_model import byte_tokenizer, random_model
+from engine.loop.engine import Engine
+from engine.loop.request import SamplingParams
+from engine.loop.scheduler import SchedulerConfig
+from engine.model.loading import LoadedModel, wrap_model
+from engine.model.tiny import byte_tokenizer, random_model
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "ARCHITECTURES.md"
 BEGIN, END = "<!-- generated: begin -->", "<!-- generated: end -->"
@@ -90,7 +90,7 @@ def test_each_architecture_is_served_batched_and_equals_hf_generate(arch: str, c
     assert drops == want
     runner = "one request at a time" if mode == "sequential" else "batched"
     if mode == "paged":
-        runner += "" if engine.runner.how == "attention interface" else " (step cache)"
+        runner += "" if engine.loop.runner.how == "attention interface" else " (step cache)"
     SEEN[arch] = (type(model.model).__name__, runner, layers_of(model.model.config), held)
 
 

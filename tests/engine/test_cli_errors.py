@@ -14,7 +14,7 @@ from cli_helpers import kvstore, only_error_line, run_module
 from engine_helpers import micro_config
 from gguf_helpers import write_tiny_llama_gguf
 
-from engine.model import byte_tokenizer
+from engine.model.loading import byte_tokenizer
 
 pytestmark = pytest.mark.integration
 PROMPT = ["generate", "--prompt", "hi", "--max-tokens", "2"]

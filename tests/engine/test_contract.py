@@ -5,7 +5,7 @@ from __future__ import annotations
 from engine_helpers import micro_model
 
 from engine.contract import count_meeting_contract, greedy_matches_reference
-from engine.sequential import reference_generate
+from engine.loop.sequential import reference_generate
 
 
 def test_the_reference_output_meets_the_contract_and_a_changed_token_does_not() -> None:

@@ -11,10 +11,10 @@ import pytest
 import torch
 from engine_helpers import greedy_matches_reference, micro_cache_config
 
-from engine.engine import Engine
-from engine.model import LoadedModel
-from engine.request import Request, RequestCancelled, SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.loop.engine import Engine
+from engine.loop.request import Request, RequestCancelled, SamplingParams
+from engine.loop.scheduler import Scheduler, SchedulerConfig
+from engine.model.loading import LoadedModel
 from kvstore.cache import PrefixCache
 from kvstore.device.block_tables import BlockTables
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine.cli import COMMANDS, build_parser, config_from_args, main
-from engine.model import load_model
+from engine.model.loading import load_model
 
 
 def kvstore_script() -> str:

@@ -20,8 +20,8 @@ from transformers import (
     Qwen3Config,
 )
 
-from engine.fingerprint import fingerprint
-from engine.model import (
+from engine.model.fingerprint import fingerprint
+from engine.model.loading import (
     KVShape,
     LoadedModel,
     ModelLoadError,
@@ -31,7 +31,7 @@ from engine.model import (
     load_model,
     wrap_model,
 )
-from engine.tiny_model import byte_tokenizer, random_model
+from engine.model.tiny import byte_tokenizer, random_model
 
 
 def test_tiny_model_is_pinned_and_produces_varied_greedy_text() -> None:

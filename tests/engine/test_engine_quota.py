@@ -2,7 +2,7 @@
 
 from engine_helpers import micro_cache_config
 
-from engine.engine import Engine, SamplingParams
+from engine.loop.engine import Engine, SamplingParams
 
 
 def test_a_tenant_at_its_quota_caches_no_more_while_another_tenant_still_can(micro):

@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 from engine_helpers import greedy_matches_reference, micro_cache_config, micro_model
 
-from engine.engine import (
+from engine.loop.engine import (
     Engine,
     EngineClosedError,
     GenerateResult,
     InvalidRequestError,
     SamplingParams,
 )
-from engine.model import LoadedModel
+from engine.model.loading import LoadedModel
 
 GREEDY = SamplingParams(max_new_tokens=8, ignore_eos=True)
 

@@ -12,7 +12,9 @@ import pytest
 import torch
 from gguf_helpers import write_tiny_llama_gguf
 
-from engine.gguf_models import (
+from engine.loop.sequential import reference_generate
+from engine.model.files import ModelLoadError
+from engine.model.gguf import (
     BUILTINS,
     SOURCE_FILE,
     _checked,
@@ -20,9 +22,7 @@ from engine.gguf_models import (
     file_sha256,
     gguf_architecture,
 )
-from engine.model import load_model
-from engine.model_files import ModelLoadError
-from engine.sequential import reference_generate
+from engine.model.loading import load_model
 
 
 @pytest.fixture

@@ -9,8 +9,8 @@ import pytest
 import xxhash
 from engine_helpers import BLOCK_SIZE, micro_cache_config
 
-from engine.engine import Engine, SamplingParams
-from engine.model import LoadedModel
+from engine.loop.engine import Engine, SamplingParams
+from engine.model.loading import LoadedModel
 
 NUM_BLOCKS = 60  # 240 prompt tokens of the micro model's 256 positions
 

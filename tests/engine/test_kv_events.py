@@ -14,7 +14,7 @@ import torch
 import zmq
 
 from bench.launch import free_port
-from engine.kv_events import (
+from engine.events.publisher import (
     EventsConfig,
     EventSubscriber,
     ZmqEventPublisher,
@@ -22,7 +22,7 @@ from engine.kv_events import (
     encode_batch,
     medium_for,
 )
-from engine.kv_events_wire import END_SEQ, decode_wire
+from engine.events.wire import END_SEQ, decode_wire
 from hashing import Namespace
 from kvstore.cache import PrefixCache
 from kvstore.config import CacheConfig, ConfigError
@@ -433,7 +433,7 @@ def test_close_is_prompt_and_publishes_what_is_queued():
 
 def test_a_replica_on_ipv6_loopback_is_followed(replicas, subscribers):
     """`kvstore serve --host ::1`: both ends bracket the address and turn IPv6 on."""
-    from engine.kv_events_wire import zmq_host
+    from engine.events.wire import zmq_host
 
     endpoint = f"tcp://{zmq_host('::1')}:*"
     replica = replicas(endpoint=endpoint, replay_endpoint=endpoint)

@@ -10,11 +10,11 @@ import pytest
 import torch
 from engine_helpers import close_to_reference, micro_cache_config, micro_model, reference_logits
 
-import engine.linear as linear_module
-from engine.engine import Engine
-from engine.linear import LinearConfig, LinearKernelError, PackedLinears, packed_mismatch
-from engine.request import EngineClosedError, SamplingParams
-from engine.threads import on_own_thread
+import engine.model.linear as linear_module
+from engine.loop.engine import Engine
+from engine.loop.request import EngineClosedError, SamplingParams
+from engine.loop.threads import on_own_thread
+from engine.model.linear import LinearConfig, LinearKernelError, PackedLinears, packed_mismatch
 
 PROMPTS = [list(range(40, 63)), list(range(90, 101)), [7, 8, 9, 10, 11, 12, 13]]
 GREEDY = SamplingParams(max_new_tokens=6, ignore_eos=True)
@@ -70,7 +70,7 @@ def test_outside_a_step_the_model_keeps_its_own_dense_linears():
     with Engine(micro, micro_cache_config()) as engine:
         with torch.inference_mode():
             during = micro.model(input_ids=ids).logits
-        calls = engine.model.model._kvstore_linears.calls
+        calls = engine.model.loading.model._kvstore_linears.calls
         assert torch.equal(before, during)  # bit for bit: not a packed product
         assert micro.model._kvstore_linears.calls == calls
 
@@ -189,7 +189,7 @@ def test_a_failed_check_leaves_no_linear_patched(monkeypatch):
     micro = micro_model(seed=15)
     with Engine(micro, micro_cache_config()) as engine:
         assert engine.linear_kernel == "dense"
-        assert "oneDNN kernel failed" in engine.runner.linear_note
+        assert "oneDNN kernel failed" in engine.loop.runner.linear_note
         assert not hasattr(micro.model, "_kvstore_linears")
         assert not any("forward" in vars(m) for m in linears_of(micro.model))
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from engine import paged
-from engine.paged import PagedAttention
-from engine.step_batch import build_step
-from engine.step_row import Row
+from engine.attention.paged import PagedAttention
+from engine.attention.step_batch import build_step
+from engine.attention.step_row import Row
 
 LAYERS, KV_HEADS, Q_HEADS, BS, DIM = 2, 2, 8, 4, 16
 SHARED = [3, 7, 1]  # block ids every decode row holds first (a cached system prompt)

@@ -11,11 +11,11 @@ from arch_configs import arch_config
 from engine_helpers import close_to_reference, micro_cache_config, reference_logits
 
 from engine.contract import greedy_matches_reference
-from engine.engine import Engine
-from engine.model import LoadedModel, kv_cache, with_cache, wrap_model
-from engine.request import Request, SamplingParams
-from engine.scheduler import SchedulerConfig
-from engine.tiny_model import byte_tokenizer, random_model
+from engine.loop.engine import Engine
+from engine.loop.request import Request, SamplingParams
+from engine.loop.scheduler import SchedulerConfig
+from engine.model.loading import LoadedModel, kv_cache, with_cache, wrap_model
+from engine.model.tiny import byte_tokenizer, random_model
 
 GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
 
@@ -260,13 +260,13 @@ def test_a_hybrid_synchronous_prefill_longer_than_the_window_slots_runs_in_chunk
 
 
 def test_a_step_reading_a_block_without_its_window_part_is_refused() -> None:
-    from engine.paged import PagedAttentionError
-    from engine.step_row import Row
+    from engine.attention.paged import PagedAttentionError
+    from engine.attention.step_row import Row
 
     with Engine(model_of("gemma2"), micro_cache_config()) as engine:
         block = engine.cache.held.allocate(1, window=False)
         with pytest.raises(PagedAttentionError, match="without window parts"):
-            engine.on_loop(lambda: engine.runner.forward([Row(block, 0, 3)], [[1, 2, 3]], [0]))
+            engine.on_loop(lambda: engine.loop.runner.forward([Row(block, 0, 3)], [[1, 2, 3]], [0]))
         engine.cache.held.free(block, window=False)
 
 

@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 
 from engine_helpers import greedy_matches_reference, micro_cache_config, micro_model
 
-from engine.engine import Engine, SamplingParams
+from engine.loop.engine import Engine, SamplingParams
 
 PARAMS = SamplingParams(max_new_tokens=6)
 BS = 4

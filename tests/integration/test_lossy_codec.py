@@ -9,7 +9,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 
 from engine_helpers import close_to_reference, micro_cache_config, micro_model, reference_logits
 
-from engine.engine import Engine
+from engine.loop.engine import Engine
 from kvstore.config import CODEC_TOLERANCE
 
 

@@ -22,9 +22,9 @@ from server_helpers import ServerProcess, clean_env, free_port, kvstore_script
 
 from engine.contract import greedy_matches_reference
 from engine.demo import CHAT_TURNS, SYSTEM_PROMPT
-from engine.engine import Engine, SamplingParams
-from engine.model import LoadedModel, load_model
-from engine.model_files import ModelLoadError
+from engine.loop.engine import Engine, SamplingParams
+from engine.model.files import ModelLoadError
+from engine.model.loading import LoadedModel, load_model
 from kvstore.config import CacheConfig
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -12,7 +12,7 @@ from starlette.testclient import TestClient
 
 from bench.faults.common import Context, FaultOutcome, Scale, cache_config, micro_model
 from bench.faults.http import INDEX, PER_REQUEST, http_fuzz, strategies, sweep
-from engine.engine import Engine
+from engine.loop.engine import Engine
 from engine.server.app import create_app
 from engine.server.config import ServerConfig
 

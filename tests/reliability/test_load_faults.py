@@ -11,7 +11,7 @@ import torch
 from bench.faults.common import Context, Scale, micro_model
 from bench.faults.concurrent import disconnects, redis_killed, sigterm, tenant_flood
 from bench.faults.load_report import LoadOutcome, must_haves_hold
-from engine.model import LoadedModel
+from engine.model.loading import LoadedModel
 
 pytestmark = [pytest.mark.reliability, pytest.mark.integration]
 
@@ -71,7 +71,7 @@ def test_the_tally_counts_a_perturbed_answer_wrong_and_an_unexplained_error_fail
     from bench.faults.concurrent import prompts
     from bench.faults.live import Answer
     from bench.faults.load_report import MAX_TOKENS, Checks, tally
-    from engine.engine import Engine, SamplingParams
+    from engine.loop.engine import Engine, SamplingParams
     from kvstore.config import CacheConfig
 
     prompt = prompts(1, seed=0)[0]

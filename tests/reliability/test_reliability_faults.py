@@ -11,7 +11,7 @@ from bench.faults.outage import redis_outage
 from bench.faults.processes import concurrent_writers, killed_writers, leaks
 from bench.faults.storage import collisions, corruption, lmdb_full, redis_eviction
 from bench.faults.tenants import tenant_isolation
-from engine.model import LoadedModel
+from engine.model.loading import LoadedModel
 
 pytestmark = [pytest.mark.reliability, pytest.mark.integration]
 

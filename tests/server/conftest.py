@@ -22,7 +22,7 @@ from server_helpers import (
     kvstore_script,
 )
 
-from engine.model import byte_tokenizer, random_model
+from engine.model.loading import byte_tokenizer, random_model
 
 LONG_POSITIONS = 8192  # room for a request slow enough to hold the queue
 

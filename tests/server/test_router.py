@@ -297,9 +297,10 @@ def test_the_router_command_imports_no_torch():
     """What `kvstore router` imports, the tokenizer of `tiny` loaded: no torch, no engine."""
     code = (
         "import sys, engine.cli, engine.router.command, engine.router.app\n"
-        "from engine.tokenizer import load_tokenizer_of\n"
+        "from engine.model.tokenizer import load_tokenizer_of\n"
         "load_tokenizer_of('tiny')\n"
-        "heavy = {'torch', 'engine.engine', 'engine.model', 'engine.request'} & set(sys.modules)\n"
+        "heavy = {'torch', 'engine.loop.engine', 'engine.model.loading', 'engine.loop.request'}\n"
+        "heavy &= set(sys.modules)\n"
         "print(sorted(heavy))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

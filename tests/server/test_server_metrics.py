@@ -10,7 +10,7 @@ from engine_helpers import BLOCK_SIZE, micro_cache_config, micro_model
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
-from engine.engine import Engine
+from engine.loop.engine import Engine
 from engine.server.app import create_app
 from engine.server.config import ServerConfig
 from engine.server.metrics import LATENCY_BUCKETS_S

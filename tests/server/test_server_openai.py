@@ -7,7 +7,7 @@ import openai
 import pytest
 from server_helpers import BLOCK_SIZE, SERVED_NAME
 
-from engine.model import byte_tokenizer
+from engine.model.loading import byte_tokenizer
 
 pytestmark = pytest.mark.integration
 NO_EOS = {"ignore_eos": True}

@@ -14,9 +14,15 @@ from engine.api import openai as protocol
 from engine.api.auth import Authenticator, AuthError, CacheSaltError, request_salt, tenant_salt
 from engine.api.errors import ApiError
 from engine.api.keys import load_api_keys
-from engine.engine import Engine
-from engine.model import byte_tokenizer
-from engine.request import GenerateResult, QueueFullError, Request, RequestCancelled, SamplingParams
+from engine.loop.engine import Engine
+from engine.loop.request import (
+    GenerateResult,
+    QueueFullError,
+    Request,
+    RequestCancelled,
+    SamplingParams,
+)
+from engine.model.loading import byte_tokenizer
 from engine.server.config import ServerConfig
 from engine.server.metrics import ServerMetrics
 from engine.server.streaming import TextStreamer

@@ -1,5 +1,5 @@
 """The pinned `tiny` model: a Llama-style model whose weights come from a fixed seed, with a
-byte-level tokenizer (token id = byte value, engine/tokenizer.py) and a plain chat
+byte-level tokenizer (token id = byte value, engine/model/tokenizer.py) and a plain chat
 template. It needs no download: tests, demos and benchmarks run on it anywhere."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, PreTrainedModel
 
-from engine.model_files import attn_implementation
-from engine.tokenizer import (  # the byte tokenizer, importable from here too
+from engine.model.files import attn_implementation
+from engine.model.tokenizer import (  # the byte tokenizer, importable from here too
     BYTE_VOCAB_SIZE,
     CHAT_TEMPLATE,
     SPECIAL_TOKENS,

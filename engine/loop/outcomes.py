@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.request import GenerateResult, QueueFullError, Request, Sampler, StopChecker
+from engine.loop.request import GenerateResult, QueueFullError, Request, Sampler, StopChecker
 
 if TYPE_CHECKING:
-    from engine.model import LoadedModel
-    from engine.scheduler import Scheduler
+    from engine.loop.scheduler import Scheduler
+    from engine.model.loading import LoadedModel
     from kvstore.device.block_tables import BlockTables
 
 log = logging.getLogger("kvstore.engine")

@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from engine.request import InvalidRequestError, Prompt, SamplingParams
+from engine.loop.request import InvalidRequestError, Prompt, SamplingParams
 
 if TYPE_CHECKING:
-    from engine.model import LoadedModel
+    from engine.model.loading import LoadedModel
 
 
 def prompt_ids(model: LoadedModel, prompt: Prompt, params: SamplingParams) -> list[int]:

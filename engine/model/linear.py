@@ -5,7 +5,7 @@ into its blocked layout.
 PyTorch's dense CPU linear computes a product of few rows (a decode step, a short prefill
 chunk) on one core, well under the memory bandwidth; oneDNN's kernel on a packed weight uses
 every core (docs/BENCHMARKS.md has the figures). The swap is per model object and per
-thread, like the attention dispatch (engine/runner.py): inside the engine's work every
+thread, like the attention dispatch (engine/loop/runner.py): inside the engine's work every
 plain `nn.Linear` runs packed; anywhere else (a reference forward, another library on the
 same model object) it is the model's own dense linear. The model's
 parameters are never changed, so its fingerprint is not either. The packed copies take the

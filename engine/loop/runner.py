@@ -24,14 +24,14 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
+from engine.attention.decode_mirror import DecodeMirror
+from engine.attention.paged import PagedAttention, PagedAttentionError
+from engine.attention.step_batch import StepBatch, build_step
+from engine.attention.step_cache import StepCache, alibi_of, step_keys
+from engine.attention.step_row import Row
 from engine.contract import tolerance_for
-from engine.decode_mirror import DecodeMirror
-from engine.linear import install_linears, uninstall_linears
-from engine.model import LoadedModel, has_window, with_cache
-from engine.paged import PagedAttention, PagedAttentionError
-from engine.step_batch import StepBatch, build_step
-from engine.step_cache import StepCache, alibi_of, step_keys
-from engine.step_row import Row
+from engine.model.linear import install_linears, uninstall_linears
+from engine.model.loading import LoadedModel, has_window, with_cache
 from kvstore.device.block_tables import BlockTables
 from kvstore.device.pool import BlockPool
 from kvstore.units import cdiv
@@ -138,7 +138,7 @@ class PagedRunner:
         self, model: LoadedModel, pool: BlockPool, scratch_block: int, kernel: str = "dense"
     ):
         """`kernel`: the linear layers' kernel in a step, `onednn` or `dense`
-        (engine/linear.py)."""
+        (engine/model/linear.py)."""
         self.model = model
         self.pool = pool
         self.kv = pool.kv  # [num_blocks, layers, 2, kv_heads, block_size, head_dim]
@@ -236,7 +236,7 @@ def _check_window_parts(rows: Sequence[Row], pool: BlockPool, block_size: int) -
 
 class StepCacheRunner(PagedRunner):
     """For models whose attention is their own code on a `Cache` (Falcon, Bloom): the pool
-    is reached through `StepCache` and a block-diagonal mask (engine/step_cache.py)."""
+    is reached through `StepCache` and a block-diagonal mask (engine/attention/step_cache.py)."""
 
     how = "step cache"
 
@@ -274,7 +274,7 @@ def start_paged(
     model: LoadedModel, tables: BlockTables, kernel: str = "dense"
 ) -> tuple[PagedRunner | None, str | None]:
     """A runner on the tables' pool that passed `self_test` (it holds one scratch block), or
-    None and why not; `kernel`: its linear layers' (engine/linear.py)."""
+    None and why not; `kernel`: its linear layers' (engine/model/linear.py)."""
     pool = tables.pool
     if pool.device != model.device:
         return None, f"the pool is on {pool.device}, the model on {model.device}"

@@ -1,5 +1,5 @@
 """EventSubscriber: a consumer's view of one replica's index, kept from the replica's KV
-events (published by engine/kv_events.py, or by vLLM: the format is vLLM's).
+events (published by engine/events/publisher.py, or by vLLM: the format is vLLM's).
 
 Sync: the subscriber starts unsynced and asks the replay socket for every batch from seq 0;
 it applies them in order and then the PUB stream from the next seq on, skipping the batches
@@ -23,7 +23,7 @@ import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from engine.kv_events_wire import decode_batch, ipv6_socket, seq_bytes, seq_of
+from engine.events.wire import decode_batch, ipv6_socket, seq_bytes, seq_of
 from kvstore.fleet.events import AllBlocksCleared, BlockSet, KVEvent
 
 log = logging.getLogger("kvstore.fleet.events")

@@ -1,6 +1,6 @@
 """The engine's synchronous single-request paths: `run` (the per-request path), `prefill`
 and `prefill_logits` (paged when the model is), and `on_loop` (a caller's own model work),
-each handed to the loop thread and waited for (engine/threads.py). An object `Engine` owns."""
+each handed to the loop thread and waited for (engine/loop/threads.py). An object `Engine` owns."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 import torch
 
-from engine.request import GenerateResult, Prompt, SamplingParams, TokenCallback
-from engine.step_row import blocks_row
+from engine.attention.step_row import blocks_row
+from engine.loop.request import GenerateResult, Prompt, SamplingParams, TokenCallback
 from kvstore.device.block_tables import SeqBlocks
 
 if TYPE_CHECKING:
-    from engine.runner import PagedRunner
-    from engine.sequential import SequentialPath
-    from engine.threads import LoopCalls
+    from engine.loop.runner import PagedRunner
+    from engine.loop.sequential import SequentialPath
+    from engine.loop.threads import LoopCalls
     from kvstore.device.block_tables import BlockTables
 
 T = TypeVar("T")
@@ -93,8 +93,8 @@ class SyncPaths:
     def on_loop(self, function: Callable[[], T], step_kernels: bool = True) -> T:
         """`function()` on the engine's loop thread, between steps: model work of the
         caller's own (a reference, a benchmark's baseline) in the process's one OpenMP team
-        (engine/threads.py); with `step_kernels`, on the linear kernels of the engine's
-        steps too (engine/linear.py), else on the model's own. The caller's grad and
+        (engine/loop/threads.py); with `step_kernels`, on the linear kernels of the engine's
+        steps too (engine/model/linear.py), else on the model's own. The caller's grad and
         inference modes go with it. `function` must not wait on the engine (a request's
         result, `close`): the loop runs nothing else meanwhile."""
         packed = step_kernels and self.runner is not None

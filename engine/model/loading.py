@@ -18,12 +18,12 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from engine.fingerprint import fingerprint
-from engine.gguf_models import BUILTINS, gguf_model_dir
-from engine.model_files import ModelLoadError, attn_implementation, load_tokenizer, read_config
-from engine.threads import on_own_thread
-from engine.tiny_model import BYTE_VOCAB_SIZE as BYTE_VOCAB_SIZE  # importable from here too
-from engine.tiny_model import TINY_NAME, byte_tokenizer, random_model, tiny_config
+from engine.loop.threads import on_own_thread
+from engine.model.files import ModelLoadError, attn_implementation, load_tokenizer, read_config
+from engine.model.fingerprint import fingerprint
+from engine.model.gguf import BUILTINS, gguf_model_dir
+from engine.model.tiny import BYTE_VOCAB_SIZE as BYTE_VOCAB_SIZE  # importable from here too
+from engine.model.tiny import TINY_NAME, byte_tokenizer, random_model, tiny_config
 from hashing import Namespace
 from kvstore.layout import DTYPES as KV_DTYPES
 
@@ -277,11 +277,11 @@ def load_model(
     model_revision: str | None = None,
 ) -> LoadedModel:
     """`tiny` builds the pinned model from a fixed seed; a built-in name (`smollm2`) or a
-    `.gguf` file is converted once into a cached directory (`engine.gguf_models`); anything
+    `.gguf` file is converted once into a cached directory (`engine.model.gguf`); anything
     else is a local model directory.
 
     Loads on a thread of its own that ends with the loading: the caller's thread keeps no
-    OpenMP team to slow an engine's steps down (engine/threads.py)."""
+    OpenMP team to slow an engine's steps down (engine/loop/threads.py)."""
     return on_own_thread(_load_model, name_or_path, dtype, device, model_revision)
 
 

@@ -5,7 +5,7 @@ chunks under a token budget), the runner does one forward over them with attenti
 K/V through the rows' block tables in the pool, each row that finished its tokens samples
 one, full blocks are committed to the radix index in place, and finished requests resolve.
 A model the paged attention hook cannot serve (its self-test fails) is served one request at
-a time on the per-request path (`engine.sequential`), which the log says once.
+a time on the per-request path (`engine.loop.sequential`), which the log says once.
 """
 
 from __future__ import annotations
@@ -19,11 +19,10 @@ from typing import TypeVar
 
 import torch
 
-from engine.linear import LinearConfig
-from engine.model import LoadedModel, hybrid_window, shared_window
-from engine.outcomes import Outcomes
-from engine.prompt import prompt_ids
-from engine.request import (
+from engine.attention.step_row import Row, blocks_row
+from engine.loop.outcomes import Outcomes
+from engine.loop.prompt import prompt_ids
+from engine.loop.request import (
     EngineClosedError,
     GenerateResult,
     InvalidRequestError,
@@ -33,12 +32,13 @@ from engine.request import (
     SamplingParams,
     TokenCallback,
 )
-from engine.runner import PagedRunner, start_paged
-from engine.scheduler import QueueStats, Scheduled, Scheduler, SchedulerConfig
-from engine.sequential import SequentialPath
-from engine.step_row import Row, blocks_row
-from engine.sync_paths import PrefillResult, SyncPaths
-from engine.threads import LoopCalls
+from engine.loop.runner import PagedRunner, start_paged
+from engine.loop.scheduler import QueueStats, Scheduled, Scheduler, SchedulerConfig
+from engine.loop.sequential import SequentialPath
+from engine.loop.sync_paths import PrefillResult, SyncPaths
+from engine.loop.threads import LoopCalls
+from engine.model.linear import LinearConfig
+from engine.model.loading import LoadedModel, hybrid_window, shared_window
 from hashing import Namespace, validate_salt
 from kvstore.cache import PrefixCache
 from kvstore.config import CacheConfig
@@ -75,7 +75,8 @@ class Engine:
         linear_config: LinearConfig | None = None,
     ):
         """`events` gets the device index's block events (kvstore/fleet/events.py);
-        `linear_config` says how steps compute the model's linear layers (engine/linear.py)."""
+        `linear_config` says how steps compute the model's linear layers
+        (engine/model/linear.py)."""
         self.model = model
         self.cache_config = cache_config
         self.cache_generated = cache_generated
@@ -92,7 +93,7 @@ class Engine:
         self._closed = False
         self._calls = LoopCalls(self._cond)  # synchronous paths, run on the loop thread
         # the runner starts (packs, self-tests) on the loop thread, which then runs every
-        # step: one thread does the model's parallel work (engine/threads.py)
+        # step: one thread does the model's parallel work (engine/loop/threads.py)
         self.runner, self.fallback_reason = self._start_loop(kernel)
         self.sync = SyncPaths(
             runner=self.runner,
@@ -135,7 +136,7 @@ class Engine:
 
     @property
     def linear_kernel(self) -> str:
-        """`onednn` when the engine's work runs packed linears (engine/linear.py), else
+        """`onednn` when the engine's work runs packed linears (engine/model/linear.py), else
         `dense` (asked, given way, or the per-request fallback: the model's own layers)."""
         return "onednn" if self.runner is not None and self.runner.linears is not None else "dense"
 
@@ -239,7 +240,7 @@ class Engine:
     def alive(self) -> bool:
         return self._worker.is_alive()
 
-    # --- synchronous paths, on the loop thread (engine/sync_paths.py) ------------------------
+    # --- synchronous paths, on the loop thread (engine/loop/sync_paths.py) ------------------------
 
     def run(
         self,

@@ -1,5 +1,5 @@
-"""A replica's KV events on ZMQ, in vLLM's format (engine/kv_events_wire.py), and their
-consumer (engine/kv_events_sub.py).
+"""A replica's KV events on ZMQ, in vLLM's format (engine/events/wire.py), and their
+consumer (engine/events/subscriber.py).
 
 `ZmqEventPublisher` is the cache's `EventSink`: `emit` only queues; a background thread
 sends the queued events as one batch per flush interval, numbered from 0, keeps the last
@@ -27,8 +27,8 @@ from itertools import islice
 
 import zmq
 
-from engine.kv_events_sub import DEFAULT_TOPIC, EventSubscriber
-from engine.kv_events_wire import (
+from engine.events.subscriber import DEFAULT_TOPIC, EventSubscriber
+from engine.events.wire import (
     END_SEQ,
     MEDIUM_CPU,
     MEDIUM_GPU,

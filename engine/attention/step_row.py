@@ -1,6 +1,6 @@
 """One request's part of a step: what the scheduler hands the runner for each row of a batch.
 
-The runner flattens a step's rows into one sequence (engine/step_batch.py); a row says which
+The runner flattens a step's rows into one sequence (step_batch.py); a row says which
 pool blocks hold the request's K/V (its block table, in position order) and which positions
 the step feeds.
 """
@@ -37,7 +37,7 @@ def blocks_row(
 ) -> Row:
     """The row of a request's blocks: its dropped leading entries read the scratch block.
     `identified`: the row carries the request's identity, so a decode mirror may keep its
-    K/V (engine/decode_mirror.py); a forward outside the loop leaves it out."""
+    K/V (engine/attention/decode_mirror.py); a forward outside the loop leaves it out."""
     return Row(
         block_table=blocks.readable_table(scratch_block),
         start=start,

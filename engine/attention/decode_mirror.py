@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.step_row import Row
+from engine.attention.step_row import Row
 from kvstore.units import cdiv
 
 _MIN_CAPACITY = 256  # positions; the buffer doubles past it

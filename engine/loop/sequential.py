@@ -17,8 +17,8 @@ from typing import NamedTuple
 import torch
 from transformers import DynamicCache
 
-from engine.model import LoadedModel, kv_cache, with_cache
-from engine.request import GenerateResult, Sampler, SamplingParams, StopChecker, TokenCallback
+from engine.loop.request import GenerateResult, Sampler, SamplingParams, StopChecker, TokenCallback
+from engine.model.loading import LoadedModel, kv_cache, with_cache
 from kvstore.cache import KVPrefix, PrefixCache
 
 

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from engine.paged import PagedAttentionError
-from engine.step_batch import StepBatch
-from engine.step_row import Row
+from engine.attention.paged import PagedAttentionError
+from engine.attention.step_batch import StepBatch
+from engine.attention.step_row import Row
 
 
 @dataclass(frozen=True)

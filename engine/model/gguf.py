@@ -31,7 +31,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from engine.model_files import ModelLoadError
+from engine.model.files import ModelLoadError
 
 SOURCE_FILE = "kvstore-source.json"
 

@@ -24,8 +24,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 
-from engine.eager_attention import Extras, attend_eager
-from engine.step_batch import Reads, StepBatch
+from engine.attention.eager import Extras, attend_eager
+from engine.attention.step_batch import Reads, StepBatch
 
 
 class PagedAttentionError(RuntimeError):

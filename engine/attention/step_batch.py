@@ -1,7 +1,7 @@
 """What one paged step's attention reads and writes, built once per step from its rows and
-shared by every layer (engine/paged.py).
+shared by every layer (engine/attention/paged.py).
 
-The rows (engine/step_row.py) are flattened in order into one sequence of T tokens. Each new
+The rows (step_row.py) are flattened in order into one sequence of T tokens. Each new
 token's K/V goes to one slot (block, offset) of its row's table; a token in a shared leading
 block writes the runner's scratch block instead (a cached block is read only). Decode rows
 (one query each) are read as one padded batch of tables with an additive bias, the leading
@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.step_row import Row
+from engine.attention.step_row import Row
 from kvstore.units import cdiv
 
 if TYPE_CHECKING:
-    from engine.decode_mirror import DecodeMirror
+    from engine.attention.decode_mirror import DecodeMirror
 
 
 @dataclass

@@ -73,8 +73,8 @@ def named_tokenizer_class(path: Path) -> type | None:
 def load_tokenizer_of(name_or_path: str) -> Any:
     """The tokenizer `load_model(name_or_path)` would load, without the weights (a router
     renders prompts as its replicas do)."""
-    from engine.gguf_models import BUILTINS, gguf_model_dir
-    from engine.model_files import ModelLoadError, load_tokenizer
+    from engine.model.files import ModelLoadError, load_tokenizer
+    from engine.model.gguf import BUILTINS, gguf_model_dir
 
     if name_or_path == TINY_NAME:
         return byte_tokenizer()

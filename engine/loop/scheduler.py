@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-from engine.request import (
+from engine.loop.request import (
     InvalidRequestError,
     QueueFullError,
     Request,
