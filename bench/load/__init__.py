@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> dict:
         needs_model = args.url is None or not args.no_peer
         try:
             model_dir = prepare_model(args.model, Path(work)) if needs_model else None
-        except ValueError as e:  # engine.model.loading.ModelLoadError: neither tiny nor a directory
+        except ValueError as e:  # engine.model.files.ModelLoadError: neither tiny nor a directory
             raise SystemExit(f"bench load: --model: {e}") from None
         report = {"benchmark": "load", "config": config(args, model_dir)}
         report |= run_all(args, model_dir, Path(work))

@@ -24,7 +24,7 @@ PEER_LABEL = "transformers serve --continuous-batching"
 
 
 def prepare_model(name: str, workdir: Path) -> Path:
-    """A local model directory as is; `tiny` (or another engine.model.loading name) saved, model and
+    """A local model directory as is; `tiny` (or another built-in name) saved, model and
     tokenizer, under `workdir`, so both servers load the same weights."""
     path = Path(name)
     if path.is_dir():

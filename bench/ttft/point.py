@@ -97,7 +97,7 @@ def measure_point(lm, ids: list[int], kv: list, tier: str, cached: int, args) ->
 
 def measure_variants(engine, ids: list[int], kv: list, tier: str, cached: int, args) -> dict:
     """Interleaved rounds of the three variants; medians and the paired kvstore/ideal ratio."""
-    model = engine.model.loading.model
+    model = engine.model.model
 
     def nocache() -> int:  # as the engine runs the model: its thread, its linear kernels
         return engine.on_loop(

@@ -3,4 +3,4 @@ directory must hold: `files.py`), the built-in `smollm2` and GGUF files (`gguf.p
 pinned `tiny` model (`tiny.py`), tokenizers without torch (`tokenizer.py`, what the router
 loads), the weights' fingerprint (`fingerprint.py`) and packed linear layers (`linear.py`).
 
-This face imports nothing, so that `engine.model.loading.tokenizer` loads no torch."""
+This face imports nothing, so that `engine.model.tokenizer` loads no torch."""

@@ -106,7 +106,7 @@ def _tier_names(engine: Engine) -> list[str]:
 
 def describe_engine(engine: Engine) -> str:
     """The start-up line: model, device, dtype, pool size, tiers and batching mode."""
-    model, pool = engine.model.loading, engine.cache.pool
+    model, pool = engine.model, engine.cache.pool
     pool_bytes = pool.nbytes
     batching = "continuous batching" if engine.mode == "paged" else "one request at a time"
     slots = "" if pool.window is None else f" (+ {pool.window.num_slots} window-layer slots)"

@@ -55,7 +55,7 @@ class Service:
 
     def __init__(self, engine: Engine, config: ServerConfig):
         self.engine, self.config = engine, config
-        self.tokenizer = engine.model.loading.tokenizer
+        self.tokenizer = engine.model.tokenizer
         self.auth = Authenticator(config.api_keys, engine.cache_config.secret_bytes)
         self.metrics = ServerMetrics(engine.stats, engine.queue_stats)
         self.cache_info = cache_info(engine, config)

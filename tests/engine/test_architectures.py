@@ -90,7 +90,7 @@ def test_each_architecture_is_served_batched_and_equals_hf_generate(arch: str, c
     assert drops == want
     runner = "one request at a time" if mode == "sequential" else "batched"
     if mode == "paged":
-        runner += "" if engine.loop.runner.how == "attention interface" else " (step cache)"
+        runner += "" if engine.runner.how == "attention interface" else " (step cache)"
     SEEN[arch] = (type(model.model).__name__, runner, layers_of(model.model.config), held)
 
 

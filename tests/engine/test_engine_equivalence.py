@@ -34,7 +34,7 @@ def check_prefill(
 ) -> torch.Tensor:
     logits, cached = engine.prefill_logits(ids)
     assert cached == expected_cached
-    assert close_to_reference(logits, reference_logits(engine.model.loading, ids)[-1], tol)
+    assert close_to_reference(logits, reference_logits(engine.model, ids)[-1], tol)
     return logits
 
 
@@ -71,7 +71,7 @@ def test_second_turn_hits_the_first_turns_generated_tokens(engine: Engine) -> No
     first = engine.generate([turn1], params)[0]
     assert first.cached_tokens == 0
     assert len(first.output_token_ids) == 12
-    assert greedy_matches_reference(engine.model.loading, turn1, first.output_token_ids)
+    assert greedy_matches_reference(engine.model, turn1, first.output_token_ids)
     # stored: KV of prompt + 11 generated tokens = 33 tokens -> 8 whole blocks and a tail
     # holding position 32 (kvstore/device/tails.py)
     turn2 = [*turn1, *first.output_token_ids, *tokens(10, seed=5)]
@@ -80,7 +80,7 @@ def test_second_turn_hits_the_first_turns_generated_tokens(engine: Engine) -> No
     # now turn 2's own blocks are cached too: all 11, a whole-prompt hit (the last token is
     # run again for its logits, its K/V read from the cached block)
     assert second.cached_tokens == 44
-    assert greedy_matches_reference(engine.model.loading, turn2, second.output_token_ids)
+    assert greedy_matches_reference(engine.model, turn2, second.output_token_ids)
 
 
 def test_generated_tokens_match_model_generate(engine: Engine) -> None:
@@ -90,7 +90,7 @@ def test_generated_tokens_match_model_generate(engine: Engine) -> None:
     result = engine.generate([ids], params)[0]
     assert result.cached_tokens == 16
     with torch.inference_mode():
-        ref = engine.model.loading.model.generate(
+        ref = engine.model.model.generate(
             torch.tensor([ids]), max_new_tokens=10, do_sample=False, eos_token_id=None
         )
     assert result.output_token_ids == ref[0, len(ids) :].tolist()
@@ -123,7 +123,7 @@ def test_perturbed_cached_block_fails_the_equivalence_check(engine: Engine) -> N
         engine.cache.release(hit)
     logits, cached = engine.prefill_logits(ids)
     assert cached == 28
-    assert not close_to_reference(logits, reference_logits(engine.model.loading, ids)[-1])
+    assert not close_to_reference(logits, reference_logits(engine.model, ids)[-1])
 
 
 def other_architectures() -> dict[str, LoadedModel]:

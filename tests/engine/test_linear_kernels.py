@@ -70,7 +70,7 @@ def test_outside_a_step_the_model_keeps_its_own_dense_linears():
     with Engine(micro, micro_cache_config()) as engine:
         with torch.inference_mode():
             during = micro.model(input_ids=ids).logits
-        calls = engine.model.loading.model._kvstore_linears.calls
+        calls = engine.model.model._kvstore_linears.calls
         assert torch.equal(before, during)  # bit for bit: not a packed product
         assert micro.model._kvstore_linears.calls == calls
 
@@ -189,7 +189,7 @@ def test_a_failed_check_leaves_no_linear_patched(monkeypatch):
     micro = micro_model(seed=15)
     with Engine(micro, micro_cache_config()) as engine:
         assert engine.linear_kernel == "dense"
-        assert "oneDNN kernel failed" in engine.loop.runner.linear_note
+        assert "oneDNN kernel failed" in engine.runner.linear_note
         assert not hasattr(micro.model, "_kvstore_linears")
         assert not any("forward" in vars(m) for m in linears_of(micro.model))
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import paged
+from engine.attention import paged
 from engine.attention.paged import PagedAttention
 from engine.attention.step_batch import build_step
 from engine.attention.step_row import Row

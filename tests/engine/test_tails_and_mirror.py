@@ -73,11 +73,11 @@ def decode_alone(engine: Engine, prompt: list[int], params: SamplingParams) -> l
 def test_decoding_alone_through_the_mirror_gives_the_tokens_of_the_pool_path(micro) -> None:
     prompt, params = tokens(23, seed=3), SamplingParams(max_new_tokens=24, ignore_eos=True)
     with Engine(micro, micro_cache_config()) as engine:
-        assert isinstance(engine.loop.runner.mirror, DecodeMirror)
-        builds = engine.loop.runner.mirror.builds
+        assert isinstance(engine.runner.mirror, DecodeMirror)
+        builds = engine.runner.mirror.builds
         mirrored = decode_alone(engine, prompt, params)
-        assert engine.loop.runner.mirror.builds == builds + 1  # once, then appended each step
-        engine.loop.runner.mirror = None
+        assert engine.runner.mirror.builds == builds + 1  # once, then appended each step
+        engine.runner.mirror = None
         engine.cache.evict_device()
         gathered = decode_alone(engine, prompt, params)
     assert mirrored == gathered
@@ -87,7 +87,7 @@ def test_decoding_alone_through_the_mirror_gives_the_tokens_of_the_pool_path(mic
 def test_a_perturbed_mirror_fails_the_reference(micro: LoadedModel) -> None:
     prompt, params = tokens(23, seed=3), SamplingParams(max_new_tokens=24, ignore_eos=True)
     with Engine(micro, micro_cache_config()) as engine:
-        mirror = engine.loop.runner.mirror
+        mirror = engine.runner.mirror
         out: list[int] = []
 
         def spoil(token: int) -> None:  # on the engine thread, between steps
@@ -107,16 +107,16 @@ def test_a_request_that_stops_decoding_alone_gets_its_mirror_rebuilt(micro) -> N
     a_prompt, b_prompt = tokens(17, seed=4), tokens(9, seed=5)
     a_params = SamplingParams(max_new_tokens=30, ignore_eos=True)
     with Engine(micro, micro_cache_config()) as engine:
-        start = engine.loop.runner.mirror.builds
+        start = engine.runner.mirror.builds
         joined: list = []
 
         def on_a(token: int) -> None:
-            if len(joined) == 0 and engine.loop.runner.mirror.builds == start + 1:
+            if len(joined) == 0 and engine.runner.mirror.builds == start + 1:
                 joined.append(engine.submit(b_prompt, FIVE))  # queued before the next step
 
         a = engine.submit(a_prompt, a_params, on_token=on_a).result(60)
         b = joined[0].result(60)
-        builds = engine.loop.runner.mirror.builds - start
+        builds = engine.runner.mirror.builds - start
     assert builds == 2
     assert greedy_matches_reference(micro, a_prompt, a.output_token_ids)
     assert greedy_matches_reference(micro, b_prompt, b.output_token_ids)
@@ -127,7 +127,7 @@ def test_a_request_longer_than_the_mirror_may_hold_reads_the_pool(micro) -> None
     a request decodes through it up to position 63, then from the pool."""
     prompt, params = tokens(57, seed=6), SamplingParams(max_new_tokens=14, ignore_eos=True)
     with Engine(micro, micro_cache_config(device_blocks=64)) as engine:
-        mirror = engine.loop.runner.mirror
+        mirror = engine.runner.mirror
         assert mirror.max_positions == 64
         builds = mirror.builds
         out = decode_alone(engine, prompt, params)

@@ -266,7 +266,7 @@ def test_a_step_reading_a_block_without_its_window_part_is_refused() -> None:
     with Engine(model_of("gemma2"), micro_cache_config()) as engine:
         block = engine.cache.held.allocate(1, window=False)
         with pytest.raises(PagedAttentionError, match="without window parts"):
-            engine.on_loop(lambda: engine.loop.runner.forward([Row(block, 0, 3)], [[1, 2, 3]], [0]))
+            engine.on_loop(lambda: engine.runner.forward([Row(block, 0, 3)], [[1, 2, 3]], [0]))
         engine.cache.held.free(block, window=False)
 
 
