@@ -82,7 +82,14 @@ class PrefixCache:
         self.hasher = self.scopes.default.hasher
         self.tenants = TenantBlocks(config.tenant_quota_blocks, self.pool.num_blocks)
         self.device_index = DeviceIndex(
-            self.pool, self.index, self.kind, self.tenants, self.scopes, self.tiers, self.metrics
+            pool=self.pool,
+            index=self.index,
+            kind=self.kind,
+            tenants=self.tenants,
+            scopes=self.scopes,
+            tiers=self.tiers,
+            metrics=self.metrics,
+            release_tails=lambda n: self.tails.release(n),  # the tails are made below
         )
         self._lock = self.device_index.lock
         self.held = HeldBlocks(self.device_index, num_tails=lambda: len(self.tails))
@@ -95,7 +102,6 @@ class PrefixCache:
             free=self.held.free,
             metrics=self.metrics,
         )
-        self.device_index.release_tails = self.tails.release
 
     @property
     def device(self) -> torch.device:

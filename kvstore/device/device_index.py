@@ -35,14 +35,17 @@ class DeviceIndex:
         scopes: Scopes,
         tiers: Tiers | None,
         metrics: CacheMetrics,
+        release_tails: Callable[[int], int],
     ):
+        """`release_tails(n)` frees up to n kept tails (kvstore/device/tails.py), the last
+        blocks an allocation takes back."""
         self.lock = threading.RLock()
         self.pool, self.index, self.kind = pool, index, kind
         self.tenants, self.scopes, self.tiers, self.metrics = tenants, scopes, tiers, metrics
         self.block_size = pool.block_size
         # a window cache drops whole tier chunks: write-back tiers get them whole
         self.punch_align = tiers.chunk_blocks if tiers is not None else 1
-        self.release_tails: Callable[[int], int] = lambda n: 0  # set by the cache's tails
+        self.release_tails = release_tails
 
     def insert(
         self,
