@@ -24,8 +24,8 @@ from engine.model.loading import (
     shared_window,
     wrap_model,
 )
+from kvstore.block_tables import SeqBlocks
 from kvstore.config import CacheConfig
-from kvstore.device.block_tables import SeqBlocks
 from kvstore.units import cdiv
 
 BLOCK_SIZE = 4

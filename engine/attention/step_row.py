@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvstore.device.block_tables import SeqBlocks
+    from kvstore.block_tables import SeqBlocks
 
 
 @dataclass(frozen=True)

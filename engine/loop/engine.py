@@ -40,9 +40,9 @@ from engine.loop.threads import LoopCalls
 from engine.model.linear import LinearConfig
 from engine.model.loading import LoadedModel, hybrid_window, shared_window
 from hashing import Namespace, validate_salt
+from kvstore.block_tables import BlockTables
 from kvstore.cache import PrefixCache
 from kvstore.config import CacheConfig
-from kvstore.device.block_tables import BlockTables
 from kvstore.fleet.events import EventSink
 
 log = logging.getLogger("kvstore.engine")

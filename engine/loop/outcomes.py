@@ -19,7 +19,7 @@ from engine.loop.request import GenerateResult, QueueFullError, Request, Sampler
 if TYPE_CHECKING:
     from engine.loop.scheduler import Scheduler
     from engine.model.loading import LoadedModel
-    from kvstore.device.block_tables import BlockTables
+    from kvstore.block_tables import BlockTables
 
 log = logging.getLogger("kvstore.engine")
 

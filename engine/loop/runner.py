@@ -32,7 +32,7 @@ from engine.attention.step_row import Row
 from engine.contract import tolerance_for
 from engine.model.linear import install_linears, uninstall_linears
 from engine.model.loading import LoadedModel, has_window, with_cache
-from kvstore.device.block_tables import BlockTables
+from kvstore.block_tables import BlockTables
 from kvstore.device.pool import BlockPool
 from kvstore.units import cdiv
 

@@ -27,7 +27,7 @@ from engine.loop.request import (
     RequestCancelled,
     StopChecker,
 )
-from kvstore.device.block_tables import BlockTables, SeqBlocks
+from kvstore.block_tables import BlockTables, SeqBlocks
 
 # Default tokens per step by device. On a CPU prefill costs the same per token in any batch
 # (its matmuls are compute-bound past ~64 rows), so a larger step buys no throughput and only

@@ -13,13 +13,13 @@ import torch
 
 from engine.attention.step_row import blocks_row
 from engine.loop.request import GenerateResult, Prompt, SamplingParams, TokenCallback
-from kvstore.device.block_tables import SeqBlocks
+from kvstore.block_tables import SeqBlocks
 
 if TYPE_CHECKING:
     from engine.loop.runner import PagedRunner
     from engine.loop.sequential import SequentialPath
     from engine.loop.threads import LoopCalls
-    from kvstore.device.block_tables import BlockTables
+    from kvstore.block_tables import BlockTables
 
 T = TypeVar("T")
 

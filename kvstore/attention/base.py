@@ -146,7 +146,7 @@ class AttentionKind(ABC):
         """The kind's own invariants over the index's blocks (`check_integrity`)."""
         return None
 
-    # --- a running request (kvstore/device/block_tables.py), called without the lock ---
+    # --- a running request (kvstore/block_tables.py), called without the lock ---
 
     shrinks_steps: bool = False  # a step the kind cannot hold may shrink by halves
 

@@ -1,5 +1,5 @@
 """The blocks a caller holds apart from lookups: an engine's block tables
-(kvstore/device/block_tables.py) take a hit's blocks over, allocate their own, commit them to the
+(kvstore/block_tables.py) take a hit's blocks over, allocate their own, commit them to the
 index in place, drop them, and (sliding-window and hybrid models) let go of what left the
 window. `PrefixCache.held` is one, over the cache's `DeviceIndex`."""
 

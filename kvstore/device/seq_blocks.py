@@ -1,5 +1,5 @@
 """`SeqBlocks`: one running request's block table and where its commits and slides stand
-(kvstore/device/block_tables.py opens, grows, commits, slides and closes it)."""
+(kvstore/block_tables.py opens, grows, commits, slides and closes it)."""
 
 from __future__ import annotations
 

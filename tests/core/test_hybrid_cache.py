@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from hashing import Namespace
+from kvstore.block_tables import BlockTables, SeqBlocks
 from kvstore.cache import PrefixCache
 from kvstore.config import CacheConfig, ConfigError
-from kvstore.device.block_tables import BlockTables, SeqBlocks
 from kvstore.device.hybrid_pool import HybridPool, make_pool
 from kvstore.device.pool import BlockPool, PoolExhausted
 from kvstore.device.window_plane import WindowPlaneError

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from hashing import Namespace
+from kvstore.block_tables import BlockTables, SeqBlocks
 from kvstore.cache import PrefixCache
 from kvstore.config import CacheConfig, ConfigError
-from kvstore.device.block_tables import BlockTables, SeqBlocks
 
 BS = 4
 NS = Namespace("tail-model", "float32", 2, 2, 8, BS)

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from hashing import Namespace
+from kvstore.block_tables import BlockTables, SeqBlocks
 from kvstore.cache import PrefixCache
 from kvstore.config import CacheConfig
-from kvstore.device.block_tables import BlockTables, SeqBlocks
 
 BS, WINDOW = 4, 8  # a hit needs the 2 blocks before its point
 NS = Namespace("window-model", "float32", 2, 2, 8, BS)

@@ -15,8 +15,8 @@ from engine.loop.engine import Engine
 from engine.loop.request import Request, RequestCancelled, SamplingParams
 from engine.loop.scheduler import Scheduler, SchedulerConfig
 from engine.model.loading import LoadedModel
+from kvstore.block_tables import BlockTables
 from kvstore.cache import PrefixCache
-from kvstore.device.block_tables import BlockTables
 
 GREEDY = SamplingParams(max_new_tokens=10, ignore_eos=True)
 BS = 4
