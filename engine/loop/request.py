@@ -22,7 +22,12 @@ TokenCallback = Callable[[int], None]
 
 
 class InvalidRequestError(ValueError):
-    """A request is malformed; the message says what to fix."""
+    """A request is malformed; the message says what to fix, `field` which of the engine's
+    fields (a `SamplingParams` field, `prompt`) when one is to blame."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 class EngineClosedError(RuntimeError):
@@ -51,23 +56,27 @@ class SamplingParams:
     def __post_init__(self) -> None:
         n = self.max_new_tokens
         if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
-            raise InvalidRequestError(f"max_new_tokens must be an int >= 1, got {n!r}")
+            raise InvalidRequestError(
+                f"max_new_tokens must be an int >= 1, got {n!r}", "max_new_tokens"
+            )
         if not isinstance(self.temperature, int | float) or not 0 <= self.temperature <= 100:
-            raise InvalidRequestError(f"temperature must be in [0, 100], got {self.temperature!r}")
+            why = f"temperature must be in [0, 100], got {self.temperature!r}"
+            raise InvalidRequestError(why, "temperature")
         if not isinstance(self.top_p, int | float) or not 0 < self.top_p <= 1:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
         if self.seed is not None and (
             isinstance(self.seed, bool)
             or not isinstance(self.seed, int)
             or not -(2**63) <= self.seed < 2**64  # what torch.Generator.manual_seed takes
         ):
-            raise InvalidRequestError(f"seed must be a 64-bit int or None, got {self.seed!r}")
+            why = f"seed must be a 64-bit int or None, got {self.seed!r}"
+            raise InvalidRequestError(why, "seed")
         object.__setattr__(
             self, "stop_token_ids", _int_tuple("stop_token_ids", self.stop_token_ids)
         )
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if any(not isinstance(s, str) or not s for s in stop):
-            raise InvalidRequestError(f"stop must be non-empty strings, got {self.stop!r}")
+            raise InvalidRequestError(f"stop must be non-empty strings, got {self.stop!r}", "stop")
         object.__setattr__(self, "stop", stop)
 
 

@@ -137,12 +137,13 @@ class Service:
         salt = engine_salt(self.auth, tenant, req.cache_salt)
         ids = await run_in_threadpool(self.prompt_ids, req)
         params = self.sampling_params(req, len(ids))
+        prompt_field = "messages" if isinstance(req, p.ChatRequest) else "prompt"
         job = Request(ids, params, salt, tenant, on_done=self.metrics.observe)
         bridge = TokenBridge(asyncio.get_running_loop()) if req.stream else None
         if bridge is not None:
             job.on_token = bridge.push
             bridge.watch(job.future)
-        await run_in_threadpool(self.admit, job)  # hashes its blocks: off the event loop
+        await run_in_threadpool(self.admit, job, prompt_field)  # hashes: off the event loop
         return job, req, bridge
 
     def prompt_ids(self, req: p.CompletionRequest | p.ChatRequest) -> list[int]:
@@ -154,16 +155,13 @@ class Service:
         return ids
 
     def sampling_params(self, req: p.CompletionRequest | p.ChatRequest, num_prompt: int) -> Any:
-        limit = self.config.max_tokens_limit
-        asked = req.requested_max_tokens if isinstance(req, p.ChatRequest) else req.max_tokens
-        if asked is not None and asked > limit:
-            raise bad_request(f"max_tokens is {asked}; this server allows at most {limit}")
-        if asked is None:
-            room = self.engine.model.max_positions
-            asked = limit if room is None else min(limit, room - num_prompt)
-            if asked < 1:
-                message = f"the prompt ({num_prompt} tokens) fills the model's {room} positions"
-                raise bad_request(message, "messages", "context_length_exceeded")
+        """The engine's sampling parameters; a 400 naming the field the client sent."""
+        chat = isinstance(req, p.ChatRequest)
+        asked = req.requested_max_tokens if chat else req.max_tokens
+        field = "max_completion_tokens" if chat and req.max_completion_tokens else "max_tokens"
+        prompt_field = "messages" if chat else "prompt"
+        room, limit = self.engine.model.max_positions, self.config.max_tokens_limit
+        asked = max_new_tokens(asked, num_prompt, limit, room, field, prompt_field)
         try:
             return SamplingParams(
                 max_new_tokens=asked,
@@ -174,14 +172,16 @@ class Service:
                 ignore_eos=req.ignore_eos,
             )
         except InvalidRequestError as e:
-            raise bad_request(str(e)) from None
+            client_field = field if e.field == "max_new_tokens" else e.field
+            raise bad_request(str(e).replace("max_new_tokens", field), client_field) from None
 
-    def admit(self, job: Request) -> None:
+    def admit(self, job: Request, prompt_field: str = "prompt") -> None:
+        """Queue a job in the engine (`prompt_field`: what the client called its prompt)."""
         try:
             job.token_ids = self.engine.encode(job.token_ids, job.params)  # range and positions
             self.engine.add_request(job, self.config.max_queue)
         except InvalidRequestError as e:
-            raise bad_request(str(e), "prompt") from None
+            raise bad_request(str(e), prompt_field) from None
         except QueueFullError as e:
             raise self.failure(e) from None
         except EngineClosedError as e:
@@ -278,3 +278,26 @@ class _Gauge:
     def exit(self) -> None:
         with self._lock:
             self.value -= 1
+
+
+def max_new_tokens(
+    asked: int | None, num_prompt: int, limit: int, room: int | None, field: str, prompt_field: str
+) -> int:
+    """The tokens to generate: what the client asked (its `field`), within the server's
+    `limit` and the model's `room` (positions, None: no bound), or what fits when it asked
+    none; a 400 naming the client's field (`prompt_field`: its prompt's) otherwise."""
+    if asked is not None and asked > limit:
+        raise bad_request(f"{field} is {asked}; this server allows at most {limit}", field)
+    if asked is not None:
+        if room is not None and num_prompt + asked > room:
+            message = (
+                f"the prompt ({num_prompt} tokens) + {field} ({asked}) exceeds the model's "
+                f"{room} positions; shorten the {prompt_field} or lower {field}"
+            )
+            raise bad_request(message, field, "context_length_exceeded")
+        return asked
+    asked = limit if room is None else min(limit, room - num_prompt)
+    if asked < 1:
+        message = f"the prompt ({num_prompt} tokens) fills the model's {room} positions"
+        raise bad_request(message, prompt_field, "context_length_exceeded")
+    return asked

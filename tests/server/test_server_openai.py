@@ -7,7 +7,9 @@ import openai
 import pytest
 from server_helpers import BLOCK_SIZE, SERVED_NAME
 
+from engine.api.errors import ApiError
 from engine.model.loading import byte_tokenizer
+from engine.server.service import max_new_tokens
 
 pytestmark = pytest.mark.integration
 NO_EOS = {"ignore_eos": True}
@@ -101,3 +103,39 @@ def test_streamed_chat_sends_role_then_content_then_usage(client):
 def test_unknown_model_is_404(client):
     with pytest.raises(openai.NotFoundError, match="not served here"):
         client.completions.create(model="gpt-4", prompt="hi", max_tokens=1)
+
+
+def error_of(call) -> dict:
+    """The OpenAI error object of a call that must be refused with a 400."""
+    with pytest.raises(openai.BadRequestError) as info:
+        call()
+    body = info.value.body
+    return body.get("error", body) if isinstance(body, dict) else {}
+
+
+def test_errors_name_the_field_the_client_sent(client):
+    chat, messages = client.chat.completions.create, [{"role": "user", "content": "hi"}]
+    err = error_of(lambda: chat(model=SERVED_NAME, messages=messages, max_completion_tokens=7000))
+    assert err["param"] == "max_completion_tokens"
+    assert err["message"] == "max_completion_tokens is 7000; this server allows at most 6000"
+    err = error_of(lambda: chat(model=SERVED_NAME, messages=messages, max_tokens=7000))
+    assert err["param"] == "max_tokens"
+    assert err["message"] == "max_tokens is 7000; this server allows at most 6000"
+    err = error_of(lambda: chat(model=SERVED_NAME, messages=messages, max_tokens=1, seed=2**65))
+    assert err["param"] == "seed"
+    completion = client.completions.create
+    err = error_of(lambda: completion(model=SERVED_NAME, prompt=[999_999], max_tokens=1))
+    assert err["param"] == "prompt" and "token ids" in err["message"]
+
+
+def test_a_request_past_the_models_positions_names_the_field_the_client_sent():
+    with pytest.raises(ApiError) as info:
+        max_new_tokens(255, 22, 6000, 256, "max_tokens", "messages")
+    error = info.value
+    assert (error.status, error.param, error.code) == (400, "max_tokens", "context_length_exceeded")
+    assert "max_tokens (255)" in error.message and "max_new_tokens" not in error.message
+    with pytest.raises(ApiError) as info:
+        max_new_tokens(None, 256, 6000, 256, "max_completion_tokens", "messages")
+    assert (info.value.param, info.value.code) == ("messages", "context_length_exceeded")
+    assert max_new_tokens(None, 200, 6000, 256, "max_tokens", "prompt") == 56
+    assert max_new_tokens(10, 200, 6000, None, "max_tokens", "prompt") == 10
