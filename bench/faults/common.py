@@ -14,18 +14,17 @@ from typing import NamedTuple
 
 import numpy as np
 import redis
-from transformers import LlamaConfig
 
 from bench.launch import RedisServer
 from engine.contract import greedy_matches_reference
 from engine.loop.engine import Engine, GenerateResult, SamplingParams
 from engine.model.loading import (
-    BYTE_VOCAB_SIZE,
     LoadedModel,
     byte_tokenizer,
     random_model,
     wrap_model,
 )
+from engine.model.tiny import micro_config
 from hashing import KEY_ID_BYTES
 from kvstore.config import CacheConfig
 from kvstore.entry import FIXED_HEADER_BYTES, ID_BYTES
@@ -88,21 +87,7 @@ class Context(NamedTuple):
 
 
 def micro_model(seed: int = 1) -> LoadedModel:
-    config = LlamaConfig(
-        vocab_size=BYTE_VOCAB_SIZE,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=256,
-        initializer_range=0.1,
-        tie_word_embeddings=False,
-        bos_token_id=256,
-        eos_token_id=257,
-        pad_token_id=258,
-    )
+    config = micro_config()
     return wrap_model(random_model(config, seed), byte_tokenizer(), f"micro-{seed}")
 
 

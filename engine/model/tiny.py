@@ -25,6 +25,7 @@ __all__ = [
     "TINY_SEED",
     "byte_tokenizer",
     "bytes_to_unicode",
+    "micro_config",
     "random_model",
     "tiny_config",
 ]
@@ -32,10 +33,22 @@ __all__ = [
 TINY_SEED = 0
 
 
-def tiny_config() -> LlamaConfig:
-    """The pinned `tiny` model: Llama-style, 8 layers, hidden 512, GQA 8/2, byte vocabulary."""
+def _byte_llama(**shape: int) -> LlamaConfig:
+    """A Llama-style config over the byte vocabulary, of the given shape."""
     return LlamaConfig(
         vocab_size=BYTE_VOCAB_SIZE,
+        initializer_range=0.1,
+        tie_word_embeddings=False,
+        bos_token_id=256,
+        eos_token_id=257,
+        pad_token_id=258,
+        **shape,
+    )
+
+
+def tiny_config() -> LlamaConfig:
+    """The pinned `tiny` model: Llama-style, 8 layers, hidden 512, GQA 8/2, byte vocabulary."""
+    return _byte_llama(
         hidden_size=512,
         intermediate_size=1408,
         num_hidden_layers=8,
@@ -43,13 +56,21 @@ def tiny_config() -> LlamaConfig:
         num_key_value_heads=2,
         head_dim=64,
         max_position_embeddings=4096,
-        initializer_range=0.1,
         rms_norm_eps=1e-5,
         rope_theta=10000.0,
-        tie_word_embeddings=False,
-        bos_token_id=256,
-        eos_token_id=257,
-        pad_token_id=258,
+    )
+
+
+def micro_config() -> LlamaConfig:
+    """The micro model of tests and fault runs: 2 layers, hidden 64, GQA 4/2, 256 positions."""
+    return _byte_llama(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
     )
 
 

@@ -3,33 +3,19 @@
 from __future__ import annotations
 
 import torch
-from transformers import LlamaConfig
 
 from engine.contract import FP32_TOL, greedy_matches_reference  # noqa: F401 (re-exported)
 from engine.model.loading import LoadedModel, wrap_model
-from engine.model.tiny import BYTE_VOCAB_SIZE, byte_tokenizer, random_model
+from engine.model.tiny import (  # noqa: F401 (micro_config re-exported)
+    BYTE_VOCAB_SIZE,
+    byte_tokenizer,
+    micro_config,
+    random_model,
+)
 from kvstore.config import CacheConfig
 
 BLOCK_SIZE = 4
 TOL = FP32_TOL
-
-
-def micro_config() -> LlamaConfig:
-    return LlamaConfig(
-        vocab_size=BYTE_VOCAB_SIZE,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=256,
-        initializer_range=0.1,
-        tie_word_embeddings=False,
-        bos_token_id=256,
-        eos_token_id=257,
-        pad_token_id=258,
-    )
 
 
 def micro_model(seed: int = 1) -> LoadedModel:
