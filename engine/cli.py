@@ -20,11 +20,13 @@ from engine.commands import (  # noqa: F401  (re-exported for callers of the CLI
     Command,
     add_model_arguments,
     add_model_flag,
+    add_threads_flag,
     check_cache_config,
     command,
     load_engine,
     positive_int,
     quiet_load_model,
+    thread_config,
 )
 from engine.extras import as_missing_extra, require
 from kvstore.config import ConfigError
@@ -131,6 +133,7 @@ def _short_prompt_note(prompt_tokens: int, block_size: int) -> str | None:
 def _demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     add_model_flag(parser, default="smollm2")
+    add_threads_flag(parser)
     parser.add_argument(
         "--max-tokens", type=positive_int, default=24, help="most tokens each answer generates"
     )
@@ -159,7 +162,9 @@ def run_demo(args: argparse.Namespace) -> int:
         tqdm(total=num_requests(config), desc="requests", unit="req", file=sys.stderr) as bar,
         logging_redirect_tqdm(),
     ):
-        rows = run_demo_requests(model, args.max_tokens, config, on_row=lambda _: bar.update())
+        rows = run_demo_requests(
+            model, args.max_tokens, config, lambda _: bar.update(), thread_config(args)
+        )
     report = {
         "model": args.model,
         "requests": rows,

@@ -68,8 +68,40 @@ def add_model_flag(parser: argparse.ArgumentParser, default: str) -> None:
     )
 
 
+def threads_flag(text: str) -> int | None:
+    """An argparse type: "auto" (None) or a thread count."""
+    if text == "auto":
+        return None
+    try:
+        return positive_int(text)
+    except argparse.ArgumentTypeError:
+        why = f"must be auto or a positive integer, got {text!r}"
+        raise argparse.ArgumentTypeError(why) from None
+
+
+def add_threads_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--threads",
+        type=threads_flag,
+        default=None,
+        metavar="auto|N",
+        help="threads of the model's work on a CPU: auto (default) runs torch's count "
+        "(OMP_NUM_THREADS) and sizes it down to the cores other processes leave free; N runs "
+        'exactly N (docs/CONFIG.md, "Threads")',
+    )
+
+
+def thread_config(args: argparse.Namespace):
+    """The engine's `ThreadConfig` from --threads."""
+    from engine.loop.threads import ThreadConfig
+
+    threads = getattr(args, "threads", None)
+    return ThreadConfig(threads=threads, adapt=threads is None)
+
+
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_flag(parser, default="tiny")
+    add_threads_flag(parser)
     parser.add_argument("--dtype", default="float32", help="float32, float16 or bfloat16")
     parser.add_argument(
         "--model-revision",
@@ -134,5 +166,8 @@ def load_engine(
     model = quiet_load_model(args.model, device, args.dtype, args.model_revision)
     steps = SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs)
     linears = LinearConfig(args.linear_kernel)
-    engine = Engine(model, config, scheduler_config=steps, events=events, linear_config=linears)
+    engine = Engine(
+        model, config, scheduler_config=steps, events=events, linear_config=linears,
+        thread_config=thread_config(args),
+    )  # fmt: skip
     return model, engine

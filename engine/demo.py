@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     import torch
 
     from engine.loop.engine import Engine, GenerateResult
+    from engine.loop.threads import ThreadConfig
     from engine.model.loading import LoadedModel
 
 DEFAULT_MODEL = "smollm2"
@@ -137,6 +138,7 @@ def run_demo_requests(
     max_tokens: int,
     config: CacheConfig,
     on_row: Callable[[Row], None] | None = None,
+    threads: ThreadConfig | None = None,
 ) -> list[Row]:
     """Run the demo's requests through the engine and compare each with a no-cache run;
     `on_row(row)` is called as each comparison is done (progress)."""
@@ -144,11 +146,11 @@ def run_demo_requests(
     from engine.loop.sequential import reference_generate
 
     demo = _Demo(model, max_tokens, on_row)
-    with Engine(model, config) as engine:
+    with Engine(model, config, thread_config=threads) as engine:
         engine.on_loop(lambda: reference_generate(model, list(range(64)), 2))  # warm-up
         rows = demo.chat(engine) + demo.batch(engine)
     if config.lmdb_dir or config.redis_url:  # closing flushed the writes: a fresh device pool
-        with Engine(model, config) as engine:
+        with Engine(model, config, thread_config=threads) as engine:
             rows += demo.batch(engine, "pass 2, ")
     return rows
 

@@ -36,7 +36,7 @@ from engine.loop.runner import PagedRunner, start_paged
 from engine.loop.scheduler import QueueStats, Scheduled, Scheduler, SchedulerConfig
 from engine.loop.sequential import SequentialPath
 from engine.loop.sync_paths import PrefillResult, SyncPaths
-from engine.loop.threads import LoopCalls
+from engine.loop.threads import LoopCalls, ThreadConfig, ThreadGovernor
 from engine.model.linear import LinearConfig
 from engine.model.loading import LoadedModel, hybrid_window, shared_window
 from hashing import Namespace, validate_salt
@@ -73,10 +73,12 @@ class Engine:
         scheduler_config: SchedulerConfig | None = None,
         events: EventSink | None = None,
         linear_config: LinearConfig | None = None,
+        thread_config: ThreadConfig | None = None,
     ):
         """`events` gets the device index's block events (kvstore/fleet/events.py);
         `linear_config` says how steps compute the model's linear layers
-        (engine/model/linear.py)."""
+        (engine/model/linear.py); `thread_config` how many threads they run
+        (engine/loop/threads.py)."""
         self.model = model
         self.cache_config = cache_config
         self.cache_generated = cache_generated
@@ -92,6 +94,8 @@ class Engine:
         self._cond = threading.Condition()
         self._closed = False
         self._calls = LoopCalls(self._cond)  # synchronous paths, run on the loop thread
+        self.thread_config = thread_config or ThreadConfig()
+        self.governor: ThreadGovernor | None = None  # the loop thread's, once it started
         # the runner starts (packs, self-tests) on the loop thread, which then runs every
         # step: one thread does the model's parallel work (engine/loop/threads.py)
         self.runner, self.fallback_reason = self._start_loop(kernel)
@@ -109,7 +113,7 @@ class Engine:
     def _start_loop(self, kernel: str) -> tuple[PagedRunner | None, str | None]:
         """Start the loop thread; the runner it started, or None and why not."""
         started: Future = Future()
-        threads = torch.get_num_threads()
+        threads = self.thread_config.threads or torch.get_num_threads()
         self._worker = threading.Thread(
             target=self._main, args=(started, threads, kernel), name="kvstore-engine", daemon=True
         )
@@ -277,7 +281,12 @@ class Engine:
         """The loop thread: start the runner (`started` gets it, or the error), then loop."""
         try:
             torch.set_num_threads(threads)  # the creator's, not a new thread's default
-            started.set_result(start_paged(self.model, self.tables, kernel))
+            if self.model.device.type == "cpu":
+                self.governor = ThreadGovernor(self.thread_config, threads)
+            runner = start_paged(self.model, self.tables, kernel)
+            if self.governor is not None:  # sized by the load while the runner started
+                self.governor.tick(min_window_s=0.05)
+            started.set_result(runner)
         except BaseException as e:
             started.set_exception(e)
             return
@@ -296,6 +305,8 @@ class Engine:
                 calls = self._calls.take()
                 if self._closed and self._idle() and not calls:
                     return
+            if self.governor is not None:
+                self.governor.tick()
             self._calls.run(calls)
             if self._idle():
                 continue
