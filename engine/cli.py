@@ -16,12 +16,14 @@ from typing import NoReturn
 
 from engine.commands import (  # noqa: F401  (re-exported for callers of the CLI)
     COMMANDS,
+    DEFAULT_MODEL,
     ENGINE_MODULES,
     Command,
     add_model_arguments,
     add_model_flag,
     add_threads_flag,
     check_cache_config,
+    check_model_flag,
     command,
     load_engine,
     positive_int,
@@ -75,11 +77,13 @@ def _parse_ids(text: str) -> list[int]:
 
 @command(
     "generate",
-    "generate from one prompt (the default model, tiny, has random weights: its text is noise)",
+    f"generate from one prompt with --model (default {DEFAULT_MODEL}, SmolLM2-135M-Instruct; "
+    "--model tiny loads faster, but its random weights make noise)",
     _generate_arguments,
     requires=ENGINE_MODULES,
 )
 def run_generate(args: argparse.Namespace) -> int:
+    check_model_flag(args.model)  # before torch loads: a bad path fails in a second
     from engine.loop.engine import SamplingParams
 
     params = SamplingParams(
@@ -132,7 +136,7 @@ def _short_prompt_note(prompt_tokens: int, block_size: int) -> str | None:
 
 def _demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    add_model_flag(parser, default="smollm2")
+    add_model_flag(parser, default=DEFAULT_MODEL)
     add_threads_flag(parser)
     parser.add_argument(
         "--max-tokens", type=positive_int, default=24, help="most tokens each answer generates"
@@ -148,6 +152,7 @@ def _demo_arguments(parser: argparse.ArgumentParser) -> None:
     requires=ENGINE_MODULES,
 )
 def run_demo(args: argparse.Namespace) -> int:
+    check_model_flag(args.model)
     from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -184,7 +189,7 @@ def run_demo(args: argparse.Namespace) -> int:
 def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     from engine.server.config import add_server_arguments
 
-    add_model_arguments(parser)
+    add_model_arguments(parser, default="tiny")
     add_server_arguments(parser)
     add_cache_args(parser)
 
@@ -196,10 +201,11 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     requires=(*ENGINE_MODULES, "fastapi", "uvicorn"),
 )
 def run_serve(args: argparse.Namespace) -> int:
-    from engine.server.config import check_port_free, server_config_from_args
+    from engine.server.config import check_ports_free, server_config_from_args
 
-    config = server_config_from_args(args)  # flags and the port first: seconds before the model
-    check_port_free(config.host, config.port)
+    config = server_config_from_args(args)  # flags, ports and model first: before torch loads
+    check_ports_free(config)
+    check_model_flag(args.model)
     from engine.server.app import run_server
 
     return run_server(args)

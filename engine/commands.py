@@ -30,6 +30,9 @@ class Command(NamedTuple):
 
 COMMANDS: dict[str, Command] = {}
 ENGINE_MODULES = ("transformers",)  # what loading a model needs: the `engine` extra
+# The --model of `generate`, `demo`, `stats` and `clear`: the real model (tiny's text is
+# noise). `serve` and `router` default to tiny, the model of the tests and of `bench ttft`.
+DEFAULT_MODEL = "smollm2"
 
 
 def command(
@@ -64,7 +67,8 @@ def add_model_flag(parser: argparse.ArgumentParser, default: str) -> None:
         "--model",
         default=default,
         help="smollm2 (SmolLM2-135M-Instruct, fetched and converted once), tiny (random "
-        "weights: its text is noise), a .gguf file or a local model directory",
+        f"weights: its text is noise), a .gguf file or a local model directory (default: "
+        f"{default})",
     )
 
 
@@ -99,8 +103,19 @@ def thread_config(args: argparse.Namespace):
     return ThreadConfig(threads=threads, adapt=threads is None)
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    add_model_flag(parser, default="tiny")
+def check_model_flag(name: str, weights: bool = True) -> None:
+    """`ModelLoadError` naming --model, before torch loads (seconds), unless `name` is one
+    a loader takes: tiny, a built-in, an existing .gguf file, or a directory with config.json,
+    tokenizer files and (`weights`; the router reads only the tokenizer) weights."""
+    from engine.model.files import check_model_path
+    from engine.model.gguf import BUILTINS
+    from engine.model.tokenizer import TINY_NAME
+
+    check_model_path(name, "--model", (TINY_NAME, *BUILTINS), weights)
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, default: str = DEFAULT_MODEL) -> None:
+    add_model_flag(parser, default)
     add_threads_flag(parser)
     parser.add_argument("--dtype", default="float32", help="float32, float16 or bfloat16")
     parser.add_argument(

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from engine.commands import add_model_flag, command
+from engine.commands import add_model_flag, check_model_flag, command
 from engine.router.config import add_router_arguments, router_config_from_args
 from engine.server.config import check_port_free
 
@@ -24,7 +24,8 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
     requires=("transformers", "fastapi", "uvicorn", "httpx", "zmq", "msgspec"),
 )
 def run_router(args: argparse.Namespace) -> int:
-    config = router_config_from_args(args)  # flags and the port first: before the tokenizer
+    config = router_config_from_args(args)  # flags, model and port first: before the tokenizer
+    check_model_flag(args.model, weights=False)  # the router reads only its tokenizer
     check_port_free(config.host, config.port)
     import uvicorn
 

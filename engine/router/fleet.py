@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -44,8 +45,8 @@ class Replica:
     routed: int = 0
     failures: int = 0
     pending: tuple[float, frozenset] = (0.0, frozenset())  # (monotonic, keys) last routed
-    info: dict | None = None  # /health's "cache": block size, namespace, events ports
-    events: object | None = None  # its EventSubscriber, when it publishes events
+    info: dict | None = None  # /health's "cache": block size, namespace, events ports (None: down)
+    events: object | None = None  # its EventSubscriber, when it publishes events and is up
 
     @property
     def host(self) -> str:
@@ -123,17 +124,25 @@ class Fleet:
             self._attach(replica, body["cache"])
 
     def failed(self, replica: Replica, why: str) -> None:
-        """A failed health read or request: dropped after DOWN_AFTER_FAILURES in a row."""
+        """A failed health read or request: down after DOWN_AFTER_FAILURES in a row."""
         replica.failures += 1
-        if replica.alive and replica.failures >= DOWN_AFTER_FAILURES:
-            log.warning("replica %s is down (%s): dropped until it answers again", replica.url, why)
-            replica.alive = False
+        if replica.failures >= DOWN_AFTER_FAILURES:
+            self._down(replica, why)
 
     def dead(self, replica: Replica, why: str) -> None:
-        """A replica that refused a connection or broke one: dropped now."""
+        """A replica that refused a connection or broke one: down now."""
+        replica.failures = DOWN_AFTER_FAILURES
+        self._down(replica, why)
+
+    def _down(self, replica: Replica, why: str) -> None:
+        """Dropped from routing, and its blocks from the index: a replica that answers again
+        is indexed afresh, by a replay of its events from the first (`_attach`)."""
         if replica.alive:
             log.warning("replica %s is down (%s): dropped until it answers again", replica.url, why)
-        replica.alive, replica.failures = False, DOWN_AFTER_FAILURES
+        replica.alive = False
+        events, replica.events, replica.info = replica.events, None, None
+        if events is not None:  # its thread stops within ~50 ms: not on the event loop
+            threading.Thread(target=events.close, name="kv-events-close", daemon=True).start()
 
     def _attach(self, replica: Replica, info: dict) -> None:
         """Its namespace (all replicas must share one) and its event stream."""
@@ -176,6 +185,12 @@ class Fleet:
         if hasher is None:
             return []
         return hasher.hash_blocks(as_token_array(token_ids))
+
+    def indexed(self, replica: Replica) -> int:
+        """Blocks the router counts for `replica`: its events' while it is up and they are
+        fresh; 0 while it is down (they are dropped) or its events are stale."""
+        held = self.blocks(replica) if replica.alive else None
+        return 0 if held is None else len(held)
 
     def blocks(self, replica: Replica) -> BlockSet | None:
         """Its blocks by its events; None (stale) when they cannot be trusted now."""

@@ -29,7 +29,7 @@ class FleetCollector(Collector):
             "up": "1 when the replica answers its health reads",
             "queued_tokens": "prompt tokens waiting for prefill (reported + sent since)",
             "running_tokens": "KV tokens of running requests, as last reported",
-            "indexed_blocks": "blocks the replica's KV events say it holds",
+            "indexed_blocks": "blocks its KV events say it holds (0: down, or events stale)",
         }
         families = {
             name: GaugeMetricFamily(f"kvstore_router_replica_{name}", text, labels=["replica"])
@@ -38,8 +38,8 @@ class FleetCollector(Collector):
         routed = CounterMetricFamily("kvstore_router_routed", "requests routed", labels=["replica"])
         for replica in self.fleet.replicas:
             load = replica.load()
-            blocks = replica.events.blocks if replica.events is not None else ()
-            values = (replica.alive, load.queued_tokens, load.running_tokens, len(blocks))
+            indexed = self.fleet.indexed(replica)
+            values = (replica.alive, load.queued_tokens, load.running_tokens, indexed)
             for family, value in zip(families.values(), values, strict=True):
                 family.add_metric([replica.url], float(value))
             routed.add_metric([replica.url], replica.routed)
@@ -94,5 +94,5 @@ class RouterMetrics:
             "queued_tokens": load.queued_tokens,
             "running_tokens": load.running_tokens,
             "events": events,
-            "indexed_blocks": len(sub.blocks) if sub is not None else 0,
+            "indexed_blocks": self.fleet.indexed(replica),
         }

@@ -30,7 +30,12 @@ from engine.api.errors import ApiError
 from engine.api.openai_responses import now
 from engine.api.routes import add_openai_routes
 from engine.loop.engine import Engine
-from engine.server.config import ServerConfig, check_port_free, server_config_from_args
+from engine.server.config import (
+    ServerConfig,
+    check_port_free,
+    check_ports_free,
+    server_config_from_args,
+)
 from engine.server.heap import QuietTrimmer, cap_malloc_arenas
 from engine.server.service import Service
 from kvstore.fleet.events import EventSink
@@ -197,11 +202,13 @@ def start_publisher(
     from engine.events.publisher import EventsConfig, ZmqEventPublisher
     from engine.events.wire import medium_for, zmq_host
 
-    for port in (config.kv_events_port, config.kv_events_replay_port):
-        check_port_free(config.host, port)
+    check_ports_free(config)
     events = EventsConfig(
         endpoint=f"tcp://{zmq_host(config.host)}:{config.kv_events_port}",
         replay_endpoint=f"tcp://{zmq_host(config.host)}:{config.kv_events_replay_port}",
         medium=medium_for(device),
     )
-    return ZmqEventPublisher(events, snapshot=snapshot)
+    publisher = ZmqEventPublisher(events, snapshot=snapshot)
+    log.info("KV events on %s (--kv-events-port), replays on %s (--kv-events-replay-port)",
+             events.endpoint, events.replay_endpoint)  # fmt: skip
+    return publisher

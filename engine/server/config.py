@@ -6,6 +6,7 @@ This module imports only the standard library, so `kvstore --help` stays fast.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import socket
 from collections.abc import Mapping
@@ -27,16 +28,27 @@ def _check_int(name: str, value: object, minimum: int) -> None:
         raise ConfigError(name, f"must be an int >= {minimum}, got {value!r}")
 
 
-def check_port_free(host: str, port: int) -> None:
-    """ConfigError now if the port is taken: not after the model loaded and the server
-    said it started."""
+def check_port_free(host: str, port: int, name: str = "port") -> None:
+    """ConfigError (naming the field `name`) now if the port is taken: not after the model
+    loaded and the server said it started."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host, port))
         except OSError as e:
-            raise ConfigError("port", f"cannot listen on {host}:{port}: {e.strerror}") from None
+            raise ConfigError(name, f"cannot listen on {host}:{port}: {e.strerror}") from None
+
+
+def check_ports_free(config: ServerConfig) -> None:
+    """The HTTP port and, with KV events, the events and replay ports: each free now."""
+    for name, port in config.ports().items():
+        check_port_free(config.host, port, name)
+
+
+def flag_of(name: str) -> str:
+    """The command-line flag of a ServerConfig field: kv_events_port -> --kv-events-port."""
+    return "--" + name.replace("_", "-")
 
 
 @dataclass(frozen=True)
@@ -56,7 +68,8 @@ class ServerConfig:
     drain_timeout_s: float = 30.0  # SIGTERM: in-flight requests get this long to finish
     log_level: str = "info"
     kv_events_port: int | None = None  # ZMQ PUB of the index's events (None: not published)
-    kv_events_replay_port: int | None = None  # ZMQ ROUTER for replay (default port + 1)
+    # ZMQ ROUTER answering replays; None with kv_events_port: kv_events_port + 1
+    kv_events_replay_port: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("port", self.port, 0)
@@ -87,13 +100,33 @@ class ServerConfig:
             if self.kv_events_replay_port is not None:
                 raise ConfigError("kv_events_replay_port", "needs --kv-events-port")
             return
+        _check_int("kv_events_port", self.kv_events_port, 1)
+        if self.kv_events_replay_port is None:  # the default
+            object.__setattr__(self, "kv_events_replay_port", self.kv_events_port + 1)
         for name in ("kv_events_port", "kv_events_replay_port"):
             _check_int(name, getattr(self, name), 1)
             if getattr(self, name) > 65535:
                 raise ConfigError(name, f"must be <= 65535, got {getattr(self, name)}")
-        ports = {self.port, self.kv_events_port, self.kv_events_replay_port}
-        if len(ports) < 3:
-            raise ConfigError("kv_events_port", "the HTTP, events and replay ports must differ")
+        self._check_distinct()
+
+    def _check_distinct(self) -> None:
+        """Each of the three ports its own: a clash names both flags and the port."""
+        for first, second in itertools.combinations(self.ports().items(), 2):
+            if first[1] == second[1]:
+                raise ConfigError(
+                    second[0],
+                    f"{flag_of(second[0])} {second[1]} equals {flag_of(first[0])} {first[1]}; "
+                    "give --port, --kv-events-port and --kv-events-replay-port a port each "
+                    "(--kv-events-replay-port defaults to --kv-events-port + 1)",
+                )
+
+    def ports(self) -> dict[str, int]:
+        """The ports it listens on, by field: HTTP, and the KV events' when published."""
+        ports = {"port": self.port}
+        if self.kv_events_port is not None:
+            ports["kv_events_port"] = self.kv_events_port
+            ports["kv_events_replay_port"] = self.kv_events_replay_port
+        return ports
 
     @property
     def auth_enabled(self) -> bool:
@@ -141,7 +174,8 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-events-replay-port",
         type=int,
         default=None,
-        help="ZMQ replay port for late subscribers (default: --kv-events-port + 1)",
+        help="the replay socket (ZMQ ROUTER) for subscribers that start late or missed "
+        "batches (default: --kv-events-port + 1)",
     )
     group.add_argument(
         "--log-level",
@@ -170,11 +204,5 @@ def server_config_from_args(
         drain_timeout_s=args.drain_timeout_s,
         log_level=args.log_level,
         kv_events_port=args.kv_events_port,
-        kv_events_replay_port=_replay_port(args),
+        kv_events_replay_port=args.kv_events_replay_port,
     )
-
-
-def _replay_port(args: argparse.Namespace) -> int | None:
-    if args.kv_events_replay_port is not None or args.kv_events_port is None:
-        return args.kv_events_replay_port
-    return args.kv_events_port + 1

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,7 @@ from gguf_helpers import write_tiny_llama_gguf
 from engine.model.loading import byte_tokenizer
 
 pytestmark = pytest.mark.integration
-PROMPT = ["generate", "--prompt", "hi", "--max-tokens", "2"]
+PROMPT = ["generate", "--model", "tiny", "--prompt", "hi", "--max-tokens", "2"]
 
 
 def test_an_lmdb_dir_naming_a_file(tmp_path: Path) -> None:
@@ -63,20 +65,48 @@ def test_a_model_directory_without_tokenizer_files(tmp_path: Path) -> None:
     micro_config().save_pretrained(tmp_path)
     (tmp_path / "model.safetensors").write_bytes(b"not weights")  # never read
     line = only_error_line(kvstore(*PROMPT, "--model", str(tmp_path)), "kvstore generate")
-    assert line.startswith(f"{tmp_path} has no tokenizer files (none of: tokenizer.json, ")
+    assert line.startswith(f"--model {tmp_path}: no tokenizer files (none of: tokenizer.json, ")
     assert line.endswith("save the tokenizer there with tokenizer.save_pretrained(dir)")
 
 
 def test_an_empty_model_directory(tmp_path: Path) -> None:
     line = only_error_line(kvstore(*PROMPT, "--model", str(tmp_path)), "kvstore generate")
     assert line == (
-        f"{tmp_path} is not a model directory: it has no config.json "
+        f"--model {tmp_path}: not a model directory: it has no config.json "
         "(write one with model.save_pretrained(dir))"
+    )
+
+
+# The child runs the CLI's main, then says whether torch was imported on the way.
+_MAIN_THEN_TORCH = """
+import sys
+from engine.cli import main
+code = main(sys.argv[1:])
+print(code, "torch" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["generate", "--prompt", "hi"], ["demo"], ["serve", "--port", "0"],  # any free port
+     ["router", "--replica", "http://a:1"]],
+)  # fmt: skip
+def test_a_bad_model_path_is_named_before_torch_is_imported(argv: list[str], tmp_path: Path):
+    """Every command that takes --model checks its path first: one line in about a second,
+    not after the seconds torch takes to import."""
+    missing = tmp_path / "no-such-model"
+    cmd = [sys.executable, "-c", _MAIN_THEN_TORCH, *argv, "--model", str(missing)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.stdout.split() == ["2", "False"], proc.stderr[-3000:]  # exit 2, no torch
+    assert proc.stderr == (
+        f"kvstore {argv[0]}: error: --model {missing}: no such file or directory; give tiny, "
+        "smollm2, a .gguf file or a model directory\n"
     )
 
 
 def test_an_unknown_model_type(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "frobnicator"}))
+    (tmp_path / "model.safetensors").write_bytes(b"not weights")  # never read
     byte_tokenizer().save_pretrained(tmp_path)
     line = only_error_line(kvstore(*PROMPT, "--model", str(tmp_path)), "kvstore generate")
     assert line.startswith(f"{tmp_path / 'config.json'}: model_type 'frobnicator' is unknown")

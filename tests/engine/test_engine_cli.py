@@ -1,4 +1,5 @@
-"""The `kvstore` console script: generate, flag -> CacheConfig mapping, errors."""
+"""The `kvstore` console script: generate, flag -> CacheConfig mapping, the default model,
+the --model check, errors."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from engine.cli import COMMANDS, build_parser, config_from_args, main
+from engine.model.files import ModelLoadError, check_model_path
 from engine.model.loading import load_model
 
 
@@ -21,8 +23,9 @@ def kvstore_script() -> str:
 
 @pytest.mark.integration
 def test_generate_json_via_the_console_script() -> None:
-    cmd = [kvstore_script(), "generate", "--prompt-ids", "72,101,108,108,111,44,32,119",
-           "--max-tokens", "6", "--ignore-eos", "--block-size", "4", "--json"]  # fmt: skip
+    cmd = [kvstore_script(), "generate", "--model", "tiny", "--prompt-ids",
+           "72,101,108,108,111,44,32,119", "--max-tokens", "6", "--ignore-eos", "--block-size",
+           "4", "--json"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True)
     out = json.loads(proc.stdout)
     assert set(out) >= {"prompt_tokens", "cached_tokens", "output_token_ids", "text"}
@@ -63,8 +66,11 @@ def test_secret_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> N
     [
         (["generate", "--prompt-ids", "1,x"], "--prompt-ids must be comma-separated ints"),
         (["generate", "--prompt-ids", "1,2", "--block-size", "0"], "block_size"),
-        (["generate", "--prompt-ids", "1,999"], r"\[0, 260\)"),
-        (["generate", "--prompt", "hi", "--model", "no/such/dir"], "is not a model: use tiny"),
+        (["generate", "--model", "tiny", "--prompt-ids", "1,999"], r"\[0, 260\)"),
+        (
+            ["generate", "--prompt", "hi", "--model", "no/such/dir"],
+            "--model no/such/dir: no such file or directory; give tiny, smollm2",
+        ),
     ],
 )
 def test_user_errors_exit_2_with_a_message(argv: list[str], message: str, capsys) -> None:
@@ -99,7 +105,8 @@ def test_subcommands_are_registered_in_one_table() -> None:
 
 
 def test_a_prompt_shorter_than_a_block_is_told_it_cannot_hit(capsys) -> None:
-    argv = ["generate", "--prompt-ids", "1,2,3", "--max-tokens", "2", "--ignore-eos"]
+    argv = ["generate", "--model", "tiny", "--prompt-ids", "1,2,3", "--max-tokens", "2",
+            "--ignore-eos"]  # fmt: skip
     assert main([*argv, "--block-size", "4"]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == (
         "note: the prompt has 3 tokens, fewer than one cache block (4): a repeat of it cannot "
@@ -117,3 +124,72 @@ def test_every_flag_says_what_it_does() -> None:
             assert action.help and not action.help.startswith("default:"), (name, action.dest)
     assert "random weights" in subparsers["generate"].description
     assert "SmolLM2-135M-Instruct" in subparsers["demo"].description
+
+
+def test_generate_defaults_to_demos_model_and_both_helps_name_it() -> None:
+    """A new user's `kvstore generate --prompt ...` answers with the real model, not tiny's
+    noise; stats and clear find what generate stored with the same flags."""
+    parser = build_parser()
+    subparsers = parser._subparsers._group_actions[0].choices
+    defaults = {name: parser.parse_args([name, *extra]).model for name, extra in [
+        ("generate", ["--prompt", "hi"]), ("demo", []), ("stats", []), ("clear", []),
+        ("serve", []), ("router", ["--replica", "http://a:1"])]}  # fmt: skip
+    assert defaults == {"generate": "smollm2", "demo": "smollm2", "stats": "smollm2",
+                        "clear": "smollm2", "serve": "tiny", "router": "tiny"}  # fmt: skip
+    for name in ("generate", "demo"):
+        (model,) = [a for a in subparsers[name]._actions if a.dest == "model"]
+        assert model.help.endswith("(default: smollm2)")
+    assert "default smollm2" in subparsers["generate"].description
+
+
+# --- the --model check (before torch: engine/model/files.py) --------------------------------
+
+NAMES = ("tiny", "smollm2")
+
+
+def model_error(name: str, weights: bool = True) -> str:
+    with pytest.raises(ModelLoadError) as error:
+        check_model_path(name, "--model", NAMES, weights)
+    return str(error.value)
+
+
+def test_the_model_check_names_the_flag_the_path_and_the_fix(tmp_path: Path) -> None:
+    text, empty = tmp_path / "weights.txt", tmp_path / "empty"
+    text.write_text("x")
+    empty.mkdir()
+    assert model_error(str(tmp_path / "nope")) == (
+        f"--model {tmp_path / 'nope'}: no such file or directory; give tiny, smollm2, a .gguf "
+        "file or a model directory"
+    )
+    assert model_error(str(tmp_path / "m.gguf")) == (
+        f"--model {tmp_path / 'm.gguf'}: no such GGUF file; give the path of a .gguf file"
+    )
+    assert model_error(str(text)) == (
+        f"--model {text}: a file but not a .gguf file; give a .gguf file or a model directory"
+    )
+    assert model_error(str(empty)) == (
+        f"--model {empty}: not a model directory: it has no config.json (write one with "
+        "model.save_pretrained(dir))"
+    )
+    (empty / "config.json").write_text("{not json")
+    assert model_error(str(empty)).startswith(f"--model {empty}: cannot read its config.json (")
+
+
+def test_the_model_check_wants_tokenizer_files_and_weights_where_loading_reads_them(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    no_tokenizer = model_error(str(tmp_path))
+    assert no_tokenizer.startswith(f"--model {tmp_path}: no tokenizer files (none of: tokenizer")
+    assert no_tokenizer.endswith("; save the tokenizer there with tokenizer.save_pretrained(dir)")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    assert model_error(str(tmp_path)) == (
+        f"--model {tmp_path}: no weights (none of: model.safetensors, "
+        "model.safetensors.index.json, pytorch_model.bin, pytorch_model.bin.index.json); "
+        "write them there with model.save_pretrained(dir)"
+    )
+    check_model_path(str(tmp_path), "--model", NAMES, weights=False)  # a router's tokenizer
+    (tmp_path / "model.safetensors").write_bytes(b"never read")
+    check_model_path(str(tmp_path), "--model", NAMES)
+    for name in NAMES:  # built-in names, not paths
+        check_model_path(name, "--model", NAMES)

@@ -63,9 +63,9 @@ def refused(url: str) -> str:
 @pytest.mark.integration
 def test_generate_with_redis_down_answers_and_says_so_on_stderr():
     url = closed_url()
-    proc = kvstore("generate", "--prompt-ids", PROMPT, "--max-tokens", "2", "--ignore-eos",
-                   "--block-size", "4", "--json", "--redis-url", url, "--breaker-failures", "1",
-                   "--breaker-cooldown-s", "3600")  # fmt: skip
+    proc = kvstore("generate", "--model", "tiny", "--prompt-ids", PROMPT, "--max-tokens", "2",
+                   "--ignore-eos", "--block-size", "4", "--json", "--redis-url", url,
+                   "--breaker-failures", "1", "--breaker-cooldown-s", "3600")  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert (out["prompt_tokens"], out["cached_tokens"], len(out["output_token_ids"])) == (20, 0, 2)

@@ -16,68 +16,27 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_helpers import (
-    ServerProcess,
-    clean_env,
-    free_port,
-    kvstore_script,
-    parse_metrics,
-    wait_for,
+from router_helpers import (
+    AUTH,
+    BLOCK,
+    REPLICA,
+    cached_blocks,
+    chat,
+    health,
+    indexed,
+    running_fleet,
+    start_router,
 )
+from server_helpers import ServerProcess, clean_env, kvstore_script, parse_metrics, wait_for
 
-BLOCK = 4
-KEY = "sk-router-test"
-AUTH = {"Authorization": f"Bearer {KEY}"}
-REPLICA = "x-kvstore-replica"
 ROUTER_MAX_RSS_KB = 150 * 1024  # a router forwards HTTP: no engine, no libtorch
-
-
-def start_replica(model_dir: Path, log_dir: Path, name: str) -> ServerProcess:
-    port = free_port()
-    args = [kvstore_script(), "serve", "--model", str(model_dir), "--port", str(port),
-            "--block-size", str(BLOCK), "--device-blocks", "512", "--device", "cpu",
-            "--log-level", "warning", "--kv-events-port", str(free_port()),
-            "--kv-events-replay-port", str(free_port())]  # fmt: skip
-    env = clean_env(KVSTORE_API_KEY=KEY, OMP_NUM_THREADS="1")
-    return ServerProcess(args, port, log_dir / f"{name}.log", env)
-
-
-def start_router(model_dir: Path, log_dir: Path, urls: list[str], *extra: str) -> ServerProcess:
-    port = free_port()
-    replicas = [arg for url in urls for arg in ("--replica", url)]
-    args = [kvstore_script(), "router", "--model", str(model_dir), "--port", str(port),
-            "--log-level", "warning", *replicas, *extra]  # fmt: skip
-    env = clean_env(KVSTORE_API_KEY=KEY)
-    return ServerProcess(args, port, log_dir / "router.log", env, "kvstore router")
 
 
 @pytest.fixture(scope="module")
 def fleet(model_dir: Path, tmp_path_factory) -> Iterator[tuple[ServerProcess, list]]:
     """Two replicas with events behind a kv router: (router, [replica 0, replica 1])."""
-    log_dir = tmp_path_factory.mktemp("router")
-    replicas = [start_replica(model_dir, log_dir, f"r{i}") for i in range(2)]
-    router = None
-    try:
-        for r in replicas:
-            r.start()
-        for r in replicas:
-            r.wait_ready()
-        router = start_router(model_dir, log_dir, [r.url for r in replicas]).start().wait_ready()
-        wait_for(lambda: all(r["events"] == "fresh" for r in health(router)["replicas"]))
-        yield router, replicas
-    finally:
-        for proc in [router, *replicas]:
-            if proc is not None:
-                proc.stop()
-
-
-def health(server: ServerProcess) -> dict:
-    return httpx.get(f"{server.url}/health", timeout=10).json()
-
-
-def chat(router: ServerProcess, messages: list[dict], **extra) -> httpx.Response:
-    body = {"messages": messages, "max_tokens": 6, "temperature": 0, "ignore_eos": True} | extra
-    return httpx.post(f"{router.url}/v1/chat/completions", json=body, headers=AUTH, timeout=120)
+    with running_fleet(model_dir, tmp_path_factory.mktemp("router")) as running:
+        yield running
 
 
 def conversation(
@@ -102,10 +61,6 @@ def conversation(
 
 def cached(response: httpx.Response) -> int:
     return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
-
-
-def cached_blocks(replica: ServerProcess) -> float:
-    return replica.metrics()['kvstore_device_blocks{state="cached"}']
 
 
 @pytest.mark.integration
@@ -142,11 +97,6 @@ def busy(replica: ServerProcess, router: ServerProcess) -> Iterator[None]:
         rows = lambda: {r["url"]: r for r in health(router)["replicas"]}  # noqa: E731
         wait_for(lambda: rows()[replica.url]["running_tokens"] > 1000)
         yield  # leaving closes the stream: the replica cancels the request
-
-
-def indexed(router: ServerProcess, replica: ServerProcess) -> int:
-    rows = {r["url"]: r for r in health(router)["replicas"]}
-    return rows[replica.url]["indexed_blocks"]
 
 
 @pytest.mark.integration

@@ -80,6 +80,45 @@ def test_server_config_rejects_bad_limits():
         ServerConfig(metrics_require_key=True)
 
 
+CLASH_FIX = ("; give --port, --kv-events-port and --kv-events-replay-port a port each "
+             "(--kv-events-replay-port defaults to --kv-events-port + 1)")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("ports", "message"),
+    [
+        ({"port": 8001, "kv_events_port": 8000},  # the default replay port is the HTTP one
+         "kv_events_replay_port: --kv-events-replay-port 8001 equals --port 8001" + CLASH_FIX),
+        ({"port": 8000, "kv_events_port": 8000, "kv_events_replay_port": 9000},
+         "kv_events_port: --kv-events-port 8000 equals --port 8000" + CLASH_FIX),
+        ({"kv_events_port": 5557, "kv_events_replay_port": 5557},
+         "kv_events_replay_port: --kv-events-replay-port 5557 equals --kv-events-port 5557"
+         + CLASH_FIX),
+        ({"kv_events_port": 65535}, "kv_events_replay_port: must be <= 65535, got 65536"),
+        ({"kv_events_replay_port": 5558}, "kv_events_replay_port: needs --kv-events-port"),
+    ],
+)  # fmt: skip
+def test_event_port_clashes_name_both_flags_and_the_port(ports, message):
+    with pytest.raises(ConfigError) as error:
+        ServerConfig(**ports)
+    assert str(error.value) == message
+
+
+def test_the_replay_port_flag_round_trips_and_defaults_to_the_events_port_plus_one():
+    from engine.cli import build_parser
+    from engine.server.config import server_config_from_args
+
+    def config(*flags: str) -> ServerConfig:
+        return server_config_from_args(build_parser().parse_args(["serve", *flags]), env={})
+
+    given = config("--kv-events-port", "5557", "--kv-events-replay-port", "6000")
+    assert given.ports() == {"port": 8000, "kv_events_port": 5557, "kv_events_replay_port": 6000}
+    derived = config("--port", "9000", "--kv-events-port", "5557")
+    assert derived.ports() == {"port": 9000, "kv_events_port": 5557, "kv_events_replay_port": 5558}
+    assert config().ports() == {"port": 8000}
+    assert config().kv_events_replay_port is None
+
+
 # --- scheduler ------------------------------------------------------------------------------
 
 
