@@ -59,6 +59,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """An argparse type: an int >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
+    return value
+
+
 def add_model_flag(parser: argparse.ArgumentParser, default: str) -> None:
     parser.add_argument(
         "--model",
@@ -85,6 +96,14 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="tokens fed per step over all requests (prefill chunks + decodes); "
         "default 256 on a CPU, 2048 on an accelerator",
+    )
+    parser.add_argument(
+        "--prompt-logprob-blocks",
+        type=non_negative_int,
+        default=None,
+        help="blocks whose prompt logprobs the engine keeps, so that a request asking for "
+        "prompt logprobs (echo with logprobs) can use the cached K/V of a prefix whose blocks "
+        "have them; 0 keeps none (default 4096, about 4 KB each at 16 tokens a block)",
     )
     parser.add_argument(
         "--linear-kernel",
@@ -134,5 +153,12 @@ def load_engine(
     model = quiet_load_model(args.model, device, args.dtype, args.model_revision)
     steps = SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs)
     linears = LinearConfig(args.linear_kernel)
-    engine = Engine(model, config, scheduler_config=steps, events=events, linear_config=linears)
+    engine = Engine(
+        model,
+        config,
+        scheduler_config=steps,
+        events=events,
+        linear_config=linears,
+        prompt_logprob_blocks=args.prompt_logprob_blocks,
+    )
     return model, engine
