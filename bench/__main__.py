@@ -21,6 +21,7 @@ BENCHMARKS = {
     "load": "multi-turn chat at rising concurrency: kvstore serve vs transformers serve (CB)",
     "fleet": "replicas behind kvstore router vs round-robin: TTFT, tiers, a replica killed",
     "windows": "device blocks a running request holds as decode passes a sliding window",
+    "loglik": "harness-like prompt logprobs (echo, max_tokens 0) sharing a context: cache vs none",
 }
 
 
