@@ -22,6 +22,7 @@ BENCHMARKS = {
     "fleet": "replicas behind kvstore router vs round-robin: TTFT, tiers, a replica killed",
     "contention": "engine steps and the demo quiet vs beside busy processes, per threading",
     "windows": "device blocks a running request holds as decode passes a sliding window",
+    "loglik": "harness-like prompt logprobs (echo, max_tokens 0) sharing a context: cache vs none",
 }
 
 

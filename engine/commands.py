@@ -62,6 +62,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """An argparse type: an int >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
+    return value
+
+
 def add_model_flag(parser: argparse.ArgumentParser, default: str) -> None:
     parser.add_argument(
         "--model",
@@ -134,6 +145,14 @@ def add_model_arguments(parser: argparse.ArgumentParser, default: str = DEFAULT_
         "default 256 on a CPU, 2048 on an accelerator",
     )
     parser.add_argument(
+        "--prompt-logprob-blocks",
+        type=non_negative_int,
+        default=None,
+        help="blocks whose prompt logprobs the engine keeps, so that a request asking for "
+        "prompt logprobs (echo with logprobs) can use the cached K/V of a prefix whose blocks "
+        "have them; 0 keeps none (default 4096, about 4 KB each at 16 tokens a block)",
+    )
+    parser.add_argument(
         "--linear-kernel",
         choices=("auto", "onednn", "dense"),
         default="auto",
@@ -183,6 +202,6 @@ def load_engine(
     linears = LinearConfig(args.linear_kernel)
     engine = Engine(
         model, config, scheduler_config=steps, events=events, linear_config=linears,
-        thread_config=thread_config(args),
+        prompt_logprob_blocks=args.prompt_logprob_blocks, thread_config=thread_config(args),
     )  # fmt: skip
     return model, engine

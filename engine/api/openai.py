@@ -1,9 +1,10 @@
 """OpenAI's request bodies for /v1/completions and /v1/chat/completions, validated with
 pydantic (the response objects are in `openai_responses`).
 
-Only what the engine can honour is accepted; a field that needs something it cannot do
-(`echo` and prompt `logprobs` need a full prefill of the prompt, which a cache hit skips) is
-refused with a 400 that says so, never silently ignored.
+Only what the engine can honour is accepted; a field that needs something it cannot do is
+refused with a 400 that says so, never silently ignored. Logprobs (`logprobs`,
+`top_logprobs`, and `echo` with `logprobs` or vLLM's `prompt_logprobs` for the prompt's) are
+of the model's raw distribution, before temperature and top_p (engine/api/logprobs.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from starlette.requests import Request as HTTPRequest
 
 from engine.api.body import read_json
 from engine.api.errors import bad_request
+
+MAX_TOP_LOGPROBS = 20  # chat's top_logprobs, vLLM's prompt_logprobs (the engine's bound)
+MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' logprobs (OpenAI's bound)
 
 # fields OpenAI's API declares nullable whose null means their default value
 NULL_MEANS_DEFAULT = ("temperature", "top_p", "n", "presence_penalty", "frequency_penalty",
@@ -79,22 +83,19 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=16, ge=0)  # 0: with echo only
     echo: bool | None = False
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None  # vLLM's name for prompt logprobs
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)  # vLLM's
     best_of: int | None = None
     suffix: str | None = None
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
-        full_prefill = "needs a full prefill of the prompt, which a prefix-cache hit skips"
-        if self.echo:
-            out.append(("echo", f"echo {full_prefill}; send echo=false"))
-        if self.prompt_logprobs is not None:
-            out.append(("prompt_logprobs", f"prompt logprobs {full_prefill}"))
-        if self.logprobs is not None:
-            out.append(("logprobs", f"logprobs are not supported (prompt logprobs {full_prefill})"))
+        if self.max_tokens == 0 and not self.echo:
+            out.append(("max_tokens", "max_tokens 0 needs echo=true (it returns the prompt)"))
+        if self.prompt_logprobs is not None and self.stream:
+            out.append(("prompt_logprobs", "prompt_logprobs is not streamed; send stream=false"))
         if self.best_of not in (None, 1):
             out.append(("best_of", "only best_of=1 is supported"))
         if self.suffix:
@@ -137,14 +138,14 @@ class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
-        if self.logprobs or self.top_logprobs is not None:
-            out.append(("logprobs", "logprobs are not supported"))
+        if self.top_logprobs is not None and not self.logprobs:
+            out.append(("top_logprobs", "top_logprobs needs logprobs=true"))
         if self.tools:
             out.append(("tools", "tool calling is not supported"))
         if self.response_format and self.response_format.get("type", "text") != "text":

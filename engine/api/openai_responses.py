@@ -7,6 +7,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING
 
+from engine.api.logprobs import LogprobFormat, Position
 from engine.api.sse import sse
 
 if TYPE_CHECKING:
@@ -55,32 +56,49 @@ def envelope(kind: str, rid: str, created: int, model: str, choices: list[dict])
 class StreamChunks:
     """Stream events of one response: completions send text, chat sends deltas."""
 
-    def __init__(self, kind: str, model: str, include_usage: bool):
+    def __init__(
+        self, kind: str, model: str, include_usage: bool, logprobs: LogprobFormat | None = None
+    ):
+        """`logprobs`: the shape of the logprobs each text event carries (None: none)."""
         self.kind, self.model = kind, model
         self.object = "text_completion" if kind == "completion" else "chat.completion.chunk"
         self.id = new_id("cmpl" if kind == "completion" else "chatcmpl")
         self.created = now()
         self.extra = {"usage": None} if include_usage else {}
         self.started = False
+        self.logprobs = logprobs
+        self.pending: list[Position] = []  # tokens whose logprobs no event carried yet
+        self.prefix = ""  # text the next text event starts with (a completion's echo)
 
     def _event(self, choices: list[dict]) -> str:
         body = envelope(self.object, self.id, self.created, self.model, choices)
         return sse({**body, **self.extra})
 
+    def _text(self, choice: dict) -> dict:
+        """A choice that sends text: the pending logprobs (and echo) go with it."""
+        if self.logprobs is not None and self.pending:
+            choice["logprobs"], self.pending = self.logprobs(self.pending), []
+        if self.prefix:
+            choice["text"], self.prefix = self.prefix + choice["text"], ""
+        return choice
+
     def delta(self, text: str) -> list[str]:
         """Events for new text; the first token always yields one (clients time TTFT by it)."""
         first, self.started = not self.started, True
         if self.kind == "completion":
-            return [self._event([completion_choice(text, None, None)])] if text or first else []
+            choice = completion_choice(text, None, None)
+            return [self._event([self._text(choice)])] if text or first else []
         out = [self._event([chat_delta({"role": "assistant", "content": ""}, None, None)])]
         out = out if first else []
-        return out + ([self._event([chat_delta({"content": text}, None, None)])] if text else [])
+        if text:
+            out.append(self._event([self._text(chat_delta({"content": text}, None, None))]))
+        return out
 
     def final(self, text: str, finish_reason: str, token_ids: list[int] | None) -> str:
         if self.kind == "completion":
-            return self._event([completion_choice(text, finish_reason, token_ids)])
+            return self._event([self._text(completion_choice(text, finish_reason, token_ids))])
         delta = {"content": text} if text else {}
-        return self._event([chat_delta(delta, finish_reason, token_ids)])
+        return self._event([self._text(chat_delta(delta, finish_reason, token_ids))])
 
     def usage(self, result: GenerateResult) -> str:
         body = envelope(self.object, self.id, self.created, self.model, [])

@@ -20,6 +20,7 @@ from typing import TypeVar
 import torch
 
 from engine.attention.step_row import Row, blocks_row
+from engine.loop.logprobs import PromptLogprobCache, check_logprobs
 from engine.loop.outcomes import Outcomes
 from engine.loop.prompt import prompt_ids
 from engine.loop.request import (
@@ -73,12 +74,14 @@ class Engine:
         scheduler_config: SchedulerConfig | None = None,
         events: EventSink | None = None,
         linear_config: LinearConfig | None = None,
+        prompt_logprob_blocks: int | None = None,
         thread_config: ThreadConfig | None = None,
     ):
         """`events` gets the device index's block events (kvstore/fleet/events.py);
         `linear_config` says how steps compute the model's linear layers
-        (engine/model/linear.py); `thread_config` how many threads they run
-        (engine/loop/threads.py)."""
+        (engine/model/linear.py); `prompt_logprob_blocks`: how many blocks' prompt
+        logprobs are kept for requests that hit them (engine/loop/logprobs.py; None: its
+        default); `thread_config` how many threads they run (engine/loop/threads.py)."""
         self.model = model
         self.cache_config = cache_config
         self.cache_generated = cache_generated
@@ -87,7 +90,9 @@ class Engine:
         namespace = model.namespace(cache_config.block_size)
         self.cache = _cache_for(model, cache_config, namespace, events)
         self.tables = BlockTables(self.cache)
-        self.scheduler = Scheduler(scheduler_config or SchedulerConfig(), self.tables)
+        self.prompt_logprobs = PromptLogprobCache.of(cache_config, prompt_logprob_blocks)
+        steps = scheduler_config or SchedulerConfig()
+        self.scheduler = Scheduler(steps, self.tables, self.prompt_logprobs)
         self.sequential = SequentialPath(model, self.cache, cache_generated)
         self.outcomes = Outcomes(model, self.scheduler, self.tables, cache_generated)
         self._forward_lock = threading.Lock()  # one forward pass at a time
@@ -209,6 +214,7 @@ class Engine:
     ) -> list[Request]:
         """Queue requests at once (they can share their first step)."""
         for request in requests:
+            check_logprobs(request.params, batched=self.runner is not None)
             try:
                 validate_salt(request.cache_salt)
             except ValueError as e:
@@ -330,11 +336,14 @@ class Engine:
         sample = [
             i for i, row in enumerate(rows) if row.start + row.num_new == row.request.num_tokens
         ]
+        wants = self.prompt_logprobs.wants
+        full = [i for i, row in enumerate(rows) if wants(row.request, row.start)]
         with self._forward_lock:
-            logits = self.runner.forward([self._row(row) for row in rows], fed, sample)
+            logits = self.runner.forward([self._row(row) for row in rows], fed, sample, full)
+        self.prompt_logprobs.record_rows([rows[i] for i in full], logits[len(sample) :])
         for row in rows:
             self._computed(row)
-        self.outcomes.sample([rows[i].request for i in sample], logits)
+        self.outcomes.sample([rows[i].request for i in sample], logits[: len(sample)])
 
     def _row(self, row: Scheduled) -> Row:
         assert self.runner is not None

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.loop.logprobs import record_output, result_logprobs
 from engine.loop.request import GenerateResult, QueueFullError, Request, Sampler, StopChecker
 
 if TYPE_CHECKING:
@@ -52,12 +53,14 @@ class Outcomes:
 
     def sample(self, requests: list[Request], logits: torch.Tensor) -> None:
         """Each request's next token from its row of `logits` [len(requests), vocab]; a
-        request it stops finishes."""
+        request it stops finishes; one that asks gets its token's logprobs."""
         greedy = logits.argmax(dim=-1).tolist()
         for i, request in enumerate(requests):
             if request.sampler is None:
                 request.sampler = Sampler(request.params)
             token = greedy[i] if request.params.temperature == 0 else request.sampler(logits[i])
+            if request.params.logprobs is not None:  # before the token is emitted
+                record_output(request, logits[i], token)
             try:
                 request.emit(token)
             except BaseException as e:  # a cancelled request or a failing callback
@@ -85,6 +88,7 @@ class Outcomes:
             finish_reason=reason,
             cached_by_tier=request.cached_by_tier,
             queue_s=request.scheduled - request.arrival,
+            **result_logprobs(request),
         )
         self.done(request, result)
         request.future.set_result(result)

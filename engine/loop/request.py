@@ -19,6 +19,7 @@ import torch
 
 Prompt = str | Sequence[int]
 TokenCallback = Callable[[int], None]
+MAX_LOGPROBS = 20  # most alternatives a request may ask logprobs of (engine/loop/logprobs.py)
 
 
 class InvalidRequestError(ValueError):
@@ -52,6 +53,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()  # stop strings; the text is cut before the first one
     ignore_eos: bool = False
+    # logprobs of the raw distribution (engine/loop/logprobs.py); None: not computed
+    logprobs: int | None = None  # of each sampled token, with this many top alternatives
+    prompt_logprobs: int | None = None  # of each prompt token, with this many alternatives
 
     def __post_init__(self) -> None:
         n = self.max_new_tokens
@@ -78,6 +82,32 @@ class SamplingParams:
         if any(not isinstance(s, str) or not s for s in stop):
             raise InvalidRequestError(f"stop must be non-empty strings, got {self.stop!r}", "stop")
         object.__setattr__(self, "stop", stop)
+        for name in ("logprobs", "prompt_logprobs"):
+            _check_logprobs(name, getattr(self, name))
+
+
+def _check_logprobs(name: str, value: object) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS:
+        why = f"{name} must be an int in [0, {MAX_LOGPROBS}] or None, got {value!r}"
+        raise InvalidRequestError(why, name)
+
+
+class TokenLogprob(NamedTuple):
+    """One sampled token: its logprob and the `logprobs` most likely tokens."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), most likely first
+
+
+class PromptLogprobs(NamedTuple):
+    """A prompt's logprobs, one entry per prompt token; the first token's are None."""
+
+    logprobs: list[float | None]
+    ranks: list[int | None]  # 1 + how many tokens were more likely
+    top: list[list[tuple[int, float]] | None]  # the `prompt_logprobs` most likely
 
 
 class GenerateResult(NamedTuple):
@@ -89,6 +119,8 @@ class GenerateResult(NamedTuple):
     finish_reason: str  # "stop" or "length"
     cached_by_tier: dict[str, int]  # cached tokens by source tier ("device", "lmdb", ...)
     queue_s: float  # time from submit until the worker started the request
+    output_logprobs: list[TokenLogprob] | None = None  # when params.logprobs is set
+    prompt_logprobs: PromptLogprobs | None = None  # when params.prompt_logprobs is set
 
 
 class Sampler:
@@ -168,6 +200,7 @@ class Request:
     # hashed once when admitted, extended as tokens come; peek, lookup and commit reuse them
     keys: list[bytes] = field(default_factory=list)
     key_set: Any = None  # the scheduler's set of `keys` while waiting
+    logprobs: Any = None  # what it gathered when its params ask (logprobs.RequestLogprobs)
     # called before the future resolves (the server's metrics of the request)
     on_done: Callable[[Request, GenerateResult | None], None] | None = None
 

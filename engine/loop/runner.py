@@ -185,15 +185,23 @@ class PagedRunner:
             self._close_linears()
 
     def forward(
-        self, rows: Sequence[Row], token_ids: Sequence[Sequence[int]], logit_rows: Sequence[int]
+        self,
+        rows: Sequence[Row],
+        token_ids: Sequence[Sequence[int]],
+        logit_rows: Sequence[int],
+        full_rows: Sequence[int] = (),
     ) -> torch.Tensor:
-        """Feed each row its tokens; logits [len(logit_rows), vocab] float32 of the last fed
-        token of each row listed in `logit_rows`."""
+        """Feed each row its tokens; logits float32 of the last fed token of each row listed
+        in `logit_rows`, then of every fed token of each row in `full_rows` (a request
+        gathering prompt logprobs): [len(logit_rows) + their num_new, vocab]."""
         device = self.model.device
         ids = torch.tensor([t for row_ids in token_ids for t in row_ids], device=device)
         positions = torch.cat([torch.arange(r.start, r.end) for r in rows]).to(device)
         ends = torch.tensor([r.num_new for r in rows]).cumsum(0) - 1
-        keep = ends[list(logit_rows)].to(device)
+        every = [
+            torch.arange(int(ends[i]) - rows[i].num_new + 1, int(ends[i]) + 1) for i in full_rows
+        ]
+        keep = torch.cat([ends[list(logit_rows)], *every]).to(device)
         lm = self.model.model
         extra = {"logits_to_keep": keep} if _takes_logits_to_keep(type(lm)) else {}
         inputs = {"input_ids": ids.unsqueeze(0), "position_ids": positions.unsqueeze(0), **extra}

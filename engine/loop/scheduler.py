@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import torch
 
+from engine.loop.logprobs import PromptLogprobCache
 from engine.loop.request import (
     InvalidRequestError,
     QueueFullError,
@@ -198,9 +199,17 @@ class WaitQueue:
 class Scheduler:
     """Plans steps over `tables`; the engine loop is its only caller besides `add`/`stats`."""
 
-    def __init__(self, config: SchedulerConfig, tables: BlockTables):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        tables: BlockTables,
+        prompt_logprobs: PromptLogprobCache | None = None,
+    ):
+        """`prompt_logprobs`: where requests that want prompt logprobs cut their lookups
+        (engine/loop/logprobs.py); None: one that keeps no summaries."""
         self.config = config.for_device(tables.pool.device)
         self.tables = tables
+        self.prompt_logprobs = prompt_logprobs or PromptLogprobCache(tables.block_size, 0)
         self.waiting = WaitQueue()
         self.running: list[Request] = []
 
@@ -312,19 +321,16 @@ class Scheduler:
         if the pool has no room for it now, or if `whole_only` (the step already prefills)
         and the rest of its prompt does not fit in `budget`."""
         tokens = all_tokens(request)
-        if whole_only:  # probed without a lookup: a request that waits is not counted a hit
-            keys = self._extend_keys(request, tokens)
-            cached = min(self.tables.cache.peek(tokens, request.cache_salt, keys), len(tokens) - 1)
-            if len(tokens) - cached > budget:
-                return None
+        if whole_only and len(tokens) - self._probe(request, tokens) > budget:
+            return None
         need = self.tables.blocks_for(len(tokens) + 1)  # the prompt and a first decode slot
         if need > self.tables.pool.num_blocks - 1:
             self.waiting.remove(request)
             reject(request, _too_long(len(tokens), self.tables))
             return Scheduled(request, 0, 0)
         keys = self._extend_keys(request, tokens)
-        blocks = self.tables.open(tokens, request.cache_salt, request.tenant or "", keys=keys)
-        state = Running(blocks, min(blocks.num_cached_tokens, len(tokens) - 1))
+        blocks, start = self._open(request, tokens, keys)
+        state = Running(blocks, start)
         num_new = min(len(tokens) - state.num_computed, budget)
         room = self.tables.num_available() >= need - len(blocks.block_table)
         fitted = None
@@ -344,6 +350,35 @@ class Scheduler:
             request.num_cached_tokens = min(blocks.num_cached_tokens, len(request.token_ids))
             request.cached_by_tier = dict(blocks.tier_tokens)
         return Scheduled(request, state.num_computed, num_new)
+
+    def _probe(self, request: Request, tokens: list[int]) -> int:
+        """The first position the request would feed, probed without a lookup (a request
+        that waits is not counted a hit): past its device-pool prefix, as far as `_open`
+        would look up."""
+        keys = self._extend_keys(request, tokens)
+        plan = self.prompt_logprobs.plan(request, keys)
+        limit = len(tokens) if plan is None else plan.limit
+        n = limit // self.tables.block_size
+        cached = self.tables.cache.peek(tokens[:limit], request.cache_salt, keys[:n])
+        return min(cached, len(tokens) - 1) if plan is None else max(cached - 1, 0)
+
+    def _open(
+        self, request: Request, tokens: list[int], keys: list[bytes]
+    ) -> tuple[SeqBlocks, int]:
+        """The request's block table from a lookup, and the first position to feed. A
+        request gathering prompt logprobs looks up only the blocks whose logprobs it can
+        have without their logits (engine/loop/logprobs.py)."""
+        salt, tenant = request.cache_salt, request.tenant or ""
+        plan = self.prompt_logprobs.plan(request, keys)
+        if plan is None:
+            blocks = self.tables.open(tokens, salt, tenant, keys=keys)
+            return blocks, min(blocks.num_cached_tokens, len(tokens) - 1)
+        n = plan.limit // self.tables.block_size
+        blocks = self.tables.open(tokens[: plan.limit], salt, tenant, keys=keys[:n])
+        # as a whole lookup's: every block's key (others wait for the blocks it computes),
+        # and its prompt's length (what a window model keeps for a repeat)
+        blocks.keys, blocks.num_prompt_tokens = list(keys), len(tokens)
+        return blocks, self.prompt_logprobs.admitted(request, plan, blocks.num_cached_tokens)
 
     def finish(self, request: Request) -> None:
         """Take a finished (or failed) running request out; its committed blocks stay cached."""

@@ -9,13 +9,14 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 
+from engine.api import logprobs as lp
 from engine.api import openai as p
 from engine.api.auth import Authenticator, authenticate, engine_salt
 from engine.api.errors import ApiError, bad_request
@@ -23,6 +24,7 @@ from engine.api.openai_responses import StreamChunks, response_body
 from engine.api.prompts import prompt_ids
 from engine.api.sse import ClosingStream, sse
 from engine.loop.engine import Engine
+from engine.loop.logprobs import prompt_logprobs_of
 from engine.loop.request import (
     EngineClosedError,
     GenerateResult,
@@ -56,6 +58,7 @@ class Service:
     def __init__(self, engine: Engine, config: ServerConfig):
         self.engine, self.config = engine, config
         self.tokenizer = engine.model.tokenizer
+        self.texts = lp.TokenTexts(self.tokenizer)  # each token's text, for logprobs
         self.auth = Authenticator(config.api_keys, engine.cache_config.secret_bytes)
         self.metrics = ServerMetrics(engine.stats, engine.queue_stats)
         self.cache_info = cache_info(engine, config)
@@ -122,7 +125,7 @@ class Service:
                 streaming = True  # the response counts it out
                 return response
             result = await self.result(job)
-            return JSONResponse(self.response(kind, req, result))
+            return JSONResponse(self.response(kind, req, result, job.token_ids))
         finally:
             if not streaming:
                 self._in_flight.exit()
@@ -162,14 +165,17 @@ class Service:
         prompt_field = "messages" if chat else "prompt"
         room, limit = self.engine.model.max_positions, self.config.max_tokens_limit
         asked = max_new_tokens(asked, num_prompt, limit, room, field, prompt_field)
+        want = lp.asked(req)
         try:
             return SamplingParams(
-                max_new_tokens=asked,
+                max_new_tokens=max(asked, 1),  # 0 (echo only): one, dropped (api/logprobs.py)
                 temperature=req.temperature,
                 top_p=req.top_p,
                 seed=req.seed,
                 stop=req.stop_strings,
                 ignore_eos=req.ignore_eos,
+                logprobs=want.logprobs,
+                prompt_logprobs=want.prompt_logprobs,
             )
         except InvalidRequestError as e:
             client_field = field if e.field == "max_new_tokens" else e.field
@@ -181,7 +187,8 @@ class Service:
             job.token_ids = self.engine.encode(job.token_ids, job.params)  # range and positions
             self.engine.add_request(job, self.config.max_queue)
         except InvalidRequestError as e:
-            raise bad_request(str(e), prompt_field) from None
+            field = e.field if e.field in ("logprobs", "prompt_logprobs") else prompt_field
+            raise bad_request(str(e), field) from None
         except QueueFullError as e:
             raise self.failure(e) from None
         except EngineClosedError as e:
@@ -212,8 +219,33 @@ class Service:
         log.error("request failed", exc_info=error)
         return ApiError(500, f"internal error: {type(error).__name__}", type="server_error")
 
-    def response(self, kind: str, req: Any, result: GenerateResult) -> dict:
-        return response_body(kind, self.config.served_model_name, result, req.return_token_ids)
+    def response(
+        self, kind: str, req: Any, result: GenerateResult, prompt_ids: Sequence[int] = ()
+    ) -> dict:
+        """The answer's body; `prompt_ids`: the prompt's tokens (an echo's logprobs)."""
+        want = lp.asked(req)
+        result = lp.without_output(result) if want.echo_only else result
+        body = response_body(kind, self.config.served_model_name, result, req.return_token_ids)
+        echo = lp.echo_text(req.single_prompt(), self.tokenizer.decode) if want.echo else ""
+        lp.shape_choice(body["choices"][0], kind, want, result, prompt_ids, echo, self.texts)
+        return body
+
+    def _token_events(
+        self, token: int, chunks: StreamChunks, streamer: TextStreamer, job: Request, req: Any
+    ) -> list[str]:
+        """A generated token's events: its text and logprobs, after the prompt's first when
+        echoed (an echo-only request's one token is dropped)."""
+        want = lp.asked(req)
+        if want.echo and not chunks.started:  # the prompt's logprobs are all known by now
+            chunks.prefix = lp.echo_text(req.single_prompt(), self.tokenizer.decode)
+            if want.logprobs is not None:
+                chunks.pending = lp.prompt_positions(job.token_ids, prompt_logprobs_of(job))
+        if want.echo_only:
+            return []
+        if chunks.logprobs is not None:  # recorded before the token was emitted
+            entry = job.logprobs.output[len(streamer.token_ids)]
+            chunks.pending += lp.output_positions([entry])
+        return chunks.delta(streamer.push(token))
 
     async def events(
         self, job: Request, req: Any, kind: str, bridge: TokenBridge
@@ -221,11 +253,13 @@ class Service:
         """The SSE stream; a client that goes away cancels its job (queued or running). A job
         that fails, even before its first token (displaced from a full queue: code
         `queue_full`), ends it with an error event in OpenAI's error shape."""
-        chunks = StreamChunks(kind, self.config.served_model_name, req.include_usage)
+        want = lp.asked(req)
+        form = None if want.logprobs is None else lp.LogprobFormat(kind, want.logprobs, self.texts)
+        chunks = StreamChunks(kind, self.config.served_model_name, req.include_usage, form)
         streamer = TextStreamer(self.tokenizer, req.stop_strings)
         try:
             while (token := await bridge.get()) is not DONE:
-                for event in chunks.delta(streamer.push(token)):
+                for event in self._token_events(token, chunks, streamer, job, req):
                     yield event
             try:
                 result = job.future.result()
@@ -235,6 +269,7 @@ class Service:
                 yield sse(self.failure(e).body())
                 yield sse("[DONE]")
                 return
+            result = lp.without_output(result) if want.echo_only else result
             ids = result.output_token_ids if req.return_token_ids else None
             yield chunks.final(streamer.finish(result.text), result.finish_reason, ids)
             if req.include_usage:

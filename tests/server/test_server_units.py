@@ -246,7 +246,7 @@ def test_streamed_text_never_includes_a_stop_string_or_half_a_character():
 
 
 def test_unsupported_fields_are_400_naming_the_parameter():
-    cases = [({"prompt": "x", "echo": True}, "echo"), ({"prompt": "x", "n": 2}, "n"),
+    cases = [({"prompt": "x", "max_tokens": 0}, "max_tokens"), ({"prompt": "x", "n": 2}, "n"),
              ({"prompt": "x", "logit_bias": {"1": 2}}, "logit_bias"),
              ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": []}, "prompt"),
              ({"max_tokens": 2}, "prompt")]  # fmt: skip
