@@ -70,11 +70,17 @@ class SequenceGroup:
 
     def start_blocks(self, tables: BlockTables) -> int:
         """Blocks the group needs at once to start: the leader's prompt and first decode
-        slot, and each other branch's own blocks for its first token and the next decode
-        slot (past the prompt's full blocks, which they share)."""
+        slot, and each other branch's own (`own_blocks`)."""
         num_prompt = len(self.leader.token_ids)
-        own = tables.blocks_for(num_prompt + 2) - num_prompt // tables.block_size
-        return tables.blocks_for(num_prompt + 1) + (len(self.requests) - 1) * own
+        others = len(self.requests) - 1
+        return tables.blocks_for(num_prompt + 1) + others * self.own_blocks(tables)
+
+    def own_blocks(self, tables: BlockTables) -> int:
+        """The blocks another branch starts with, past the prompt's full blocks it shares:
+        for its first token and the next decode slot (1, or 2 when the prompt's partial
+        block has room for one token only)."""
+        num_prompt = len(self.leader.token_ids)
+        return tables.blocks_for(num_prompt + 2) - num_prompt // tables.block_size
 
     def refusal(self, tables: BlockTables, max_num_seqs: int) -> InvalidRequestError | None:
         """Why the group can never run at once on this pool and batch (field `n`), or None."""
@@ -86,8 +92,9 @@ class SequenceGroup:
         if need > usable:
             return InvalidRequestError(
                 f"{n} sequences of a {num_prompt}-token prompt need {need} blocks of KV at "
-                f"once (the prompt's and one for each other sequence); the device pool holds "
-                f"{usable} (raise --device-blocks / --device-cache-gb, or ask fewer)",
+                f"once (the prompt's, and {self.own_blocks(tables)} of each other sequence's "
+                f"own); the device pool holds {usable} (raise --device-blocks / "
+                "--device-cache-gb, or ask for fewer)",
                 "n",
             )
         return None

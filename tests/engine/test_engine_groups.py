@@ -10,6 +10,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+import xxhash
 from arch_configs import arch_config
 from engine_helpers import greedy_matches_reference, micro_cache_config, reference_logits
 
@@ -238,3 +239,16 @@ def test_a_window_models_group_meets_the_reference_and_its_independent_requests(
         with Engine(model, micro_cache_config()) as engine:
             alone.append(engine.generate([prompt], branch)[0].output_token_ids)
     assert [r.output_token_ids for r in seeded] == alone
+
+
+def test_a_groups_prompt_is_hashed_once(micro, monkeypatch) -> None:
+    prompt = tokens(240, seed=17)  # 60 blocks
+    with Engine(micro, micro_cache_config()) as engine:
+        engine.generate([[1, 2, 3, 4, 5]], GREEDY)  # the engine's first-step work, uncounted
+        digests, digest = [], xxhash.xxh3_128_digest
+        monkeypatch.setattr(
+            xxhash, "xxh3_128_digest", lambda *a, **k: digests.append(1) or digest(*a, **k)
+        )
+        run_group(engine, group_of(prompt, GREEDY, 4))
+    # the prompt's 60 blocks once, then the block each sequence fills (positions 240..243)
+    assert len(digests) == 60 + 4
