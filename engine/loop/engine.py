@@ -20,7 +20,7 @@ from typing import TypeVar
 import torch
 
 from engine.attention.step_row import Row, blocks_row
-from engine.loop.group import SequenceGroup
+from engine.loop.group import SequenceGroup, sampler_of
 from engine.loop.outcomes import Outcomes
 from engine.loop.prompt import prompt_ids
 from engine.loop.request import (
@@ -371,7 +371,7 @@ class Engine:
                     request.cache_salt,
                     request.emit,
                     request.tenant or "",
-                    request.sampler,
+                    sampler_of(request),
                 )
         except BaseException as e:
             self.outcomes.fail(request, e)

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from engine.loop.request import InvalidRequestError, Request, SamplingParams
+import torch
+
+from engine.loop.request import InvalidRequestError, Request, Sampler, SamplingParams
 from kvstore.block_tables import BlockTables, LentTail
 
 SEED_RANGE = 2**64  # torch.Generator.manual_seed takes [-2**63, 2**64)
@@ -37,6 +39,27 @@ def branch_params(params: SamplingParams, n: int) -> list[SamplingParams]:
 
 def _wrap(seed: int) -> int:
     return seed - SEED_RANGE if seed >= SEED_RANGE else seed
+
+
+class RankedSampler(Sampler):
+    """A request's sampler that also adds each token's log-probability to the request's
+    `cumulative_logprob` (best_of's ranking), for the per-request path, which samples on
+    its own (the engine's steps add it up in `Outcomes.sample`)."""
+
+    def __init__(self, request: Request):
+        super().__init__(request.params)
+        self.request = request
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        token = super().__call__(logits)
+        logprob = float(torch.log_softmax(logits.float(), -1)[token])
+        self.request.cumulative_logprob = (self.request.cumulative_logprob or 0.0) + logprob
+        return token
+
+
+def sampler_of(request: Request) -> Sampler | None:
+    """The sampler the per-request path gives `request` (None: a fresh one)."""
+    return request.sampler if request.cumulative_logprob is None else RankedSampler(request)
 
 
 @dataclass(eq=False)

@@ -252,3 +252,22 @@ def test_a_groups_prompt_is_hashed_once(micro, monkeypatch) -> None:
         run_group(engine, group_of(prompt, GREEDY, 4))
     # the prompt's 60 blocks once, then the block each sequence fills (positions 240..243)
     assert len(digests) == 60 + 4
+
+
+def test_the_per_request_fallback_runs_a_groups_sequences_one_by_one(micro) -> None:
+    prompt = tokens(9, seed=18)
+    group = group_of(prompt, SEEDED, 3)
+    for request in group.requests:
+        request.cumulative_logprob = 0.0
+    with Engine(micro, micro_cache_config(device_blocks=6)) as engine:  # no room to self-test
+        assert engine.mode == "sequential"
+        results = run_group(engine, group)
+    alone = []
+    for branch in branch_params(SEEDED, 3):
+        with Engine(micro, micro_cache_config()) as engine:
+            alone.append(engine.generate([prompt], branch)[0].output_token_ids)
+    assert [r.output_token_ids for r in results] == alone
+    for request, out in zip(group.requests, alone, strict=True):
+        logprobs = torch.log_softmax(reference_logits(micro, prompt + out), -1)
+        want = sum(float(logprobs[len(prompt) - 1 + k, t]) for k, t in enumerate(out))
+        assert request.cumulative_logprob == pytest.approx(want, abs=1e-3)
