@@ -5,7 +5,9 @@ no copy; a kept partial block that goes on from it is copied into a block of its
 `grow`s it with fresh pool blocks as its tokens are computed, `commit`s full blocks to the
 radix index in place (hashing only the new blocks, continuing the lookup's chain), hands its
 partly filled last block to the cache's tails when it ends (`keep_tail`), and `close`s it
-(drops its references; committed blocks stay cached).
+(drops its references; committed blocks stay cached). While it runs, it may lend that block
+(`lend_tail`) to requests that go on from the same tokens (a group's other sequences), whose
+`open` copies it.
 
 With a sliding-window cache (`PrefixCache(window=...)`), `slide` drops the blocks that fell
 out of the request's window during decode: the table's leading `num_dropped` entries become
@@ -32,10 +34,11 @@ import numpy as np
 from hashing import BlockHash, as_token_array
 from kvstore.cache import PrefixCache
 from kvstore.device.seq_blocks import SeqBlocks
+from kvstore.device.tails import LentTail
 from kvstore.metrics import DEVICE_TIER
 from kvstore.units import cdiv
 
-__all__ = ["BlockTables", "SeqBlocks"]
+__all__ = ["BlockTables", "LentTail", "SeqBlocks"]
 
 
 class BlockTables:
@@ -56,10 +59,12 @@ class BlockTables:
         tenant: str,
         whole_prompt: bool = True,
         keys: Sequence[BlockHash] = (),
+        lent: LentTail | None = None,
     ) -> SeqBlocks:
         """Look up the longest cached prefix of token_ids (of token_ids[:-1] unless
         `whole_prompt`; `keys`: their block keys, when hashed already); its blocks enter
-        the table."""
+        the table. The partly filled block after them is copied from `lent` (a running
+        request's, `lend_tail`) when the hit ends where it starts, else from a kept tail."""
         hit = self.cache.lookup(token_ids, cache_salt, tenant, whole_prompt, keys)
         self.held.hold(hit)  # the hit's lock and a reference to its blocks are the table's
         n = len(hit.block_ids)
@@ -81,7 +86,10 @@ class BlockTables:
         )
         looked_up = token_ids if whole_prompt else token_ids[:-1]
         try:
-            tail = self.cache.tails.take(cache_salt, as_token_array(looked_up), n)
+            if lent is not None and lent.start == n * self.block_size:
+                tail = self.cache.tails.copy(lent)
+            else:
+                tail = self.cache.tails.take(cache_salt, as_token_array(looked_up), n)
         except BaseException:
             self.close(seq)  # the hit's references and lock, which the table took
             raise
@@ -97,19 +105,32 @@ class BlockTables:
         `token_ids`: the tokens whose K/V the table holds that later lookups may reuse. Only
         when every full block before it is committed (a lookup can then hit them)."""
         m, r = divmod(len(token_ids), self.block_size)
-        whole_before = seq.num_committed == m and not seq.num_dropped  # a lookup hits them
-        in_table = seq.num_shared_blocks <= m < len(seq.block_table)
-        if (
-            not self.cache.tails.capacity
-            or seq.closed
-            or r == 0
-            or not whole_before
-            or not in_table
-        ):
+        if not self.cache.tails.capacity or not self._partial_block(seq, m, r):
             return False
         block, seq.block_table[m] = seq.block_table[m], None  # `close` skips it: the tail's
         self.cache.tails.put(seq.cache_salt, as_token_array(token_ids), block)
         return True
+
+    def lend_tail(self, seq: SeqBlocks, num_tokens: int) -> LentTail | None:
+        """While a request runs: lend its partly filled block at position `num_tokens` (one
+        more reference, no copy) to requests that repeat its first `num_tokens` tokens (a
+        group's branches), which copy it (`open(..., lent=...)`). The request only writes
+        past those positions, never in them. Give it back with `release([lent.block_id])`.
+        None when there is none to lend (a whole number of blocks, a block not committed
+        before it, or an attention kind that keeps no tails)."""
+        m, r = divmod(num_tokens, self.block_size)
+        if not self.kind.keeps_tails or not self._partial_block(seq, m, r):
+            return None
+        block = seq.block_table[m]
+        self.held.share([block])  # type: ignore[list-item]
+        return LentTail(block, m * self.block_size, r)  # type: ignore[arg-type]
+
+    def _partial_block(self, seq: SeqBlocks, m: int, r: int) -> bool:
+        """Whether block m of the table holds r (>= 1) positions a lookup can go on to: every
+        full block before it is committed (a lookup then hits them), and it is the table's own."""
+        whole_before = seq.num_committed == m and not seq.num_dropped
+        in_table = seq.num_shared_blocks <= m < len(seq.block_table)
+        return not seq.closed and r > 0 and whole_before and in_table
 
     def keys_of(
         self,

@@ -44,7 +44,7 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     cache_salt: Any = None  # validated by the server (400 with its own message)
-    n: int | None = 1
+    n: int | None = Field(default=1, ge=1)  # at most the server's --max-n (api/choices.py)
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
@@ -60,8 +60,6 @@ class _Common(BaseModel):
     def unsupported(self) -> list[tuple[str, str]]:
         """(param, why) of every set field the engine cannot honour."""
         out = []
-        if self.n != 1:
-            out.append(("n", "only n=1 is supported"))
         if self.presence_penalty or self.frequency_penalty:
             out.append(("presence_penalty", "penalties are not supported; leave them at 0"))
         if self.logit_bias:
@@ -87,7 +85,7 @@ class CompletionRequest(_Common):
     echo: bool | None = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)  # vLLM's
-    best_of: int | None = None
+    best_of: int | None = Field(default=None, ge=1)  # >= n (api/choices.py)
     suffix: str | None = None
 
     def unsupported(self) -> list[tuple[str, str]]:
@@ -96,8 +94,6 @@ class CompletionRequest(_Common):
             out.append(("max_tokens", "max_tokens 0 needs echo=true (it returns the prompt)"))
         if self.prompt_logprobs is not None and self.stream:
             out.append(("prompt_logprobs", "prompt_logprobs is not streamed; send stream=false"))
-        if self.best_of not in (None, 1):
-            out.append(("best_of", "only best_of=1 is supported"))
         if self.suffix:
             out.append(("suffix", "suffix (insertion) is not supported"))
         return out

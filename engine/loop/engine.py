@@ -20,6 +20,7 @@ from typing import TypeVar
 import torch
 
 from engine.attention.step_row import Row, blocks_row
+from engine.loop.group import SequenceGroup, sampler_of
 from engine.loop.logprobs import PromptLogprobCache, check_logprobs
 from engine.loop.outcomes import Outcomes
 from engine.loop.prompt import prompt_ids
@@ -234,14 +235,27 @@ class Engine:
             self.outcomes.displaced([r for r in displaced if r is not None], max_waiting)
         return requests
 
+    def add_group(self, group: SequenceGroup, max_waiting: int | None = None) -> SequenceGroup:
+        """Queue the sequences of one prompt as a unit (engine/loop/group.py): the leader
+        now, the others once its prompt is computed. `InvalidRequestError` (field `n`) for a
+        group that could never run at once. The per-request fallback runs them one by one."""
+        if self.runner is None:
+            self.add_requests(group.dissolve(), max_waiting)
+            return group
+        refusal = group.refusal(self.tables, self.scheduler.config.max_num_seqs)
+        if refusal is not None:
+            raise refusal
+        self.add_requests([group.leader], max_waiting)
+        return group
+
     def cancel(self, request: Request) -> None:
         """Stop a request: a waiting one is dropped, a running one ends before its next step."""
         request.cancelled = True
         with self._cond:
             dropped = self.scheduler.waiting.remove(request)
             self._cond.notify()
-        if dropped and request.future.cancel():
-            self.outcomes.done(request, None)
+        if dropped:
+            self.outcomes.dropped(request)
 
     def queue_stats(self) -> QueueStats:
         return self.scheduler.stats()
@@ -281,7 +295,8 @@ class Engine:
     # --- the loop -------------------------------------------------------------------------
 
     def _idle(self) -> bool:
-        return self.scheduler.waiting.size == 0 and not self.scheduler.running
+        scheduler = self.scheduler
+        return scheduler.waiting.size == 0 and not scheduler.running and not scheduler.released
 
     def _main(self, started: Future, threads: int, kernel: str) -> None:
         """The loop thread: start the runner (`started` gets it, or the error), then loop."""
@@ -376,7 +391,7 @@ class Engine:
                     request.cache_salt,
                     request.emit,
                     request.tenant or "",
-                    request.sampler,
+                    sampler_of(request),
                 )
         except BaseException as e:
             self.outcomes.fail(request, e)

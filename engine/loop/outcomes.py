@@ -14,8 +14,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.loop.group import orphans, unreleased_leader
 from engine.loop.logprobs import record_output, result_logprobs
-from engine.loop.request import GenerateResult, QueueFullError, Request, Sampler, StopChecker
+from engine.loop.request import (
+    GenerateResult,
+    QueueFullError,
+    Request,
+    RequestCancelled,
+    Sampler,
+    StopChecker,
+)
 
 if TYPE_CHECKING:
     from engine.loop.scheduler import Scheduler
@@ -49,11 +57,16 @@ class Outcomes:
         if request.future.set_running_or_notify_cancel():
             return True
         self.scheduler.finish(request)
+        for branch in orphans(request):
+            self.fail(branch, RequestCancelled("its group was cancelled"))
         return False
 
     def sample(self, requests: list[Request], logits: torch.Tensor) -> None:
         """Each request's next token from its row of `logits` [len(requests), vocab]; a
-        request it stops finishes; one that asks gets its token's logprobs."""
+        request it stops finishes; one that asks gets its token's logprobs. A group's leader
+        whose prompt is now computed releases its group, whose other sequences sample their
+        first token from its row."""
+        requests, logits = self._with_branches(requests, logits)
         greedy = logits.argmax(dim=-1).tolist()
         for i, request in enumerate(requests):
             if request.sampler is None:
@@ -61,6 +74,8 @@ class Outcomes:
             token = greedy[i] if request.params.temperature == 0 else request.sampler(logits[i])
             if request.params.logprobs is not None:  # before the token is emitted
                 record_output(request, logits[i], token)
+            if request.cumulative_logprob is not None:  # best_of's ranking
+                request.cumulative_logprob += float(torch.log_softmax(logits[i], -1)[token])
             try:
                 request.emit(token)
             except BaseException as e:  # a cancelled request or a failing callback
@@ -70,11 +85,33 @@ class Outcomes:
             if done is not None:
                 self._finish(request, *done)
 
+    def _with_branches(
+        self, requests: list[Request], logits: torch.Tensor
+    ) -> tuple[list[Request], torch.Tensor]:
+        """`requests` and `logits`, with the other sequences of groups released now and
+        their leaders' rows (engine/loop/group.py): the last prompt position's logits."""
+        branches, rows = [], []
+        for i, request in enumerate(requests):
+            group = unreleased_leader(request)
+            if group is None or request.state is None:
+                continue
+            self.scheduler.release_group(group)
+            for branch in list(group.waiting):
+                if self.started(branch):  # (its future may have been cancelled)
+                    branches.append(branch)
+                    rows.append(i)
+        if not branches:
+            return requests, logits
+        return requests + branches, torch.cat([logits, logits[rows]])
+
     def _stop(self, request: Request) -> tuple[str, str] | None:
-        state = request.state
-        if state.stop is None:
-            state.stop = StopChecker(request.params, self.model.eos_token_ids, self.model.tokenizer)
-        return state.stop(request.output)
+        state = request.state  # None: a group's sequence at its first token, not admitted
+        stop = None if state is None else state.stop
+        if stop is None:
+            stop = StopChecker(request.params, self.model.eos_token_ids, self.model.tokenizer)
+            if state is not None:
+                state.stop = stop
+        return stop(request.output)
 
     def _finish(self, request: Request, reason: str, text: str) -> None:
         self._keep_tail(request)
@@ -113,12 +150,23 @@ class Outcomes:
                 log.exception("on_done of a request failed")
 
     def fail(self, request: Request, error: BaseException) -> None:
-        """End a request with `error` (waiting or running)."""
+        """End a request with `error` (waiting or running), and a group leader's branches
+        that never started with it."""
         self.scheduler.finish(request)
         future = request.future
         self.done(request, None)
         if not future.done() and (future.running() or future.set_running_or_notify_cancel()):
             future.set_exception(error)
+        for branch in orphans(request):
+            self.fail(branch, error)
+
+    def dropped(self, request: Request) -> None:
+        """A waiting request was cancelled: it ends, and so do a group leader's branches."""
+        if request.future.cancel():
+            self.done(request, None)
+        for branch in orphans(request):
+            branch.cancelled = True
+            self.fail(branch, RequestCancelled("its group was cancelled"))
 
     def displaced(self, requests: list[Request], bound: int | None) -> None:
         """A tenant over its share of a full queue gave way: its newest waiting requests

@@ -203,6 +203,9 @@ class Request:
     logprobs: Any = None  # what it gathered when its params ask (logprobs.RequestLogprobs)
     # called before the future resolves (the server's metrics of the request)
     on_done: Callable[[Request, GenerateResult | None], None] | None = None
+    group: Any = None  # its SequenceGroup when one of a prompt's n sequences (loop/group.py)
+    # sum of log_softmax(logits)[token] over its output tokens; None: not counted (best_of)
+    cumulative_logprob: float | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -8,11 +8,14 @@ looks the prompt up (cached blocks enter the request's table by reference) and n
 evictable blocks for the rest of the prompt. When a running request cannot get a block, the
 newest running request is preempted: its committed blocks stay cached, the rest return to the
 pool, and it waits at the head of its tenant's queue to resume from the cache.
+
+A group of sequences of one prompt (engine/loop/group.py) is admitted as one unit: its
+leader only with room for every branch, the other branches together once the leader's
+prompt is computed, before any waiting request.
 """
 
 from __future__ import annotations
 
-import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -20,14 +23,15 @@ from typing import NamedTuple
 
 import torch
 
+from engine.loop.group import SequenceGroup, branch_blocks
 from engine.loop.logprobs import PromptLogprobCache
 from engine.loop.request import (
     InvalidRequestError,
-    QueueFullError,
     Request,
     RequestCancelled,
     StopChecker,
 )
+from engine.loop.wait_queue import WaitQueue
 from kvstore.block_tables import BlockTables, SeqBlocks
 
 # Default tokens per step by device. On a CPU prefill costs the same per token in any batch
@@ -96,106 +100,6 @@ def all_tokens(request: Request) -> list[int]:
     return request.token_slice(0, request.num_tokens)
 
 
-class WaitQueue:
-    """Per-tenant FIFO deques served round-robin; thread-safe."""
-
-    def __init__(self) -> None:
-        self._queues: dict[str | None, deque[Request]] = {}
-        self._turns: deque[str | None] = deque()  # tenants with waiting requests, next first
-        self._lock = threading.Lock()
-        self.size = 0
-
-    def push(
-        self, request: Request, bound: int | None = None, front: bool = False
-    ) -> Request | None:
-        """Queue `request`. At the bound, a tenant holding at least two more waiting requests
-        than this one's tenant gives up its newest never-started one, which is returned (the
-        caller refuses it); otherwise QueueFullError. A flood thus fills its own share, and
-        a quiet tenant still gets in."""
-        with self._lock:
-            displaced = None
-            if bound is not None and self.size >= bound:
-                displaced = self._displace(request.tenant)
-                if displaced is None:
-                    raise QueueFullError(f"{self.size} requests are waiting (the bound)")
-            queue = self._queues.setdefault(request.tenant, deque())
-            if not queue:
-                (self._turns.appendleft if front else self._turns.append)(request.tenant)
-            (queue.appendleft if front else queue.append)(request)
-            self.size += 1
-            return displaced
-
-    def _displace(self, tenant: str | None) -> Request | None:
-        """Take the newest never-started request of the tenant with the most waiting, if it
-        holds at least 2 more than `tenant` (under the lock)."""
-        mine = len(self._queues.get(tenant, ()))
-        other = max(self._turns, key=lambda t: len(self._queues[t]), default=None)
-        queue = self._queues.get(other)
-        if other == tenant or queue is None or len(queue) < mine + 2:
-            return None
-        victim = next((r for r in reversed(queue) if r.scheduled is None), None)
-        if victim is not None:
-            queue.remove(victim)
-            self.size -= 1
-        return victim
-
-    def candidates(self) -> list[Request]:
-        """Every waiting request in the order they would be popped (round-robin)."""
-        with self._lock:
-            queues = [list(self._queues[tenant]) for tenant in self._turns]
-        depth = max((len(q) for q in queues), default=0)
-        return [q[i] for i in range(depth) for q in queues if i < len(q)]
-
-    def take(self, request: Request) -> bool:
-        """Pop `request` (a candidate): its tenant's turn goes to the back, as with `pop`.
-        False if it left the queue meanwhile (cancelled, or displaced by `push`)."""
-        with self._lock:
-            queue = self._queues.get(request.tenant)
-            if queue is None or request not in queue:
-                return False
-            queue.remove(request)
-            self._turns.remove(request.tenant)
-            if queue:
-                self._turns.append(request.tenant)
-            self.size -= 1
-            return True
-
-    def pop(self) -> Request:
-        """The head of the tenant whose turn it is; that tenant goes to the back."""
-        with self._lock:
-            tenant = self._turns.popleft()
-            queue = self._queues[tenant]
-            request = queue.popleft()
-            if queue:
-                self._turns.append(tenant)
-            self.size -= 1
-            return request
-
-    def remove(self, request: Request) -> bool:
-        """Take a waiting request out of the queue; False if it is not waiting."""
-        with self._lock:
-            queue = self._queues.get(request.tenant)
-            if queue is None or request not in queue:
-                return False
-            queue.remove(request)
-            if not queue:
-                self._turns.remove(request.tenant)
-            self.size -= 1
-            return True
-
-    def drain(self) -> list[Request]:
-        with self._lock:
-            out = [r for tenant in self._turns for r in self._queues[tenant]]
-            self._queues.clear()
-            self._turns.clear()
-            self.size = 0
-            return out
-
-    def by_tenant(self) -> dict[str | None, int]:
-        with self._lock:
-            return {t: len(q) for t, q in self._queues.items() if q}
-
-
 class Scheduler:
     """Plans steps over `tables`; the engine loop is its only caller besides `add`/`stats`."""
 
@@ -212,6 +116,7 @@ class Scheduler:
         self.prompt_logprobs = prompt_logprobs or PromptLogprobCache(tables.block_size, 0)
         self.waiting = WaitQueue()
         self.running: list[Request] = []
+        self.released: deque[SequenceGroup] = deque()  # groups whose branches go next
 
     def add(self, request: Request, bound: int | None = None) -> Request | None:
         """Queue `request`; returns a request displaced to make room (see WaitQueue.push)."""
@@ -243,6 +148,15 @@ class Scheduler:
             if row is not None:
                 rows.append(row)
                 budget -= row.num_new
+        while self.released and budget > 0:
+            admitted = self._admit_branches(self.released[0], budget, reject)
+            if admitted is None:
+                return rows  # no room for them yet: every waiting request waits behind them
+            self.released.popleft().return_lent(self.tables)
+            rows += [row for row in admitted if row.num_new]
+            budget -= sum(row.num_new for row in admitted)
+        if self.released:
+            return rows
         pending = self._pending_keys()
         prefilling = any(row.num_new > 1 for row in rows)  # then a new prompt must fit whole
         for request in self.waiting.candidates():
@@ -332,6 +246,7 @@ class Scheduler:
         blocks, start = self._open(request, tokens, keys)
         state = Running(blocks, start)
         num_new = min(len(tokens) - state.num_computed, budget)
+        need += branch_blocks(request, self.tables)  # a group's leader: room for all
         room = self.tables.num_available() >= need - len(blocks.block_table)
         fitted = None
         if room or not self.running:  # every block of the prompt; a first step's worth of
@@ -344,12 +259,77 @@ class Scheduler:
         if not self.waiting.take(request):  # cancelled or displaced while it was looked up
             self.tables.close(blocks)
             return Scheduled(request, 0, 0)
+        self._start(request, state)
+        return Scheduled(request, state.num_computed, num_new)
+
+    def _start(self, request: Request, state: Running) -> None:
+        """An admitted request runs from `state`."""
         request.state = state
         self.running.append(request)
         if request.num_preemptions == 0:  # a whole-prompt hit counts every prompt token
+            blocks = state.blocks
             request.num_cached_tokens = min(blocks.num_cached_tokens, len(request.token_ids))
             request.cached_by_tier = dict(blocks.tier_tokens)
-        return Scheduled(request, state.num_computed, num_new)
+
+    # --- groups (engine/loop/group.py) --------------------------------------------------------
+
+    def release_group(self, group: SequenceGroup) -> None:
+        """Its leader's prompt is computed (and committed): the other branches are admitted
+        next, before any waiting request."""
+        group.release(self.tables)
+        self.released.append(group)
+
+    def _admit_branches(
+        self, group: SequenceGroup, budget: int, reject: Callable[[Request, BaseException], None]
+    ) -> list[Scheduled] | None:
+        """Admit a released group's branches together (all or none): their rows (a row may
+        feed no token, when the budget ran out), or None when the batch or the pool cannot
+        take them all now."""
+        for request in [r for r in group.waiting if r.cancelled]:
+            reject(request, RequestCancelled("cancelled while waiting"))  # (leaves `waiting`)
+        branches = group.waiting
+        if len(self.running) + len(branches) > self.config.max_num_seqs:
+            return None
+        if branches and not self._branches_fit(group):
+            return None
+        opened = [(r, self._open(r, group)) for r in branches]
+        states = [self._fit_branch(r, blocks, budget) for r, blocks in opened]
+        if any(state is None for state, _ in states):
+            for _, blocks in opened:
+                self.tables.close(blocks)
+            return None
+        rows = []
+        for (request, _), (state, num_new) in zip(opened, states, strict=True):
+            self._start(request, state)
+            rows.append(Scheduled(request, state.num_computed, min(num_new, budget)))
+            budget -= rows[-1].num_new
+        group.waiting = []
+        return rows
+
+    def _branches_fit(self, group: SequenceGroup) -> bool:
+        """A probe before any lookup: the pool can give each waiting branch its blocks past
+        the prompt's cached ones (its prompt, first token and next decode slot)."""
+        leader, bs = group.leader, self.tables.block_size
+        prompt = leader.token_ids
+        cached = self.tables.cache.peek(prompt, leader.cache_salt, leader.keys) // bs
+        need = self.tables.blocks_for(len(prompt) + 2) - cached
+        return self.tables.num_available() >= need * len(group.waiting)
+
+    def _open(self, request: Request, group: SequenceGroup) -> SeqBlocks:
+        tokens = all_tokens(request)
+        keys = self._extend_keys(request, tokens)
+        salt, tenant = request.cache_salt, request.tenant or ""
+        return self.tables.open(tokens, salt, tenant, keys=keys, lent=group.lent)
+
+    def _fit_branch(
+        self, request: Request, blocks: SeqBlocks, budget: int
+    ) -> tuple[Running | None, int]:
+        """A branch's state and the tokens its first row may feed (None: no room)."""
+        num_tokens = request.num_tokens
+        state = Running(blocks, min(blocks.num_cached_tokens, num_tokens - 1))
+        num_new = max(1, min(num_tokens - state.num_computed, budget))
+        fitted = self.tables.fit(blocks, num_tokens, state.num_computed, num_new)
+        return (None, 0) if fitted is None else (state, fitted)
 
     def _probe(self, request: Request, tokens: list[int]) -> int:
         """The first position the request would feed, probed without a lookup (a request
@@ -387,6 +367,9 @@ class Scheduler:
         if request.state is not None:
             self.tables.close(request.state.blocks)
             request.state = None
+        group = request.group
+        if group is not None and request in group.waiting:  # a group's, never admitted
+            group.waiting.remove(request)
 
 
 def _too_long(num_tokens: int, tables: BlockTables) -> BaseException:

@@ -64,6 +64,7 @@ class ServerConfig:
     max_body_bytes: int = 4 << 20
     max_prompt_tokens: int | None = None  # None: only the model's positions bound it
     max_tokens_limit: int = 2048  # largest max_tokens a request may ask for
+    max_n: int = 16  # largest n (and best_of) a request may ask for
     retry_after_s: int = 1  # Retry-After of a 429
     drain_timeout_s: float = 30.0  # SIGTERM: in-flight requests get this long to finish
     log_level: str = "info"
@@ -87,6 +88,7 @@ class ServerConfig:
         if self.max_prompt_tokens is not None:
             _check_int("max_prompt_tokens", self.max_prompt_tokens, 1)
         _check_int("max_tokens_limit", self.max_tokens_limit, 1)
+        _check_int("max_n", self.max_n, 1)
         _check_int("retry_after_s", self.retry_after_s, 1)
         drain = self.drain_timeout_s
         if isinstance(drain, bool) or not isinstance(drain, int | float) or not 0 <= drain <= 3600:
@@ -157,6 +159,9 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger: 413")
     group.add_argument("--max-prompt-tokens", type=int, default=None, help="longer prompts: 400")
     group.add_argument("--max-tokens-limit", type=int, default=2048, help="largest max_tokens")
+    group.add_argument(
+        "--max-n", type=int, default=16, help="largest n and best_of (sequences per request)"
+    )
     group.add_argument("--retry-after-s", type=int, default=1, help="Retry-After of a 429")
     group.add_argument(
         "--drain-timeout-s",
@@ -200,6 +205,7 @@ def server_config_from_args(
         max_body_bytes=args.max_body_bytes,
         max_prompt_tokens=args.max_prompt_tokens,
         max_tokens_limit=args.max_tokens_limit,
+        max_n=args.max_n,
         retry_after_s=args.retry_after_s,
         drain_timeout_s=args.drain_timeout_s,
         log_level=args.log_level,

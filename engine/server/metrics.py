@@ -153,6 +153,14 @@ class ServerMetrics:
         if result is not None:
             self._count_tokens(job.tenant or "", result)
 
+    def branch(self, job: Request, result: GenerateResult | None) -> None:
+        """The done callback of a request's other sequences (`n`, `best_of`): the leader's
+        `observe` counts the request and its prompt once, each sequence its own tokens."""
+        self.preemptions.inc(job.num_preemptions)
+        if result is not None:
+            completion = self.counters["kvstore_tenant_completion_tokens_total"]
+            completion.labels(job.tenant or "").inc(len(result.output_token_ids))
+
     def _count_tokens(self, tenant: str, result: GenerateResult) -> None:
         counts = {"prompt": result.prompt_tokens, "cached": result.cached_tokens,
                   "completion": len(result.output_token_ids)}  # fmt: skip

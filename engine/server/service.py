@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse, Response
 from engine.api import logprobs as lp
 from engine.api import openai as p
 from engine.api.auth import Authenticator, authenticate, engine_salt
+from engine.api.choices import choice_counts
 from engine.api.errors import ApiError, bad_request
 from engine.api.openai_responses import StreamChunks, response_body
 from engine.api.prompts import prompt_ids
@@ -34,6 +35,7 @@ from engine.loop.request import (
     SamplingParams,
 )
 from engine.server.config import ServerConfig
+from engine.server.groups import Choices, GroupAnswers
 from engine.server.health import Health, health
 from engine.server.metrics import ServerMetrics
 from engine.server.streaming import DONE, TextStreamer, TokenBridge
@@ -64,6 +66,8 @@ class Service:
         self.cache_info = cache_info(engine, config)
         self.draining = threading.Event()  # set on SIGTERM: new requests get 503
         self._in_flight = _Gauge()  # requests from arrival to their response's last byte
+        # requests of several choices (n, best_of)
+        self.groups = GroupAnswers(engine, config, self.metrics, self.failure)
         self.closed = False
 
     def health(self) -> Health:
@@ -119,6 +123,10 @@ class Service:
         try:
             self.check_draining()
             job, req, bridge = await self.admit_request(request, kind)
+            if isinstance(job, Choices):  # n or best_of > 1 (engine/server/groups.py)
+                response = await self.groups.respond(job, req, kind, self._in_flight.exit)
+                streaming = job.bridge is not None  # the response counts it out
+                return response
             if bridge is not None:
                 events = self.events(job, req, kind, bridge)
                 response = ClosingStream(events, on_end=self._in_flight.exit)
@@ -132,15 +140,21 @@ class Service:
 
     async def admit_request(
         self, request: HTTPRequest, kind: str
-    ) -> tuple[Request, Any, TokenBridge | None]:
-        """Read, validate and tokenize the request, and queue its job in the engine."""
+    ) -> tuple[Request | Choices, Any, Any]:
+        """Read, validate and tokenize the request, and queue its job (its jobs, for
+        several choices) in the engine."""
         tenant = self.authenticate(request)
         _, req = await p.read_request(request, kind, self.config.max_body_bytes)
         self.check_model(req.model)
+        counts = choice_counts(req, self.config.max_n)
         salt = engine_salt(self.auth, tenant, req.cache_salt)
         ids = await run_in_threadpool(self.prompt_ids, req)
         params = self.sampling_params(req, len(ids))
         prompt_field = "messages" if isinstance(req, p.ChatRequest) else "prompt"
+        if counts.best_of > 1:
+            choices = self.groups.jobs(req, ids, params, salt, tenant, counts)
+            await run_in_threadpool(self.groups.admit, choices, prompt_field)
+            return choices, req, choices.bridge
         job = Request(ids, params, salt, tenant, on_done=self.metrics.observe)
         bridge = TokenBridge(asyncio.get_running_loop()) if req.stream else None
         if bridge is not None:

@@ -73,6 +73,11 @@ class HeldBlocks:
         with self._lock:
             return self.pool.num_free_blocks + self.index.num_evictable_blocks + self._num_tails()
 
+    def share(self, block_ids: Sequence[int]) -> None:
+        """The caller takes one more reference to blocks it holds (it lends them)."""
+        with self._lock:
+            self.pool.incref(block_ids)
+
     def free(self, block_ids: Sequence[int], window: bool = True) -> None:
         """Drop the caller's reference to each block (on a hybrid model's pool, with its
         window part unless not `window`)."""

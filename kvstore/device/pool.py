@@ -87,6 +87,7 @@ class BlockPool:
         self._raw = tensor_bytes(self.kv) if little_cpu else None
         self.ref_cnt = np.zeros(num_blocks, dtype=np.int32)
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # stack: pops 0, 1, 2...
+        self.num_allocated = 0  # blocks `allocate` handed out since the pool was made
 
     def _block_rows(self) -> tuple[int, ...]:
         """The shape of `kv`: a row per block, of the layers it holds."""
@@ -113,6 +114,7 @@ class BlockPool:
             raise PoolExhausted(f"need {n} blocks, {len(self._free)} free")
         ids = [self._free.pop() for _ in range(n)]
         self.ref_cnt[ids] = 1
+        self.num_allocated += n
         return ids
 
     def assign_window(self, block_ids: Sequence[int]) -> None:

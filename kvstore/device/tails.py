@@ -13,6 +13,10 @@ starts may take the tail's first j tokens that its prompt repeats: `BlockTables.
 the tail into a fresh block of the request (the tail stays for other requests that go on
 from the same prefix). Tails live on the device only: they are not indexed, stored to a
 tier or announced in KV events, and the pool takes them back first when it runs short.
+
+A running request may also lend its partly filled block (`LentTail`, not kept here: the
+lender holds it) to requests that repeat its tokens, a group's other sequences; `copy` gives
+each a copy of its own, counted as a tail hit.
 """
 
 from __future__ import annotations
@@ -39,6 +43,15 @@ class Tail(NamedTuple):
 class TailMatch(NamedTuple):
     block_id: int  # a fresh block of the caller's, the tail copied into it
     num_tokens: int  # leading tokens of the tail that the prompt repeats (>= 1)
+
+
+class LentTail(NamedTuple):
+    """A running request's partly filled last block, lent (one reference, no copy) to the
+    requests that go on from the same tokens (a group's branches, engine/loop/group.py)."""
+
+    block_id: int
+    start: int  # the tokens before it (a whole number of blocks)
+    num_tokens: int  # its leading positions the borrowers repeat, 1 to block_size - 1
 
 
 def tail_capacity(tail_blocks: int | None, num_blocks: int, keeps_tails: bool) -> int:
@@ -129,6 +142,17 @@ class TailCache:
             self._tails[key] = tail  # the most recently used
         if block is None:
             return None
+        return self._hit(block, n)
+
+    def copy(self, lent: LentTail) -> TailMatch | None:
+        """A fresh block with the K/V of a lent tail (its positions past `lent.num_tokens`
+        are masked until the caller writes them), counted as a tail hit; None when no block
+        is free."""
+        with self._lock:
+            block = self._copy(lent.block_id)
+        return None if block is None else self._hit(block, lent.num_tokens)
+
+    def _hit(self, block: int, n: int) -> TailMatch:
         self._metrics.inc("tail_hits_tokens_total", n)
         self._metrics.inc("prefix_cache_hits_tokens_total", n, tier=DEVICE_TIER)
         return TailMatch(block, n)

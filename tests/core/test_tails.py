@@ -179,3 +179,27 @@ def test_evicting_the_device_drops_the_tails() -> None:
 def test_a_bad_tail_blocks_setting_is_refused(bad: object) -> None:
     with pytest.raises(ConfigError, match="tail_blocks"):
         CacheConfig(tail_blocks=bad)  # type: ignore[arg-type]
+
+
+def test_a_running_request_lends_its_partial_block_to_those_that_repeat_its_tokens() -> None:
+    cache, tables = make(tail_blocks=0)  # lending needs no tail kept
+    prompt = tokens(10)  # 2 full blocks and 2 tokens in the third
+    lender = computed(tables, prompt)
+    lent = tables.lend_tail(lender, len(prompt))
+    block = lender.block_table[2]
+    assert lent == (block, 8, 2) and cache.pool.ref_cnt[block] == 2  # no copy: a reference
+    borrowers = [tables.open(np.concatenate([prompt, [7 + i]]), "", "", lent=lent)
+                 for i in range(3)]  # fmt: skip
+    for seq in borrowers:
+        own = seq.block_table[2]  # a copy of its own, every byte of the lent block
+        assert (seq.num_cached_tokens, cache.pool.ref_cnt[own]) == (10, 1)
+        assert torch.equal(cache.pool.kv[own], cache.pool.kv[block])
+    assert cache.metrics.get("tail_hits_tokens_total") == 3 * 2
+    tables.release([lent.block_id])
+    assert cache.pool.ref_cnt[block] == 1  # the lender's again
+    for seq in [lender, *borrowers]:
+        tables.close(seq)
+    whole = computed(tables, tokens(12, seed=3))
+    assert tables.lend_tail(whole, 12) is None  # whole blocks: nothing to lend
+    tables.close(whole)
+    cache.check_integrity()

@@ -117,6 +117,19 @@ def test_streams_pass_through_chunk_by_chunk(fleet):
 
 
 @pytest.mark.integration
+def test_n_passes_through_to_the_replica_and_so_does_its_refusal(fleet):
+    router, _ = fleet
+    messages = [{"role": "user", "content": "two answers through the router"}]
+    both = chat(router, messages, n=2, temperature=1.0, seed=4)
+    assert both.status_code == 200, both.text
+    assert [c["index"] for c in both.json()["choices"]] == [0, 1]
+    assert both.json()["usage"]["completion_tokens"] == 12  # 6 each
+    too_many = chat(router, messages, n=17)  # past the replica's --max-n (16)
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "n"
+    assert too_many.headers[REPLICA]  # the replica refused it, not the router
+
+
+@pytest.mark.integration
 def test_keys_and_bodies_are_checked_at_the_router(fleet):
     router, replicas = fleet
     before = [r.metrics() for r in replicas]

@@ -78,6 +78,8 @@ def test_server_config_rejects_bad_limits():
         ServerConfig(max_queue=0)
     with pytest.raises(ConfigError, match="metrics_require_key"):
         ServerConfig(metrics_require_key=True)
+    with pytest.raises(ConfigError, match="max_n"):
+        ServerConfig(max_n=0)
 
 
 CLASH_FIX = ("; give --port, --kv-events-port and --kv-events-replay-port a port each "
@@ -246,7 +248,7 @@ def test_streamed_text_never_includes_a_stop_string_or_half_a_character():
 
 
 def test_unsupported_fields_are_400_naming_the_parameter():
-    cases = [({"prompt": "x", "max_tokens": 0}, "max_tokens"), ({"prompt": "x", "n": 2}, "n"),
+    cases = [({"prompt": "x", "max_tokens": 0}, "max_tokens"), ({"prompt": "x", "n": 0}, "n"),
              ({"prompt": "x", "logit_bias": {"1": 2}}, "logit_bias"),
              ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": []}, "prompt"),
              ({"max_tokens": 2}, "prompt")]  # fmt: skip
