@@ -20,7 +20,7 @@ from typing import TypeVar
 import torch
 
 from engine.attention.step_row import Row, blocks_row
-from engine.loop.group import SequenceGroup, sampler_of
+from engine.loop.group import SequenceGroup
 from engine.loop.logprobs import PromptLogprobCache, check_logprobs
 from engine.loop.outcomes import Outcomes
 from engine.loop.prompt import prompt_ids
@@ -57,11 +57,8 @@ def _cache_for(
     """The model's cache: a window model's requests drop the blocks that leave their window,
     a hybrid model's the window layers' part of them (docs/ARCHITECTURES.md)."""
     hybrid = hybrid_window(model.model.config)
-    if hybrid is not None:
-        window, layers = hybrid
-        return PrefixCache(config, namespace, events=events, window=window, window_layers=layers)
-    window = shared_window(model.model.config)
-    return PrefixCache(config, namespace, events=events, window=window)
+    window, layers = hybrid if hybrid is not None else (shared_window(model.model.config), None)
+    return PrefixCache(config, namespace, events=events, window=window, window_layers=layers)
 
 
 class Engine:
@@ -106,14 +103,9 @@ class Engine:
         # step: one thread does the model's parallel work (engine/loop/threads.py)
         self.runner, self.fallback_reason = self._start_loop(kernel)
         self.sync = SyncPaths(
-            runner=self.runner,
-            tables=self.tables,
-            sequential=self.sequential,
-            calls=self._calls,
-            forward_lock=self._forward_lock,
-            refuse=self._refusal,
-            encode=self.encode,
-        )
+            runner=self.runner, tables=self.tables, sequential=self.sequential, calls=self._calls,
+            forward_lock=self._forward_lock, refuse=self._refusal, encode=self.encode,
+        )  # fmt: skip
         self._log_start()
 
     def _start_loop(self, kernel: str) -> tuple[PagedRunner | None, str | None]:
@@ -179,13 +171,7 @@ class Engine:
         """
         params = params or SamplingParams()
         ids = self.encode(prompt, params)
-        request = Request(
-            token_ids=ids,
-            params=params,
-            cache_salt=cache_salt,
-            tenant=tenant or None,
-            on_token=on_token,
-        )
+        request = Request(ids, params, cache_salt, tenant or None, on_token)
         return self.add_request(request).future
 
     def generate(
@@ -332,7 +318,7 @@ class Engine:
             if self._idle():
                 continue
             try:
-                self._step() if self.runner is not None else self._step_sequential()
+                self._step() if self.runner is not None else self._serve_one()
             except Exception:  # a bug must not kill the loop silently: fail what ran
                 log.exception("engine step failed")
                 for request in list(self.scheduler.running):
@@ -360,6 +346,10 @@ class Engine:
             self._computed(row)
         self.outcomes.sample([rows[i].request for i in sample], logits[: len(sample)])
 
+    def _serve_one(self) -> None:
+        """The fallback: the next fair request runs alone, start to finish."""
+        self.sequential.serve(self.scheduler.waiting.pop(), self.outcomes, self._forward_lock)
+
     def _row(self, row: Scheduled) -> Row:
         assert self.runner is not None
         blocks = row.request.state.blocks
@@ -376,28 +366,6 @@ class Engine:
         if limit // self.tables.block_size > state.blocks.num_committed:  # a block filled
             self.tables.commit(state.blocks, row.request.token_slice(0, limit), limit)
         self.tables.slide(state.blocks, state.num_computed)  # a window model's old blocks
-
-    def _step_sequential(self) -> None:
-        """The fallback: the next fair request runs alone, start to finish."""
-        request = self.scheduler.waiting.pop()
-        if request.cancelled or not self.outcomes.started(request):
-            self.outcomes.fail(request, RequestCancelled("cancelled while waiting"))
-            return
-        try:
-            with self._forward_lock:
-                result = self.sequential.run(
-                    request.token_ids,
-                    request.params,
-                    request.cache_salt,
-                    request.emit,
-                    request.tenant or "",
-                    sampler_of(request),
-                )
-        except BaseException as e:
-            self.outcomes.fail(request, e)
-            return
-        self.outcomes.done(request, result)
-        request.future.set_result(result._replace(queue_s=request.scheduled - request.arrival))
 
     # --- lifecycle ----------------------------------------------------------------------------
 

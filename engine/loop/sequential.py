@@ -10,16 +10,29 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
 import time
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from transformers import DynamicCache
 
-from engine.loop.request import GenerateResult, Sampler, SamplingParams, StopChecker, TokenCallback
+from engine.loop.group import sampler_of
+from engine.loop.request import (
+    GenerateResult,
+    Request,
+    RequestCancelled,
+    Sampler,
+    SamplingParams,
+    StopChecker,
+    TokenCallback,
+)
 from engine.model.loading import LoadedModel, kv_cache, with_cache
 from kvstore.cache import KVPrefix, PrefixCache
+
+if TYPE_CHECKING:
+    from engine.loop.outcomes import Outcomes
 
 
 class Prefill(NamedTuple):
@@ -107,6 +120,24 @@ class SequentialPath:
             cached_by_tier=pre.cached_by_tier,
             queue_s=0.0,
         )
+
+    def serve(self, request: Request, outcomes: Outcomes, lock: threading.Lock) -> None:
+        """The fallback's step: `request` (taken from the queue) runs alone, start to finish,
+        under the engine's forward `lock`; `outcomes` resolves it."""
+        if request.cancelled or not outcomes.started(request):
+            outcomes.fail(request, RequestCancelled("cancelled while waiting"))
+            return
+        try:
+            with lock:
+                result = self.run(
+                    request.token_ids, request.params, request.cache_salt, request.emit,
+                    request.tenant or "", sampler_of(request),
+                )  # fmt: skip
+        except BaseException as e:
+            outcomes.fail(request, e)
+            return
+        outcomes.done(request, result)
+        request.future.set_result(result._replace(queue_s=request.scheduled - request.arrival))
 
     def _forward(self, ids: list[int], past: DynamicCache) -> torch.Tensor:
         return forward_on(self.model.model, ids, past)

@@ -146,7 +146,7 @@ class ThreadGovernor:
         self._mark = now
         others = max(0.0, busy - own) / wall
         if (threads := self.fit(others)) != self.threads:
-            log.info(
+            log.debug(
                 "torch threads %d -> %d: %.1f cores busy elsewhere", self.threads, threads, others
             )
             self.resize(threads)
