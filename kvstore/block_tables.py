@@ -246,14 +246,15 @@ class BlockTables:
         return seq.num_committed // n * n
 
     def reserve(self, n: int) -> list[int]:
-        """Up to n zeroed blocks held outside any table (an engine's scratch, a self-test)."""
-        ids = self.held.allocate(n)
+        """Up to n zeroed blocks held outside any table (an engine's scratch, a self-test);
+        the cache's stats count them as `reserved`."""
+        ids = self.held.reserve(n)
         self.pool.zero(ids)
         return ids
 
     def release(self, block_ids: list[int]) -> None:
         """Return blocks taken with `reserve`."""
-        self.held.free(block_ids)
+        self.held.unreserve(block_ids)
 
     def close(self, seq: SeqBlocks) -> None:
         """Drop the request's references and lock. Idempotent."""

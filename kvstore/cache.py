@@ -332,6 +332,7 @@ class PrefixCache:
                 "blocks_cached": self.index.num_cached_blocks,
                 "blocks_evictable": self.index.num_evictable_blocks,
                 "blocks_tails": len(self.tails),
+                "blocks_reserved": self.held.num_reserved,  # e.g. an engine's scratch block
             }
             device |= self.kind.stats()
         tiers = self.tiers.stats() if self.tiers else {}

@@ -1,7 +1,8 @@
-"""Offline figures for a block trace at a given capacity (in blocks).
+"""Offline figures for a block trace at a given capacity (in blocks), and the block-exact LRU
+reference.
 
-Both use the future (Belady's MIN), so no online policy can use them; they frame the hit rates
-of the real policies:
+The first two use the future (Belady's MIN), so no online policy can use them; they frame the
+hit rates of the real policies:
 
 - `upper_bound_hits`: Belady/MIN with bypass over the flat sequence of block references (every
   request's blocks, in order). A reference hits iff the block is resident; on a miss the block
@@ -17,6 +18,11 @@ of the real policies:
   cache with an oracle eviction policy, so its hit rate is achievable in principle; it is not
   optimal among prefix caches, so a policy may exceed it.
 
+`block_lru_hits` needs no future: the same prefix cache as `offline_leaf_hits` evicting the
+least recently used block (a block is used when its request hits or inserts it; among blocks
+of one request, the deepest leaf goes first). It is what the index's LRU policy must equal: the
+index ranks runs of blocks, not blocks, and refreshes only the blocks a hit used.
+
 Times are positions in the flat reference sequence; a block never used again has next use
 `NEVER` (ties between such blocks go to the larger block id).
 """
@@ -24,14 +30,22 @@ Times are positions in the flat reference sequence; a block never used again has
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
 
 from bench.traces import BlockTrace
 
-__all__ = ["NEVER", "OfflineResult", "infinite_hits", "next_use", "offline_leaf_hits"]
+__all__ = [
+    "NEVER",
+    "OfflineResult",
+    "block_lru_hits",
+    "infinite_hits",
+    "next_use",
+    "offline_leaf_hits",
+    "upper_bound_hits",
+]
 
 NEVER = np.iinfo(np.int64).max
 
@@ -90,9 +104,9 @@ def upper_bound_hits(trace: BlockTrace, capacity: int, progress: Progress | None
     return hits
 
 
-class _LeafBelady:
-    """State of the offline reference: a tree of resident blocks and a lazy max-heap of its
-    unlocked leaves keyed by next use."""
+class _LeafCache:
+    """State of a prefix cache of single blocks: a tree of resident blocks and a lazy min-heap
+    of its unlocked leaves keyed by rank (the smallest rank is evicted first)."""
 
     def __init__(self, trace: BlockTrace, capacity: int):
         self.capacity = capacity
@@ -100,22 +114,22 @@ class _LeafBelady:
         u = trace.num_unique
         self.resident = [False] * u
         self.children = [0] * u  # resident children
-        self.next = [NEVER] * u  # next use of each block after its latest reference
+        self.rank = [0] * u  # eviction rank of each block since its latest reference
         self.locked_by = [-1] * u  # request index holding the block
-        self.heap: list[tuple[int, int]] = []  # (-next use, -block) of leaves
+        self.heap: list[tuple[int, int]] = []  # (rank, -block) of leaves
         self.size = 0
 
     def push_if_leaf(self, b: int) -> None:
         if self.resident[b] and self.children[b] == 0:
-            heapq.heappush(self.heap, (-self.next[b], -b))
+            heapq.heappush(self.heap, (self.rank[b], -b))
 
     def evict(self, num_blocks: int, request: int) -> int:
-        """Evict up to num_blocks unlocked leaves, farthest next use first; returns how many."""
+        """Evict up to num_blocks unlocked leaves, smallest rank first; returns how many."""
         done = 0
         while done < num_blocks and self.heap:
-            nu, b = heapq.heappop(self.heap)
+            rank, b = heapq.heappop(self.heap)
             b = -b
-            stale = not self.resident[b] or self.children[b] or self.next[b] != -nu
+            stale = not self.resident[b] or self.children[b] or self.rank[b] != rank
             if stale or self.locked_by[b] == request:
                 continue  # a locked block is re-pushed when its request ends
             self.resident[b] = False
@@ -138,25 +152,33 @@ class _LeafBelady:
                 self.children[p] += 1
 
 
-def offline_leaf_hits(
-    trace: BlockTrace, capacity: int, progress: Progress | None = None
+Rank = Callable[[int, int], int]  # (request, position in the flat sequence) -> rank
+
+
+def _leaf_replay(
+    trace: BlockTrace,
+    capacity: int,
+    rank: Rank,
+    progress: Progress | None,
+    lookup: Sequence[int] | None = None,
 ) -> OfflineResult:
-    """Belady on the leaves of a prefix cache, every block inserted (module docstring)."""
+    """Every request on a `_LeafCache`: count the leading resident blocks (of the first
+    `lookup[r]`, default all), lock the request's blocks and rank them, evict as many as the
+    rest need, insert what fits, unlock."""
     if capacity < 1:
         raise ValueError(f"capacity must be >= 1 block, got {capacity}")
-    state = _LeafBelady(trace, capacity)
-    nxt = next_use(trace.blocks).tolist()
+    state = _LeafCache(trace, capacity)
     offsets, all_blocks = trace.offsets.tolist(), trace.blocks.tolist()
-    block_hits = token_hits = 0
+    block_hits = 0
     for r in range(trace.num_requests):
         lo, hi = offsets[r], offsets[r + 1]
         blocks = all_blocks[lo:hi]
-        hit = 0
-        while hit < len(blocks) and state.resident[blocks[hit]]:
+        hit, m = 0, len(blocks) if lookup is None else lookup[r]
+        while hit < m and state.resident[blocks[hit]]:
             hit += 1
         for j, b in enumerate(blocks):
             state.locked_by[b] = r
-            state.next[b] = nxt[lo + j]
+            state.rank[b] = rank(r, lo + j)
         need = len(blocks) - hit - (capacity - state.size)
         if need > 0:
             state.evict(need, r)
@@ -164,7 +186,25 @@ def offline_leaf_hits(
         for b in blocks:  # the path's only possible leaf is its deepest resident block
             state.push_if_leaf(b)
         block_hits += hit
-        token_hits += hit * trace.block_tokens
         if progress is not None and r & 0x3FF == 0:
             progress(lo)
-    return OfflineResult(block_hits, token_hits)
+    return OfflineResult(block_hits, block_hits * trace.block_tokens)
+
+
+def offline_leaf_hits(
+    trace: BlockTrace, capacity: int, progress: Progress | None = None
+) -> OfflineResult:
+    """Belady on the leaves of a prefix cache, every block inserted (module docstring)."""
+    nxt = next_use(trace.blocks).tolist()
+    return _leaf_replay(trace, capacity, lambda r, i: -nxt[i], progress)
+
+
+def block_lru_hits(
+    trace: BlockTrace,
+    capacity: int,
+    progress: Progress | None = None,
+    lookup: Sequence[int] | None = None,
+) -> OfflineResult:
+    """Block-exact LRU on the leaves of a prefix cache (module docstring); `lookup[r]`
+    (default: all) is how many leading blocks request r may hit (it inserts all)."""
+    return _leaf_replay(trace, capacity, lambda r, i: r, progress, lookup)

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -31,11 +31,15 @@ def replay(
     capacity: int,
     progress: Progress | None = None,
     on_request: OnRequest | None = None,
+    lookup: Sequence[int] | None = None,
 ) -> ReplayResult:
     """Replay `trace` on a RadixIndex of `capacity` blocks evicting by `policy` (a name, or a
     fresh instance that only this replay uses).
 
     `on_request(r, hit_blocks, index)` runs after request r (tests check the index there).
+    `lookup[r]` (default: all) is how many leading blocks request r may hit; it inserts all
+    (the blocks past `lookup[r]` must be its own, as `bench.hitrate.live.with_answers` makes
+    them: the room it makes counts every block past the hit as new).
     """
     if capacity < 1:
         raise ValueError(f"capacity must be >= 1 block, got {capacity}")
@@ -52,7 +56,8 @@ def replay(
         lo, hi = offsets[r], offsets[r + 1]
         ids = blocks[lo:hi]
         keys = [blob[b * KEY_BYTES : (b + 1) * KEY_BYTES] for b in ids]
-        hit = _serve(index, capacity, keys, tokens[lo:hi], ids)
+        m = hi - lo if lookup is None else lookup[r]
+        hit = _serve(index, capacity, keys, tokens[lo:hi], ids, m)
         block_hits += hit
         if on_request is not None:
             on_request(r, hit, index)
@@ -62,13 +67,19 @@ def replay(
 
 
 def _serve(
-    index: RadixIndex, capacity: int, keys: list[bytes], tokens: np.ndarray, ids: list[int]
+    index: RadixIndex,
+    capacity: int,
+    keys: list[bytes],
+    tokens: np.ndarray,
+    ids: list[int],
+    lookup: int,
 ) -> int:
-    """One request: match, lock the hit path, make room, insert what fits, unlock."""
+    """One request: match its first `lookup` blocks, lock the hit path, make room, insert
+    what fits, unlock."""
     n = len(ids)
     if n == 0:
         return 0
-    match = index.match_prefix(keys, tokens)
+    match = index.match_prefix(keys[:lookup], tokens[:lookup])
     hit, node = match.num_blocks, match.last_node
     locked = node is not index.root
     if locked:

@@ -114,10 +114,13 @@ def describe_engine(engine: Engine) -> str:
     model, pool = engine.model, engine.cache.pool
     pool_bytes = pool.nbytes
     batching = "continuous batching" if engine.mode == "paged" else "one request at a time"
-    slots = "" if pool.window is None else f" (+ {pool.window.num_slots} window-layer slots)"
+    notes = "" if pool.window is None else f" (+ {pool.window.num_slots} window-layer slots)"
+    reserved = engine.cache.held.num_reserved  # the paged runner's scratch block: never cached
+    if reserved:
+        notes += f" ({reserved} reserved for the runner's scratch)"
     return (
         f"model {model.name} ({model.layout.num_layers} layers, {model.kv_dtype}) on "
-        f"{model.device}; pool {pool.num_blocks} blocks of {pool.block_size} tokens{slots} = "
+        f"{model.device}; pool {pool.num_blocks} blocks of {pool.block_size} tokens{notes} = "
         f"{pool_bytes:,} bytes ({pool_bytes / 2**20:.1f} MiB); tiers: "
         f"{', '.join(_tier_names(engine))}; {batching}"
     )

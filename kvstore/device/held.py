@@ -32,6 +32,7 @@ class HeldBlocks:
         self._lock = device.lock
         self.pool, self.index, self.kind = device.pool, device.index, device.kind
         self._num_tails = num_tails
+        self.num_reserved = 0  # blocks held outside any table and the index (`reserve`)
 
     def hold(self, hit: CacheHit) -> None:
         """The caller takes over the hit's reference to each of its blocks and its lock
@@ -54,6 +55,20 @@ class HeldBlocks:
                 self.pool.free(ids, window=window)
                 return []
             return ids
+
+    def reserve(self, n: int) -> list[int]:
+        """Up to n fresh blocks the caller holds for good, outside any request (an engine's
+        scratch block): they count as `reserved` in `PrefixCache.stats` until `unreserve`."""
+        with self._lock:
+            ids = self.allocate(n)
+            self.num_reserved += len(ids)
+            return ids
+
+    def unreserve(self, block_ids: Sequence[int]) -> None:
+        """Give back blocks taken with `reserve`."""
+        with self._lock:
+            self.pool.free(block_ids)
+            self.num_reserved -= len(block_ids)
 
     def window_room(self, n: int) -> int:
         """Window slots free for a caller, after freeing up to n that only the index holds

@@ -60,9 +60,11 @@ EvictCallback = Callable[["TreeNode", int, list[int]], None]
 class RadixIndex:
     """Radix tree over chained block hashes mapping cached prefixes to block ids.
 
-    Matching never splits a node. When a match ends inside a node's run, `last_node` is that
-    node and locking it locks its whole run (a superset of the matched blocks); only `insert`
-    splits runs where prompts diverge.
+    Recency is block-exact: a hit or an insert refreshes only the blocks it used. When a hit
+    ends inside a node's run, the run is split there: the matched blocks become a node of
+    their own (`last_node`, the hit's recency; locking it locks exactly them) and the rest a
+    child keeping the run's earlier recency, locks and policy history. A split emits no
+    event (every block stays cached). `peek_prefix` records nothing, so it never splits.
     """
 
     def __init__(
@@ -103,7 +105,8 @@ class RadixIndex:
     def match_prefix(self, keys: Sequence[bytes], token_ids: np.ndarray) -> MatchResult:
         """Longest cached prefix of the blocks `keys` (token ids cover at least those blocks).
 
-        Records a hit on every matched node. Never splits: see the class docstring.
+        Records a hit on every matched block: a run the hit ends inside is split there (see
+        the class docstring).
         """
         return self._match(keys, token_ids, record=True)
 
@@ -123,10 +126,13 @@ class RadixIndex:
             if k == 0:  # a key hit with different tokens is a miss
                 break
             ids += child.ids(0, k)
+            partial = k < child.num_blocks
             if record:
+                if partial:  # the unused tail keeps its recency
+                    child = self._split(child, k)
                 self.policy.access(child.id)
             node, pos = child, pos + k
-            if k < child.num_blocks:
+            if partial:
                 break
         return MatchResult(pos, ids, node)
 
@@ -157,20 +163,14 @@ class RadixIndex:
                 self._add_leaf(node, joined, tokens, ids, pos, n)
                 break
             k = num_matching(child, joined, tokens, pos, n, tw)
+            if k == 0:  # same key, other tokens (a lookup-key collision): cannot branch
+                unkept += [b for b in ids[pos:] if b is not None]
+                break
+            if k < child.num_blocks:  # the prompt ends or diverges inside this run
+                child = self._split(child, k)  # the unused tail keeps its recency
             unkept += self._merge(child, ids[pos : pos + k], filled)
-            if k:
-                self.policy.touch(child.id)
-            if k == child.num_blocks:
-                node, pos = child, pos + k
-            elif pos + k == n:  # the prompt ends inside this run
-                break
-            elif child.key(k) == keys[pos + k]:  # same key, other tokens: cannot branch
-                unkept += [b for b in ids[pos + k :] if b is not None]
-                break
-            else:
-                parent = self._split(child, k)
-                self._add_leaf(parent, joined, tokens, ids, pos + k, n)
-                break
+            self.policy.touch(child.id)
+            node, pos = child, pos + k
         return unkept
 
     def _merge(self, node: TreeNode, ids: list[int | None], filled: list[int] | None) -> list[int]:
@@ -218,7 +218,8 @@ class RadixIndex:
 
     def _split(self, node: TreeNode, k: int) -> TreeNode:
         """Cut `node` after k blocks; a new parent takes blocks [:k] and node keeps the rest
-        (so handles to `node` stay valid). The new parent inherits node's ref_cnt."""
+        (so handles to `node` stay valid). The new parent inherits node's ref_cnt and policy
+        history; counts do not change, and no event is emitted (every block stays cached)."""
         head = split_run(node, k, next(self._next_id), self._token_bytes)
         self._nodes[head.id] = head
         self.policy.insert(head.id, head.num_held, tag=run_tag(head.keys), like=node.id)

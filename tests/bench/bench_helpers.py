@@ -78,7 +78,28 @@ def naive_offline_hits(trace: BlockTrace, capacity: int) -> list[int]:
     return out
 
 
-# --- LRU over radix nodes, with the index's split / lock / tail-trim semantics -------------
+# --- block-exact LRU: a block-level prefix cache with O(n) scans ---------------------------
+def naive_block_lru_hits(trace: BlockTrace, capacity: int) -> list[int]:
+    """Per request hits of block-exact LRU: each block a request hits or inserts is stamped
+    with the request; the unlocked resident leaf block with the oldest stamp goes first."""
+    parents, stamp, out = trace.parents().tolist(), {}, []
+    for r, blocks in enumerate(requests(trace)):
+        hit = next((j for j, b in enumerate(blocks) if b not in stamp), len(blocks))
+        stamp.update(dict.fromkeys(blocks[:hit], r))
+        for _ in range(len(blocks) - hit - (capacity - len(stamp))):
+            inner = {parents[c] for c in stamp}
+            leaves = [b for b in stamp if b not in inner and b not in blocks[:hit]]
+            if not leaves:
+                break
+            del stamp[min(leaves, key=stamp.__getitem__)]
+        stamp.update(
+            dict.fromkeys(blocks[hit : hit + min(len(blocks) - hit, capacity - len(stamp))], r)
+        )
+        out.append(hit)
+    return out
+
+
+# --- LRU over radix runs, as the index kept it before recency was block-exact ----------------
 class _Node:
     def __init__(self, node_id: int, parent: _Node | None, blocks: list[int], stamp: int):
         self.id, self.parent, self.blocks, self.stamp = node_id, parent, blocks, stamp
@@ -86,10 +107,12 @@ class _Node:
         self.locks = 0
 
 
-class NaiveLRU:
+class RunLRU:
     """Lists of nodes and linear scans: the least recently used unlocked leaf loses blocks
-    from its tail. Recency ticks on every hit (each matched node), every node the insert walks
-    through, and every new leaf; a split's new head keeps the node's recency and locks."""
+    from its tail. Recency ticks per run: on every hit (each matched run, the whole run even
+    where the hit ends inside it), every run the insert walks through, and every new leaf; a
+    split's new head keeps the run's recency and locks. Tests use it to show that a trace
+    tells run-level recency from block-exact recency."""
 
     def __init__(self, capacity: int):
         self.capacity, self.root = capacity, _Node(0, None, [], 0)
@@ -174,6 +197,6 @@ class NaiveLRU:
         self.nodes.append(leaf)
 
 
-def naive_lru_hits(trace: BlockTrace, capacity: int) -> list[int]:
-    cache = NaiveLRU(capacity)
+def run_lru_hits(trace: BlockTrace, capacity: int) -> list[int]:
+    cache = RunLRU(capacity)
     return [cache.serve(blocks) for blocks in requests(trace)]

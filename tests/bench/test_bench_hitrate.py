@@ -2,12 +2,18 @@ import json
 from pathlib import Path
 
 import pytest
-from bench_helpers import naive_lru_hits, requests, traces
+from bench_helpers import naive_block_lru_hits, requests, run_lru_hits, traces
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bench.hitrate import main, parse_capacities, replay
-from bench.hitrate.offline import infinite_hits, offline_leaf_hits, upper_bound_hits
+from bench.hitrate.live import live_replay, mooncake_answers, with_answers
+from bench.hitrate.offline import (
+    block_lru_hits,
+    infinite_hits,
+    offline_leaf_hits,
+    upper_bound_hits,
+)
 from bench.traces import BlockTrace, from_chains
 from kvstore.index.policies import POLICIES
 
@@ -32,11 +38,46 @@ def test_lru_replay_on_a_small_example_counts_hits_and_evicts_the_oldest_leaf():
     assert result.token_hits == 6 * 16
 
 
+def test_a_hit_refreshes_only_the_blocks_it_used_as_block_exact_lru_does():
+    # capacity 4: request 2 hits block 0 only, so blocks 1 and 2 keep request 0's recency;
+    # request 3 evicts block 2 (the oldest leaf block), not run [3], which request 4 then
+    # hits. Recency per run would refresh [0, 1, 2] whole on request 2 and evict [3] instead.
+    trace = from_chains([[0, 1, 2], [3], [0], [4], [3]], block_tokens=16)
+    expected = [0, 0, 1, 0, 1]
+    assert per_request_hits(trace, "lru", 4) == expected
+    assert naive_block_lru_hits(trace, 4) == expected
+    assert block_lru_hits(trace, 4).block_hits == live_replay(trace, 4).block_hits == 2
+    assert run_lru_hits(trace, 4) == [0, 0, 1, 0, 0]
+
+
 @pytest.mark.parametrize("capacity", [1, 2, 3, 5, 8, 13])
 @settings(max_examples=40, derandomize=True, deadline=None)
 @given(trace=traces())
-def test_lru_replay_equals_a_naive_radix_lru(capacity, trace):
-    assert per_request_hits(trace, "lru", capacity) == naive_lru_hits(trace, capacity)
+def test_lru_replay_equals_block_exact_lru(capacity, trace):
+    hits = per_request_hits(trace, "lru", capacity)
+    assert hits == naive_block_lru_hits(trace, capacity)
+    assert block_lru_hits(trace, capacity).block_hits == sum(hits)
+
+
+@pytest.mark.parametrize("capacity", [1, 3, 8])
+@settings(max_examples=15, derandomize=True, deadline=None)
+@given(trace=traces())
+def test_the_live_cache_hits_what_the_replay_hits(capacity, trace):
+    assert live_replay(trace, capacity).block_hits == replay(trace, "lru", capacity).block_hits
+
+
+@pytest.mark.parametrize("capacity", [2000, 8000])
+def test_mooncake_fixture_with_answers_stored_hits_as_block_exact_lru_everywhere(capacity):
+    # each stored answer is an unused tail that the next turn's hit ends before
+    from bench.traces import load_trace
+
+    trace = load_trace(MOONCAKE_FIXTURE)
+    stored, lookup = with_answers(trace, mooncake_answers(MOONCAKE_FIXTURE))
+    assert stored.num_refs - trace.num_refs == 1605
+    exact = block_lru_hits(stored, capacity, lookup=lookup).block_hits
+    assert exact == {2000: 10300, 8000: 16077}[capacity]
+    assert replay(stored, "lru", capacity, lookup=lookup).block_hits == exact
+    assert live_replay(stored, capacity, lookup).block_hits == exact
 
 
 class Shadow:

@@ -208,9 +208,9 @@ def test_with_a_device_shorter_than_a_prompt_its_tail_is_never_stored():
     assert infinite_hits(trace) == 4
 
 
-def test_a_match_ending_inside_a_run_locks_the_whole_run_and_leaves_no_room():
-    # request 1 hits block 0 of the run [0, 1]; the lock covers the run, so the device (2
-    # blocks) has no room for block 2, which is never stored: request 2 hits 1 block, not 2
+def test_a_match_ending_inside_a_run_locks_only_the_matched_blocks():
+    # request 1 hits block 0 of the run [0, 1]; the hit splits the run and locks block 0
+    # alone, so block 1 (the unused tail) makes room for block 2: request 2 hits 2 blocks
     trace = from_chains([[0, 1], [0, 2], [0, 2]])
     config = FleetConfig(TierConfig(2, (("memory", 10),)), "lru")
-    assert fleet_hits(trace, config) == [0, 1, 1]
+    assert fleet_hits(trace, config) == [0, 1, 2]

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from hashing import BlockHasher, Namespace
+from kvstore.fleet.events import EventSink, KVEvent
 from kvstore.index import IntegrityError, RadixIndex, TreeNode
 from kvstore.index.policies import POLICIES, LFUPolicy, make_policy
 
@@ -75,23 +76,66 @@ def test_ids_the_index_already_holds_are_not_returned_as_redundant():
     assert match(index, c).block_ids == [0, 1, 2, 3, 20]
 
 
-def test_inserting_a_prefix_of_a_cached_run_adds_nothing():
+def test_inserting_a_prefix_of_a_cached_run_adds_nothing_and_splits_off_the_used_blocks():
     index = RadixIndex(BS)
     insert(index, A, [0, 1, 2, 3])
     assert insert(index, A[: 2 * BS], [7, 8]) == [7, 8]
-    assert (index.num_cached_blocks, index.num_nodes) == (4, 1)
+    assert (index.num_cached_blocks, index.num_nodes) == (4, 2)
+    (head,) = index.root.children.values()
+    assert (head.num_blocks, [c.num_blocks for c in head.children.values()]) == (2, [2])
 
 
-def test_match_ending_inside_a_run_does_not_split_and_locks_the_whole_run():
+def test_match_ending_inside_a_run_splits_it_and_locks_only_the_matched_blocks():
     index = RadixIndex(BS)
     insert(index, A, [0, 1, 2, 3])
     result = match(index, A, num_blocks=2)
     assert (result.num_blocks, result.block_ids) == (2, [0, 1])
-    assert index.num_nodes == 1 and result.last_node.num_blocks == 4
+    assert index.num_nodes == 2 and result.last_node.num_blocks == 2
     index.lock(result.last_node)
-    assert index.num_evictable_blocks == 0
-    assert index.evict(4) == []
+    index.check_integrity()
+    assert index.num_evictable_blocks == 2
+    assert index.evict(4) == [2, 3]
     index.unlock(result.last_node)
+    assert index.num_evictable_blocks == 2
+
+
+def test_a_hit_refreshes_only_the_blocks_it_used():
+    # [1 2 3 4] then [5 6]; a hit on [1 2] leaves [3 4] older than [5 6]: it goes first
+    index = RadixIndex(BS)
+    insert(index, A, [0, 1, 2, 3])
+    insert(index, prompt(5, 6), [4, 5])
+    match(index, A, num_blocks=2)
+    assert _eviction_order(index) == [3, 2, 5, 4, 1, 0]
+    index.check_integrity()
+
+
+def test_peek_prefix_ending_inside_a_run_splits_nothing():
+    index = RadixIndex(BS)
+    insert(index, A, [0, 1, 2, 3])
+    result = index.peek_prefix(keys(A)[:2], A)
+    assert (result.num_blocks, result.last_node.num_blocks, index.num_nodes) == (2, 4, 1)
+
+
+class Recorder(EventSink):
+    def __init__(self) -> None:
+        self.events: list[KVEvent] = []
+
+    def emit(self, event: KVEvent) -> None:
+        self.events.append(event)
+
+
+def test_a_split_on_a_hit_emits_no_event_and_keeps_the_locks():
+    sink = Recorder()
+    index = RadixIndex(BS, events=sink)
+    insert(index, A, [0, 1, 2, 3])
+    held = match(index, A).last_node
+    index.lock(held)
+    assert len(sink.events) == 1
+    head = match(index, A, num_blocks=1).last_node
+    assert len(sink.events) == 1 and head is not held and held.parent is head
+    assert (head.ref_cnt, held.ref_cnt, index.num_evictable_blocks) == (1, 1, 0)
+    index.unlock(held)
+    index.check_integrity()
     assert index.num_evictable_blocks == 4
 
 
@@ -118,7 +162,9 @@ def test_peek_prefix_finds_what_match_prefix_finds_and_records_nothing(policy):
         got = peeked.peek_prefix(keys(tokens)[:num_blocks], tokens)
         want = match(control, tokens, num_blocks)
         assert (got.num_blocks, got.block_ids) == (want.num_blocks, want.block_ids)
-        assert got.last_node.block_ids.tolist() == want.last_node.block_ids.tolist()
+        # the same run, which match splits where the hit ends and peek leaves whole
+        head = want.last_node.block_ids.tolist()
+        assert got.last_node.block_ids.tolist()[: len(head)] == head
     assert spy.mock_calls == []
     peeked.policy = spy._mock_wraps
     control = _used_tree(policy)  # the matches above recorded hits on the control

@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
 from engine.loop.engine import Engine
-from engine.server.app import create_app
+from engine.server.app import create_app, describe_engine
 from engine.server.config import ServerConfig
 from engine.server.metrics import LATENCY_BUCKETS_S
 
@@ -93,3 +93,25 @@ def test_hits_from_a_tier_are_counted_by_that_tier(tmp_path):
     assert value(samples, "kvstore_prefix_cache_hits_tokens_total", tier="device") == 0
     assert value(samples, "kvstore_promoted_blocks_total") == cached // BLOCK_SIZE
     assert value(samples, "kvstore_tenant_cached_tokens_total", tenant="") == cached
+
+
+def test_device_blocks_count_the_runners_scratch_as_reserved_and_the_states_sum_to_total(
+    tmp_path,
+):
+    with serve(tmp_path) as client:
+        idle = scrape(client)
+        prompt_tokens = complete(client, PROMPTS[0])["prompt_tokens"]
+        after = scrape(client)
+        line = describe_engine(client.app.state.service.engine)
+    states = ("free", "cached", "tails", "reserved")
+    got = [{s: value(m, "kvstore_device_blocks", state=s) for s in states} for m in (idle, after)]
+    # 69 prompt tokens + 2 generated, K/V for all but the last: 70 = 17 whole blocks of 4
+    # cached, and the partial one kept as a tail for the next turn
+    assert prompt_tokens == 69
+    assert got == [
+        {"free": 255, "cached": 0, "tails": 0, "reserved": 1},
+        {"free": 237, "cached": 17, "tails": 1, "reserved": 1},
+    ]
+    for samples, blocks in zip((idle, after), got, strict=True):
+        assert value(samples, "kvstore_device_blocks", state="total") == sum(blocks.values()) == 256
+    assert "pool 256 blocks of 4 tokens (1 reserved for the runner's scratch) = " in line

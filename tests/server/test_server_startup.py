@@ -30,7 +30,8 @@ def test_start_up_logs_model_device_dtype_pool_tiers_and_event_ports(
         f"kvstore serve: info: KV events on tcp://127.0.0.1:{events} (--kv-events-port), "
         f"replays on tcp://127.0.0.1:{replay} (--kv-events-replay-port)",
         f"kvstore serve: info: model {model_dir} (2 layers, float32) on cpu; pool 64 blocks of "
-        f"4 tokens = 131,072 bytes (0.1 MiB); tiers: device, lmdb ({lmdb}), redis "
+        f"4 tokens (1 reserved for the runner's scratch) = 131,072 bytes (0.1 MiB); tiers: "
+        f"device, lmdb ({lmdb}), redis "
         f"(redis://:***@127.0.0.1:{redis.port}/0); continuous batching",
         "kvstore serve: info: shutdown: cache integrity ok; 0 of 64 device blocks held after "
         "the last request",
