@@ -20,6 +20,7 @@ BENCHMARKS = {
     "serve": "load on `kvstore serve` replicas: client-side TTFT p50/p99 and reported hit rate",
     "load": "multi-turn chat at rising concurrency: kvstore serve vs transformers serve (CB)",
     "fleet": "replicas behind kvstore router vs round-robin: TTFT, tiers, a replica killed",
+    "nsample": "parallel sampling: n sequences of one prompt against one, side by side",
     "contention": "engine steps and the demo quiet vs beside busy processes, per threading",
     "windows": "device blocks a running request holds as decode passes a sliding window",
     "loglik": "harness-like prompt logprobs (echo, max_tokens 0) sharing a context: cache vs none",

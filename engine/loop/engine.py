@@ -321,7 +321,8 @@ class Engine:
                 self._step() if self.runner is not None else self._serve_one()
             except Exception:  # a bug must not kill the loop silently: fail what ran
                 log.exception("engine step failed")
-                for request in list(self.scheduler.running):
+                released = [r for group in self.scheduler.released for r in group.waiting]
+                for request in [*self.scheduler.running, *released]:
                     self.outcomes.fail(request, RuntimeError("engine step failed"))
 
     def _step(self) -> None:

@@ -292,7 +292,7 @@ class Scheduler:
             return None
         if branches and not self._branches_fit(group):
             return None
-        opened = [(r, self._open(r, group)) for r in branches]
+        opened = [(r, self._open_branch(r, group)) for r in branches]
         states = [self._fit_branch(r, blocks, budget) for r, blocks in opened]
         if any(state is None for state, _ in states):
             for _, blocks in opened:
@@ -315,7 +315,7 @@ class Scheduler:
         need = self.tables.blocks_for(len(prompt) + 2) - cached
         return self.tables.num_available() >= need * len(group.waiting)
 
-    def _open(self, request: Request, group: SequenceGroup) -> SeqBlocks:
+    def _open_branch(self, request: Request, group: SequenceGroup) -> SeqBlocks:
         tokens = all_tokens(request)
         keys = self._extend_keys(request, tokens)
         salt, tenant = request.cache_salt, request.tenant or ""
