@@ -9,7 +9,7 @@ with `best_of` > `n` is refused, as OpenAI and vLLM refuse it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from engine.api.errors import bad_request
@@ -24,6 +24,7 @@ from engine.api.openai_responses import (
 from engine.api.sse import sse
 
 if TYPE_CHECKING:
+    from engine.api.logprobs import LogprobFormat
     from engine.loop.request import GenerateResult
 
 
@@ -90,20 +91,27 @@ def choices_body(
 
 
 class IndexedChunks(StreamChunks):
-    """The stream chunks of one choice of several: its `index`, the stream's id and time."""
+    """The stream chunks of one choice of several: its `index`, the stream's id and time,
+    its own logprobs format (None: none)."""
 
-    def __init__(self, first: StreamChunks, index: int):
-        super().__init__(first.kind, first.model, bool(first.extra))
+    def __init__(self, first: StreamChunks, index: int, logprobs: LogprobFormat | None = None):
+        super().__init__(first.kind, first.model, bool(first.extra), logprobs)
         self.id, self.created, self.index = first.id, first.created, index
 
     def _event(self, choices: list[dict]) -> str:
         return super()._event([{**choice, "index": self.index} for choice in choices])
 
 
-def stream_chunks(kind: str, model: str, include_usage: bool, n: int) -> list[IndexedChunks]:
-    """Each choice's chunks, of one stream (one id)."""
+def stream_chunks(
+    kind: str,
+    model: str,
+    include_usage: bool,
+    n: int,
+    logprobs: Callable[[], LogprobFormat | None] = lambda: None,
+) -> list[IndexedChunks]:
+    """Each choice's chunks, of one stream (one id); `logprobs` makes each choice's format."""
     first = StreamChunks(kind, model, include_usage)
-    return [IndexedChunks(first, index) for index in range(n)]
+    return [IndexedChunks(first, index, logprobs()) for index in range(n)]
 
 
 def usage_event(chunks: StreamChunks, results: Sequence[GenerateResult]) -> str:

@@ -139,9 +139,18 @@ def vllm_prompt_logprobs(
     return out
 
 
-def echo_text(prompt: str | Sequence[int], text: Callable[[Sequence[int]], str]) -> str:
-    """The prompt as echoed: the text sent, or token ids decoded."""
-    return prompt if isinstance(prompt, str) else text(prompt)
+def echo_text(want: Asked, req: Any, decode: Callable[[Sequence[int]], str]) -> str:
+    """The text each choice starts with: the prompt as sent, or its token ids decoded, when
+    echoed; "" otherwise."""
+    if not want.echo:
+        return ""
+    prompt = req.single_prompt()
+    return prompt if isinstance(prompt, str) else decode(prompt)
+
+
+def logprob_format(kind: str, want: Asked, text: Callable[[int], str]) -> LogprobFormat | None:
+    """A choice's logprobs objects (each choice its own: completions' offsets run on)."""
+    return None if want.logprobs is None else LogprobFormat(kind, want.logprobs, text)
 
 
 def shape_choice(
@@ -164,9 +173,22 @@ def shape_choice(
     return choice
 
 
-def without_output(result: Any) -> Any:
-    """An echo-only (max_tokens 0) request's result: the one token the engine sampled is
-    dropped (the engine's `GenerateResult`)."""
+def shape_choices(
+    body: dict, kind: str, want: Asked, results: Sequence[Any], prompt_ids: Sequence[int],
+    echo: str, text: Callable[[int], str],
+) -> dict:  # fmt: skip
+    """`shape_choice` each of the body's choices with its result (`results`: in their
+    order, as `answered`)."""
+    for choice, result in zip(body["choices"], results, strict=True):
+        shape_choice(choice, kind, want, result, prompt_ids, echo, text)
+    return body
+
+
+def answered(want: Asked, result: Any) -> Any:
+    """The engine's `GenerateResult` as answered: an echo-only (max_tokens 0) request's one
+    sampled token is dropped."""
+    if not want.echo_only:
+        return result
     output = None if result.output_logprobs is None else []
     return result._replace(output_token_ids=[], text="", finish_reason="length",
                            output_logprobs=output)  # fmt: skip

@@ -6,12 +6,13 @@ its admission asks room for the whole group: its own prompt and first decode slo
 blocks each other branch starts with. Once the leader's last prompt chunk is computed (its
 full blocks committed to the index), the group is released: every other branch samples its
 first token from the leader's logits of the last prompt position (its own sampler: branch i
-samples with seed + i), the leader lends its partly filled last block
-(`BlockTables.lend_tail`: one more reference, no copy), and the scheduler admits the other
-branches at the next step, together, before any waiting request, all or none. Each branch's
-lookup hits the prompt's full blocks by reference and copies the lent block into a block of
-its own; it then feeds its first token beside the leader's second, and decodes on its own,
-as an independent request with its seed would.
+samples with seed + i; one that asks prompt logprobs takes a copy of the leader's), the
+leader lends its partly filled last block (`BlockTables.lend_tail`: one more reference, no
+copy), and the scheduler admits the other branches at the next step, together, before any
+waiting request, all or none. Each branch's lookup hits the prompt's full blocks by
+reference and copies the lent block into a block of its own; it then feeds its first token
+beside the leader's second, and decodes on its own, as an independent request with its
+seed would.
 
 A leader that ends before its group is released (cancelled, displaced, failed) ends its
 branches with the same error: a group never answers in part.
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from engine.loop.logprobs import share_prompt
 from engine.loop.request import InvalidRequestError, Request, Sampler, SamplingParams
 from kvstore.block_tables import BlockTables, LentTail
 
@@ -128,8 +130,9 @@ class SequenceGroup:
         self.released = True
         num_prompt = len(self.leader.token_ids)
         self.lent = tables.lend_tail(self.leader.state.blocks, num_prompt)
-        for request in self.waiting:  # the prompt's block keys: hashed once, by the leader
+        for request in self.waiting:  # the prompt's block keys (and logprobs): the leader's
             request.keys = self.leader.keys[: num_prompt // tables.block_size]
+            share_prompt(self.leader, request)
 
     def return_lent(self, tables: BlockTables) -> None:
         """Every branch was admitted (or dropped): the lent block goes back."""

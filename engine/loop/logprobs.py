@@ -125,6 +125,13 @@ class PromptScores:
         scores = Scores(*(a[span].copy() for a in self.scores))
         return BlockSummary(self.token_ids[span].copy(), scores)
 
+    def copy(self) -> PromptScores:
+        """Another request's, of the same prompt (its token ids are never written)."""
+        twin = PromptScores.__new__(PromptScores)
+        twin.token_ids, twin.known = self.token_ids, self.known.copy()
+        twin.scores = Scores(*(a.copy() for a in self.scores))
+        return twin
+
     def fill(self, block: int, summary: BlockSummary) -> None:
         self.set(block * len(summary.token_ids), summary.scores)
 
@@ -159,6 +166,17 @@ def prompt_scores(request: Request) -> PromptScores:
     if state.prompt is None:
         state.prompt = PromptScores(request.token_ids, MAX_LOGPROBS)
     return state.prompt
+
+
+def share_prompt(leader: Request, branch: Request) -> None:
+    """A group's other sequence (engine/loop/group.py), released once its leader's prompt is
+    computed, takes its prompt logprobs from the leader's (complete by then): its own prompt
+    is never prefilled by itself. A copy, so that a branch that computes part of its prompt
+    again (a window model's partial block, a resume) writes only its own."""
+    state = leader.logprobs
+    prompt = None if state is None else state.prompt
+    if branch.params.prompt_logprobs is not None and prompt is not None:
+        logprobs_of(branch).prompt = prompt.copy()
 
 
 def prompt_logprobs_of(request: Request) -> PromptLogprobs:

@@ -1,6 +1,9 @@
 """A request of several choices (`n` or `best_of` > 1, engine/api/choices.py) on the server:
 one engine request per sampled sequence, queued as one group (engine/loop/group.py), and
-answered whole, or streamed with each choice's index as its tokens come.
+answered whole, or streamed with each choice's index as its tokens come. Each choice is
+shaped as a request's only choice is (engine/api/logprobs.py; streamed: `ChoiceStream`):
+its own logprobs, and with echo the prompt's text and logprobs first (the leader's, copied
+to the others when their group is released).
 
 The group answers whole or not at all: when a sequence fails, the others are cancelled and
 the request gets the error (a stream: an error event). Only the leader's `on_done` counts a
@@ -18,6 +21,7 @@ from typing import Any, NamedTuple
 
 from starlette.responses import JSONResponse, Response
 
+from engine.api import logprobs as lp
 from engine.api.choices import ChoiceCounts, best, choices_body, stream_chunks, usage_event
 from engine.api.errors import ApiError, bad_request
 from engine.api.sse import ClosingStream, sse
@@ -34,7 +38,7 @@ from engine.loop.request import (
 )
 from engine.server.config import ServerConfig
 from engine.server.metrics import ServerMetrics
-from engine.server.streaming import DONE, TextStreamer
+from engine.server.streaming import DONE, ChoiceStream, TextStreamer
 
 
 class ChoiceBridge:
@@ -69,7 +73,8 @@ class Choices(NamedTuple):
 
 class GroupAnswers:
     """The requests of several choices of one server: its engine, settings, metrics and
-    tokenizer, and `failure`, the ApiError of an engine error (`Service.failure`)."""
+    tokenizer, `failure`, the ApiError of an engine error (`Service.failure`), and `texts`,
+    each token's text (logprobs)."""
 
     def __init__(
         self,
@@ -77,9 +82,10 @@ class GroupAnswers:
         config: ServerConfig,
         metrics: ServerMetrics,
         failure: Callable[[BaseException], ApiError],
+        texts: lp.TokenTexts,
     ):
         self.engine, self.config, self.metrics, self.failure = engine, config, metrics, failure
-        self.tokenizer = engine.model.tokenizer
+        self.tokenizer, self.texts = engine.model.tokenizer, texts
 
     def jobs(self, req: Any, ids: list[int], params: SamplingParams, salt: str,
              tenant: str | None, counts: ChoiceCounts) -> Choices:  # fmt: skip
@@ -108,6 +114,8 @@ class GroupAnswers:
                 job.token_ids = ids
             engine.add_group(SequenceGroup(choices.jobs), self.config.max_queue)
         except InvalidRequestError as e:
+            if e.field in ("logprobs", "prompt_logprobs"):  # the per-request fallback's
+                raise bad_request(str(e), e.field) from None
             if e.field != "n":
                 raise bad_request(str(e), prompt_field) from None
             field = choices.counts.field
@@ -125,13 +133,17 @@ class GroupAnswers:
         sequence is done."""
         if choices.bridge is not None:
             return ClosingStream(self.events(choices, req, kind), on_end=on_end)
-        results = await self.results(choices.jobs)
+        jobs, want = choices.jobs, lp.asked(req)
+        results = await self.results(jobs)
         counts, name = choices.counts, self.config.served_model_name
         order = range(counts.n)
         if counts.best_of > counts.n:
-            order = best([job.cumulative_logprob for job in choices.jobs], counts.n)
-        answered = [results[i] for i in order]
+            order = best([job.cumulative_logprob for job in jobs], counts.n)
+        answered = [lp.answered(want, results[i]) for i in order]
         body = choices_body(kind, name, answered, results[0], req.return_token_ids)
+        echo = lp.echo_text(want, req, self.tokenizer.decode)
+        prompt_ids = jobs[0].token_ids  # every sequence's
+        lp.shape_choices(body, kind, want, answered, prompt_ids, echo, self.texts)
         return JSONResponse(body)
 
     async def results(self, jobs: list[Request]) -> list[GenerateResult]:
@@ -154,34 +166,43 @@ class GroupAnswers:
             if not job.future.done():
                 self.engine.cancel(job)
 
+    def streams(self, jobs: list[Request], req: Any, kind: str) -> list[ChoiceStream]:
+        """Each choice's events, of one stream."""
+        want, name = lp.asked(req), self.config.served_model_name
+        form = functools.partial(lp.logprob_format, kind, want, self.texts)
+        chunks = stream_chunks(kind, name, req.include_usage, len(jobs), form)
+        echo = lp.echo_text(want, req, self.tokenizer.decode)
+        return [
+            ChoiceStream(chunk, job, want, echo, TextStreamer(self.tokenizer, req.stop_strings))
+            for chunk, job in zip(chunks, jobs, strict=True)
+        ]
+
     async def events(self, choices: Choices, req: Any, kind: str) -> AsyncIterator[str]:
         """The SSE stream: each choice's chunks carry its index, interleaved as tokens come,
         its last chunk its finish_reason. A failed sequence ends the stream with an error
         event; a client that goes away cancels every sequence."""
-        jobs, bridge = choices.jobs, choices.bridge
-        chunks = stream_chunks(kind, self.config.served_model_name, req.include_usage, len(jobs))
-        streamers = [TextStreamer(self.tokenizer, req.stop_strings) for _ in jobs]
+        jobs, bridge, want = choices.jobs, choices.bridge, lp.asked(req)
+        streams = self.streams(jobs, req, kind)
         results: list[GenerateResult | None] = [None] * len(jobs)
         try:
             while any(result is None for result in results):
                 index, token = await bridge.get()  # type: ignore[union-attr]
                 if token is not DONE:
-                    for event in chunks[index].delta(streamers[index].push(token)):  # type: ignore[arg-type]
+                    for event in streams[index].token(token):  # type: ignore[arg-type]
                         yield event
                     continue
                 try:
-                    result = results[index] = jobs[index].future.result()
+                    result = jobs[index].future.result()
                 except (Exception, concurrent.futures.CancelledError) as e:
                     if isinstance(e, QueueFullError):  # displaced after its headers went out
                         self.metrics.reject("queue_full")
                     yield sse(self.failure(e).body())
                     yield sse("[DONE]")
                     return
-                ids = result.output_token_ids if req.return_token_ids else None
-                text = streamers[index].finish(result.text)
-                yield chunks[index].final(text, result.finish_reason, ids)
+                result = results[index] = lp.answered(want, result)
+                yield streams[index].final(result, req.return_token_ids)
             if req.include_usage:
-                yield usage_event(chunks[0], results)  # type: ignore[arg-type]
+                yield usage_event(streams[0].chunks, results)  # type: ignore[arg-type]
             yield sse("[DONE]")
         finally:
             self.cancel(jobs)

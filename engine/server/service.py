@@ -25,7 +25,6 @@ from engine.api.openai_responses import StreamChunks, response_body
 from engine.api.prompts import prompt_ids
 from engine.api.sse import ClosingStream, sse
 from engine.loop.engine import Engine
-from engine.loop.logprobs import prompt_logprobs_of
 from engine.loop.request import (
     EngineClosedError,
     GenerateResult,
@@ -38,7 +37,7 @@ from engine.server.config import ServerConfig
 from engine.server.groups import Choices, GroupAnswers
 from engine.server.health import Health, health
 from engine.server.metrics import ServerMetrics
-from engine.server.streaming import DONE, TextStreamer, TokenBridge
+from engine.server.streaming import DONE, ChoiceStream, TextStreamer, TokenBridge
 
 log = logging.getLogger("kvstore.server")
 DRAIN_LINGER_S = 1.0  # after the last response of a drain: still answering 503 this long
@@ -67,7 +66,7 @@ class Service:
         self.draining = threading.Event()  # set on SIGTERM: new requests get 503
         self._in_flight = _Gauge()  # requests from arrival to their response's last byte
         # requests of several choices (n, best_of)
-        self.groups = GroupAnswers(engine, config, self.metrics, self.failure)
+        self.groups = GroupAnswers(engine, config, self.metrics, self.failure, self.texts)
         self.closed = False
 
     def health(self) -> Health:
@@ -238,28 +237,10 @@ class Service:
     ) -> dict:
         """The answer's body; `prompt_ids`: the prompt's tokens (an echo's logprobs)."""
         want = lp.asked(req)
-        result = lp.without_output(result) if want.echo_only else result
+        result = lp.answered(want, result)
         body = response_body(kind, self.config.served_model_name, result, req.return_token_ids)
-        echo = lp.echo_text(req.single_prompt(), self.tokenizer.decode) if want.echo else ""
-        lp.shape_choice(body["choices"][0], kind, want, result, prompt_ids, echo, self.texts)
-        return body
-
-    def _token_events(
-        self, token: int, chunks: StreamChunks, streamer: TextStreamer, job: Request, req: Any
-    ) -> list[str]:
-        """A generated token's events: its text and logprobs, after the prompt's first when
-        echoed (an echo-only request's one token is dropped)."""
-        want = lp.asked(req)
-        if want.echo and not chunks.started:  # the prompt's logprobs are all known by now
-            chunks.prefix = lp.echo_text(req.single_prompt(), self.tokenizer.decode)
-            if want.logprobs is not None:
-                chunks.pending = lp.prompt_positions(job.token_ids, prompt_logprobs_of(job))
-        if want.echo_only:
-            return []
-        if chunks.logprobs is not None:  # recorded before the token was emitted
-            entry = job.logprobs.output[len(streamer.token_ids)]
-            chunks.pending += lp.output_positions([entry])
-        return chunks.delta(streamer.push(token))
+        echo = lp.echo_text(want, req, self.tokenizer.decode)
+        return lp.shape_choices(body, kind, want, [result], prompt_ids, echo, self.texts)
 
     async def events(
         self, job: Request, req: Any, kind: str, bridge: TokenBridge
@@ -268,12 +249,15 @@ class Service:
         that fails, even before its first token (displaced from a full queue: code
         `queue_full`), ends it with an error event in OpenAI's error shape."""
         want = lp.asked(req)
-        form = None if want.logprobs is None else lp.LogprobFormat(kind, want.logprobs, self.texts)
+        form = lp.logprob_format(kind, want, self.texts)
         chunks = StreamChunks(kind, self.config.served_model_name, req.include_usage, form)
-        streamer = TextStreamer(self.tokenizer, req.stop_strings)
+        echo = lp.echo_text(want, req, self.tokenizer.decode)
+        stream = ChoiceStream(
+            chunks, job, want, echo, TextStreamer(self.tokenizer, req.stop_strings)
+        )
         try:
             while (token := await bridge.get()) is not DONE:
-                for event in self._token_events(token, chunks, streamer, job, req):
+                for event in stream.token(token):  # type: ignore[arg-type]
                     yield event
             try:
                 result = job.future.result()
@@ -283,9 +267,8 @@ class Service:
                 yield sse(self.failure(e).body())
                 yield sse("[DONE]")
                 return
-            result = lp.without_output(result) if want.echo_only else result
-            ids = result.output_token_ids if req.return_token_ids else None
-            yield chunks.final(streamer.finish(result.text), result.finish_reason, ids)
+            result = lp.answered(want, result)
+            yield stream.final(result, req.return_token_ids)
             if req.include_usage:
                 yield chunks.usage(result)
             yield sse("[DONE]")

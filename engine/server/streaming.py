@@ -1,13 +1,20 @@
 """Tokens from the engine's worker thread to an SSE stream (`engine.api.sse`): a thread-safe
-bridge into asyncio and an incremental detokenizer that never sends text a stop string will
-cut away."""
+bridge into asyncio, an incremental detokenizer that never sends text a stop string will
+cut away, and one choice's events (its text, its logprobs, an echo first)."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from engine.api import logprobs as lp
+from engine.loop.logprobs import prompt_logprobs_of
+
+if TYPE_CHECKING:
+    from engine.api.openai_responses import StreamChunks
+    from engine.loop.request import GenerateResult, Request
 
 DONE = object()  # the bridge's end marker
 _INCOMPLETE = "\ufffd"  # what a partial UTF-8 sequence decodes to
@@ -70,3 +77,36 @@ class TextStreamer:
         rest = final_text[len(self.sent) :]
         self.sent = final_text
         return rest
+
+
+class ChoiceStream:
+    """The events of one streamed choice: its `chunks` (with the logprobs format its request
+    asks), the text of its `job`'s tokens so far, the echoed prompt first. A choice of
+    several streams as one alone does: its job has its own logprobs, and its prompt's."""
+
+    def __init__(
+        self, chunks: StreamChunks, job: Request, want: lp.Asked, echo: str, streamer: TextStreamer
+    ):
+        """`echo`: the prompt's text (`lp.echo_text`)."""
+        self.chunks, self.job, self.want, self.echo = chunks, job, want, echo
+        self.streamer = streamer
+
+    def token(self, token: int) -> list[str]:
+        """A generated token's events: its text and logprobs, after the prompt's first when
+        echoed (an echo-only request's one token is dropped)."""
+        chunks, job, want = self.chunks, self.job, self.want
+        if want.echo and not chunks.started:  # the prompt's logprobs are all known by now
+            chunks.prefix = self.echo
+            if want.logprobs is not None:
+                chunks.pending = lp.prompt_positions(job.token_ids, prompt_logprobs_of(job))
+        if want.echo_only:
+            return []
+        if chunks.logprobs is not None:  # recorded before the token was emitted
+            entry = job.logprobs.output[len(self.streamer.token_ids)]
+            chunks.pending += lp.output_positions([entry])
+        return chunks.delta(self.streamer.push(token))
+
+    def final(self, result: GenerateResult, return_token_ids: bool) -> str:
+        """The choice's last chunk (`result`: as answered, `lp.answered`)."""
+        ids = result.output_token_ids if return_token_ids else None
+        return self.chunks.final(self.streamer.finish(result.text), result.finish_reason, ids)

@@ -6,13 +6,14 @@ independent request with its seed."""
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 import xxhash
 from arch_configs import arch_config
-from engine_helpers import greedy_matches_reference, micro_cache_config, reference_logits
+from engine_helpers import TOL, greedy_matches_reference, micro_cache_config, reference_logits
 
 from engine.loop.engine import Engine
 from engine.loop.group import SequenceGroup, branch_params, unreleased_leader
@@ -271,3 +272,50 @@ def test_the_per_request_fallback_runs_a_groups_sequences_one_by_one(micro) -> N
         logprobs = torch.log_softmax(reference_logits(micro, prompt + out), -1)
         want = sum(float(logprobs[len(prompt) - 1 + k, t]) for k, t in enumerate(out))
         assert request.cumulative_logprob == pytest.approx(want, abs=1e-3)
+    with Engine(micro, micro_cache_config(device_blocks=6)) as engine:  # logprobs: refused
+        for field in ("logprobs", "prompt_logprobs"):
+            params = replace(SEEDED, **{field: 1})
+            with pytest.raises(InvalidRequestError, match=field) as info:
+                engine.add_group(group_of(prompt, params, 3))
+            assert info.value.field == field
+        assert engine.queue_stats().waiting == 0
+
+
+LOGPROBS = SamplingParams(max_new_tokens=4, temperature=1.0, seed=30, ignore_eos=True,
+                          logprobs=2, prompt_logprobs=3)  # fmt: skip
+
+
+def same_logprobs(got: list[tuple], want: list[tuple]) -> bool:
+    """(token id, logprob) pairs: the same ids, logprobs within twice the logits' tolerance."""
+    return len(got) == len(want) and all(
+        g[0] == w[0] and abs(g[1] - w[1]) <= 2 * TOL for g, w in zip(got, want, strict=True)
+    )
+
+
+@pytest.mark.parametrize("arch", [None, "mistral-window"])
+def test_each_sequence_has_the_logprobs_of_its_independent_request(micro, arch) -> None:
+    # the others' prompt logprobs are the leader's (their own prompt is never prefilled; a
+    # window model's compute its partial block again)
+    model = micro if arch is None else wrap_model(
+        random_model(arch_config(arch), seed=0), byte_tokenizer(), arch
+    )  # fmt: skip
+    prompt = tokens(14, seed=19)  # 3 whole blocks and 2 tokens
+    with Engine(model, micro_cache_config()) as engine:
+        group = run_group(engine, group_of(prompt, LOGPROBS, 3))
+        engine.cache.check_integrity()
+    for branch, result in zip(branch_params(LOGPROBS, 3), group, strict=True):
+        with Engine(model, micro_cache_config()) as engine:
+            alone = engine.generate([prompt], branch)[0]
+        assert result.output_token_ids == alone.output_token_ids
+        got, want = result.output_logprobs, alone.output_logprobs
+        assert [len(e.top) for e in got] == [2] * 4
+        assert same_logprobs([(e.token_id, e.logprob) for e in got],
+                             [(e.token_id, e.logprob) for e in want])  # fmt: skip
+        for mine, its in zip(got, want, strict=True):
+            assert same_logprobs(mine.top, its.top)
+        got_prompt, want_prompt = result.prompt_logprobs, alone.prompt_logprobs
+        assert got_prompt.logprobs[0] is None and got_prompt.ranks == want_prompt.ranks
+        pairs = zip(got_prompt.logprobs[1:], want_prompt.logprobs[1:], strict=True)
+        assert all(abs(a - b) <= 2 * TOL for a, b in pairs)
+        tops = zip(got_prompt.top[1:], want_prompt.top[1:], strict=True)
+        assert all(same_logprobs(a, b) for a, b in tops)

@@ -149,3 +149,26 @@ def test_a_group_the_pool_can_never_hold_is_refused_up_front(server):
     answer = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
     assert answer.status_code == 200 and len(answer.json()["choices"]) == 3
     assert server.healthy()
+
+
+def test_logprobs_of_several_choices_one_at_a_time_are_refused_naming_the_field(
+    model_dir, tmp_path
+):
+    # a pool too small for the batched engine's self-test: the per-request fallback, which
+    # computes no logprobs (a 400 naming the field, as for n=1), runs n sequences one by one
+    args = [kvstore_script(), "serve", "--model", str(model_dir), "--served-model-name",
+            SERVED_NAME, "--port", str(port := free_port()), "--block-size", "4",
+            "--device-blocks", "6", "--device", "cpu", "--log-level", "warning"]  # fmt: skip
+    env = clean_env(OMP_NUM_THREADS="1")
+    process = ServerProcess(args, port, tmp_path / "server.log", env).start()
+    try:
+        url = f"{process.wait_ready().url}/v1/completions"
+        body = {"model": SERVED_NAME, "prompt": "hi", "max_tokens": 2, "n": 2}
+        for field in ("logprobs", "prompt_logprobs"):
+            error = error_of(httpx.post(url, json={**body, field: 1}, timeout=30))
+            assert error["param"] == field
+            assert "served one request at a time" in error["message"]
+        answer = httpx.post(url, json=body, timeout=60)
+        assert answer.status_code == 200 and len(answer.json()["choices"]) == 2
+    finally:
+        process.stop()

@@ -136,3 +136,110 @@ def test_bad_logprobs_fields_are_400_naming_the_field(server, path, body, param)
     response = httpx.post(f"{server.url}/v1/{path}", json=body, timeout=60)
     assert response.status_code == 400
     assert response.json()["error"]["param"] == param
+
+
+# --- several choices (n, best_of): each choice carries its own logprobs ------------------
+
+HOT = {"temperature": 1.0, "extra_body": {"ignore_eos": True, "return_token_ids": True}}
+
+
+def hot_chat(client: openai.OpenAI, **kwargs: object):
+    return client.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=5, logprobs=True, top_logprobs=2, **HOT,
+        **kwargs,
+    )  # fmt: skip
+
+
+def same_entries(got: list, want: list) -> bool:
+    """Chat logprobs entries: the same tokens and alternatives, logprobs within TOL."""
+    return [(e.token, [t.token for t in e.top_logprobs]) for e in got] == [
+        (e.token, [t.token for t in e.top_logprobs]) for e in want
+    ] and all(abs(a.logprob - b.logprob) <= TOL for a, b in zip(got, want, strict=True))
+
+
+def test_each_of_n_chat_choices_has_the_logprobs_of_its_seeded_request(client) -> None:
+    group = hot_chat(client, n=2, seed=7)
+    assert [c.index for c in group.choices] == [0, 1]
+    for i, choice in enumerate(group.choices):
+        alone = hot_chat(client, seed=7 + i).choices[0]
+        ids = choice.model_extra["token_ids"]
+        assert ids == alone.model_extra["token_ids"] and len(ids) == 5
+        assert len(choice.logprobs.content) == 5
+        assert [len(e.top_logprobs) for e in choice.logprobs.content] == [2] * 5
+        assert same_entries(choice.logprobs.content, alone.logprobs.content)
+    assert group.choices[0].message.content != group.choices[1].message.content
+
+
+def test_a_streamed_n_2_chat_carries_each_choices_logprobs_with_its_index(client) -> None:
+    whole = hot_chat(client, n=2, seed=8)
+    streamed: dict[int, list] = {0: [], 1: []}
+    for chunk in hot_chat(client, n=2, seed=8, stream=True):
+        for choice in chunk.choices:
+            if choice.logprobs is not None:
+                streamed[choice.index] += choice.logprobs.content
+    for choice in whole.choices:
+        assert len(streamed[choice.index]) == 5
+        assert same_entries(streamed[choice.index], choice.logprobs.content)
+
+
+def echo_choices(client: openai.OpenAI, max_tokens: int, **kwargs: object):
+    return client.completions.create(
+        model="tiny", prompt=PROMPT, echo=True, logprobs=1, max_tokens=max_tokens, n=2,
+        seed=3, **HOT, **kwargs,
+    )  # fmt: skip
+
+
+def test_echoed_n_2_completions_each_start_with_the_prompt_and_its_logprobs(client) -> None:
+    prompt = echo(client, max_tokens=0).choices[0].logprobs  # n=1's: 46 tokens
+    one, only = echo_choices(client, max_tokens=1), echo_choices(client, max_tokens=0)
+    for choice in one.choices:
+        logprobs = choice.logprobs
+        assert choice.text.startswith(PROMPT) and len(choice.text) > len(PROMPT)
+        assert len(logprobs.tokens) == 46 + 1 and logprobs.tokens[:46] == prompt.tokens
+        assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+        pairs = zip(logprobs.token_logprobs[1:46], prompt.token_logprobs[1:], strict=True)
+        assert all(abs(a - b) <= TOL for a, b in pairs)
+        assert logprobs.text_offset[:46] == prompt.text_offset  # each choice's own offsets
+    assert [c.text for c in only.choices] == [PROMPT, PROMPT]
+    assert [len(c.logprobs.tokens) for c in only.choices] == [46, 46]
+    assert [c.finish_reason for c in only.choices] == ["length", "length"]
+    assert (only.usage.prompt_tokens, only.usage.completion_tokens) == (46, 0)
+
+
+def test_a_streamed_echo_of_n_2_sends_each_choice_the_prompt_first(client) -> None:
+    for max_tokens, num_tokens in ((2, 46 + 2), (0, 46)):
+        text: dict[int, str] = {0: "", 1: ""}
+        tokens: dict[int, list] = {0: [], 1: []}
+        for chunk in echo_choices(client, max_tokens=max_tokens, stream=True):
+            (choice,) = chunk.choices
+            if not text[choice.index]:
+                assert choice.text.startswith(PROMPT)
+            text[choice.index] += choice.text
+            tokens[choice.index] += choice.logprobs.tokens if choice.logprobs else []
+        assert [len(tokens[i]) for i in (0, 1)] == [num_tokens, num_tokens]
+        assert [tokens[i][:46] for i in (0, 1)] == [tokens[0][:46]] * 2
+
+
+def test_best_of_answers_its_best_sequence_with_that_sequences_logprobs(client) -> None:
+    kwargs = {"model": "tiny", "prompt": PROMPT, "logprobs": 2, "max_tokens": 4, "seed": 5}
+    every = client.completions.create(n=3, **kwargs, **HOT).choices  # best_of's 3 sequences
+    (ranked,) = client.completions.create(n=1, best_of=3, **kwargs, **HOT).choices
+    sums = [sum(c.logprobs.token_logprobs) for c in every]
+    best = max(range(3), key=sums.__getitem__)
+    assert ranked.text == every[best].text and ranked.index == 0
+    assert len(ranked.logprobs.tokens) == 4
+    assert abs(sum(ranked.logprobs.token_logprobs) - sums[best]) <= 4 * TOL
+
+
+def test_vllms_prompt_logprobs_of_n_2_are_each_choices_as_for_one(server) -> None:
+    body = {"prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": 3, "temperature": 1.0}
+    url = f"{server.url}/v1/completions"
+    (alone,) = httpx.post(url, json=body, timeout=60).json()["choices"]
+    choices = httpx.post(url, json={**body, "n": 2}, timeout=60).json()["choices"]
+    assert [len(c["prompt_logprobs"]) for c in choices] == [46, 46]
+    for choice in choices:
+        assert choice["prompt_logprobs"][0] is None
+        for got, want in zip(choice["prompt_logprobs"][1:], alone["prompt_logprobs"][1:],
+                             strict=True):  # fmt: skip
+            assert got.keys() == want.keys()
+            assert all(abs(got[k]["logprob"] - want[k]["logprob"]) <= TOL for k in got)
