@@ -5,8 +5,8 @@ Two parts, each side by side in one run:
 - steps: prefill time (one prompt) and decode time per step (a batch of requests) of the
   engine at each threading choice, quiet and beside `--busy` CPU-bound processes; each
   choice runs in a process of its own (libgomp reads its environment once);
-- demo: `kvstore demo` at its defaults, quiet then busy, `--pairs` times; the ratio of each
-  pair and their median.
+- demo: `kvstore demo` (`--demo-model`, its default smollm2) at its defaults, quiet then
+  busy, `--pairs` times; the ratio of each pair and their median.
 The ratios are what to compare: absolute times drift with the machine.
 """
 
@@ -38,6 +38,7 @@ CHOICES = {
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench contention", description=__doc__)
     p.add_argument("--model", default="tiny", help="tiny, smollm2, a .gguf file or a directory")
+    p.add_argument("--demo-model", default="smollm2", help="the demo's model (its default)")
     p.add_argument("--busy", type=int, default=2, help="CPU-bound processes beside it")
     p.add_argument("--pairs", type=int, default=3, help="quiet/busy demo pairs (0: none)")
     p.add_argument("--repeats", type=int, default=2, help="step measurements per choice")
@@ -92,9 +93,9 @@ def measure_steps(args: argparse.Namespace) -> dict[str, dict[str, list[dict]]]:
 def measure_demo(args: argparse.Namespace) -> list[tuple[float, float]]:
     pairs = []
     for _ in tqdm(range(args.pairs), desc="demo pairs", unit="pair", file=sys.stderr):
-        quiet = demo_time(args.model)
+        quiet = demo_time(args.demo_model)
         with busy_processes(args.busy):
-            pairs.append((quiet, demo_time(args.model)))
+            pairs.append((quiet, demo_time(args.demo_model)))
     return pairs
 
 
@@ -116,8 +117,8 @@ def step_table(steps: dict, busy: int) -> Table:
     return table
 
 
-def demo_table(pairs: list[tuple[float, float]], busy: int) -> Table:
-    table = Table(title=f"kvstore demo, quiet then beside {busy} busy processes")
+def demo_table(pairs: list[tuple[float, float]], busy: int, model: str) -> Table:
+    table = Table(title=f"kvstore demo --model {model}, quiet then beside {busy} busy processes")
     for col in ("pair", "quiet s", "busy s", "busy / quiet"):
         table.add_column(col, justify="right")
     for i, (quiet, loaded) in enumerate(pairs, 1):
@@ -132,12 +133,13 @@ def main(argv: list[str]) -> int:
     steps = measure_steps(args) if args.repeats else {}
     pairs = measure_demo(args) if args.pairs else []
     if args.json:
-        print(json.dumps({"model": args.model, "busy": args.busy, "steps": steps, "demo": pairs}))
+        out = {"model": args.model, "demo_model": args.demo_model, "busy": args.busy}
+        print(json.dumps(out | {"steps": steps, "demo": pairs}))
         return 0
     console = Console()
     console.print(f"cores: {os.cpu_count()}; model {args.model}; 'x' = the time over auto's quiet")
     if steps:
         console.print(step_table(steps, args.busy))
     if pairs:
-        console.print(demo_table(pairs, args.busy))
+        console.print(demo_table(pairs, args.busy, args.demo_model))
     return 0

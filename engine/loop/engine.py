@@ -292,7 +292,7 @@ class Engine:
                 self.governor = ThreadGovernor(self.thread_config, threads)
             runner = start_paged(self.model, self.tables, kernel)
             if self.governor is not None:  # sized by the load while the runner started
-                self.governor.tick(min_window_s=0.05)
+                self.governor.start()
             started.set_result(runner)
         except BaseException as e:
             started.set_exception(e)

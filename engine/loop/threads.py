@@ -136,6 +136,13 @@ class ThreadGovernor:
     def _sample() -> tuple[float, float, float]:
         return time.monotonic(), busy_cpu_s() or 0.0, time.process_time()
 
+    def start(self, window_s: float = 0.1) -> None:
+        """Size the team before the first step: by the load over at least `window_s` since
+        this governor was made (the engine's start-up, then a wait for the rest)."""
+        if self.on:
+            time.sleep(max(0.0, window_s - (time.monotonic() - self._mark[0])))
+            self.tick(min_window_s=window_s)
+
     def tick(self, min_window_s: float | None = None) -> None:
         """Resize the team if the last `interval_s` (or `min_window_s`, at start) is over."""
         least = self.config.interval_s if min_window_s is None else min_window_s
