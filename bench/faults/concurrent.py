@@ -231,6 +231,9 @@ def bad_input(ctx: Context) -> LoadOutcome:
     )
 
 
+SIGTERM_ROUNDS = 8  # requests per client in the SIGTERM run
+
+
 def sigterm(ctx: Context) -> LoadOutcome:
     run = Run(ctx, "sigterm")
     exit_s: list[float] = []
@@ -243,7 +246,10 @@ def sigterm(ctx: Context) -> LoadOutcome:
         run.server.proc.wait(60)
         exit_s.append(time.perf_counter() - started[0])
 
-    answers = run_clients(run.jobs(run.workload()), run.clients, during=fault)
+    # rounds enough that half the clients are seen running at once before the workload ends
+    # (a micro model's request is over in tens of ms); what comes after SIGTERM is refused
+    workload = prompts(run.clients * SIGTERM_ROUNDS, seed=2)
+    answers = run_clients(run.jobs(workload), run.clients, during=fault)
     for a in answers:  # sent after SIGTERM, not taken in: the listener closed before it
         if a.status is None and a.sent_at >= started[0]:
             a.error = "closed"

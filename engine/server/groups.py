@@ -13,7 +13,6 @@ request and its prompt in the server's metrics; the others count their generated
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import functools
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
@@ -38,7 +37,7 @@ from engine.loop.request import (
 )
 from engine.server.config import ServerConfig
 from engine.server.metrics import ServerMetrics
-from engine.server.streaming import DONE, ChoiceStream, TextStreamer
+from engine.server.streaming import DONE, ChoiceStream, TextStreamer, stream_outcome
 
 
 class ChoiceBridge:
@@ -191,13 +190,10 @@ class GroupAnswers:
                     for event in streams[index].token(token):  # type: ignore[arg-type]
                         yield event
                     continue
-                try:
-                    result = jobs[index].future.result()
-                except (Exception, concurrent.futures.CancelledError) as e:
-                    if isinstance(e, QueueFullError):  # displaced after its headers went out
-                        self.metrics.reject("queue_full")
-                    yield sse(self.failure(e).body())
-                    yield sse("[DONE]")
+                result, ending = stream_outcome(jobs[index], self.failure, self.metrics)
+                if result is None:
+                    for event in ending:
+                        yield event
                     return
                 result = results[index] = lp.answered(want, result)
                 yield streams[index].final(result, req.return_token_ids)

@@ -4,7 +4,6 @@ admit into the engine, then answer with JSON or stream server-sent events."""
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import logging
 import threading
@@ -37,7 +36,7 @@ from engine.server.config import ServerConfig
 from engine.server.groups import Choices, GroupAnswers
 from engine.server.health import Health, health
 from engine.server.metrics import ServerMetrics
-from engine.server.streaming import DONE, ChoiceStream, TextStreamer, TokenBridge
+from engine.server.streaming import DONE, ChoiceStream, TextStreamer, TokenBridge, stream_outcome
 
 log = logging.getLogger("kvstore.server")
 DRAIN_LINGER_S = 1.0  # after the last response of a drain: still answering 503 this long
@@ -259,13 +258,10 @@ class Service:
             while (token := await bridge.get()) is not DONE:
                 for event in stream.token(token):  # type: ignore[arg-type]
                     yield event
-            try:
-                result = job.future.result()
-            except (Exception, concurrent.futures.CancelledError) as e:
-                if isinstance(e, QueueFullError):  # displaced after its headers went out
-                    self.metrics.reject("queue_full")
-                yield sse(self.failure(e).body())
-                yield sse("[DONE]")
+            result, ending = stream_outcome(job, self.failure, self.metrics)
+            if result is None:
+                for event in ending:
+                    yield event
                 return
             result = lp.answered(want, result)
             yield stream.final(result, req.return_token_ids)

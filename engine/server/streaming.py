@@ -5,16 +5,21 @@ cut away, and one choice's events (its text, its logprobs, an echo first)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import concurrent.futures
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from engine.api import logprobs as lp
+from engine.api.sse import sse
 from engine.loop.logprobs import prompt_logprobs_of
+from engine.loop.request import QueueFullError
 
 if TYPE_CHECKING:
+    from engine.api.errors import ApiError
     from engine.api.openai_responses import StreamChunks
     from engine.loop.request import GenerateResult, Request
+    from engine.server.metrics import ServerMetrics
 
 DONE = object()  # the bridge's end marker
 _INCOMPLETE = "\ufffd"  # what a partial UTF-8 sequence decodes to
@@ -110,3 +115,17 @@ class ChoiceStream:
         """The choice's last chunk (`result`: as answered, `lp.answered`)."""
         ids = result.output_token_ids if return_token_ids else None
         return self.chunks.final(self.streamer.finish(result.text), result.finish_reason, ids)
+
+
+def stream_outcome(
+    job: Request, failure: Callable[[BaseException], ApiError], metrics: ServerMetrics
+) -> tuple[GenerateResult | None, list[str]]:
+    """A streamed job that is done: its result, or None and the events that end the stream
+    with its error in OpenAI's shape (a job displaced from a full queue after its headers
+    went out counts as a `queue_full` rejection)."""
+    try:
+        return job.future.result(), []
+    except (Exception, concurrent.futures.CancelledError) as e:
+        if isinstance(e, QueueFullError):
+            metrics.reject("queue_full")
+        return None, [sse(failure(e).body()), sse("[DONE]")]
