@@ -62,10 +62,17 @@ class Run:
         return prompts(self.ctx.scale.load_requests, seed)
 
     def busy(self, timeout_s: float = 60.0) -> None:
-        """Wait until half the clients' requests are running (mid-batch)."""
+        """Wait until half the clients' requests are in the engine at once (mid-batch):
+        running, or queued behind the blocks a running one is computing (a prompt sharing
+        them waits for them, then hits), as /health counts them."""
         half = self.clients // 2
-        if wait_until(lambda: self.server.health().get("running", 0) >= half, timeout_s) is None:
-            raise RuntimeError(f"{half} requests were never running at once: no fault injected")
+
+        def in_engine() -> bool:
+            health = self.server.health()
+            return health.get("running", 0) + health.get("waiting", 0) >= half
+
+        if wait_until(in_engine, timeout_s, interval_s=0.01) is None:
+            raise RuntimeError(f"{half} requests were never in the engine at once: no fault")
 
     def probe_until_ok(self, timeout_s: float = 60.0) -> float | None:
         """Seconds until /health says ok again, sending a new prompt every poll (a breaker
@@ -231,9 +238,6 @@ def bad_input(ctx: Context) -> LoadOutcome:
     )
 
 
-SIGTERM_ROUNDS = 8  # requests per client in the SIGTERM run
-
-
 def sigterm(ctx: Context) -> LoadOutcome:
     run = Run(ctx, "sigterm")
     exit_s: list[float] = []
@@ -246,10 +250,7 @@ def sigterm(ctx: Context) -> LoadOutcome:
         run.server.proc.wait(60)
         exit_s.append(time.perf_counter() - started[0])
 
-    # rounds enough that half the clients are seen running at once before the workload ends
-    # (a micro model's request is over in tens of ms); what comes after SIGTERM is refused
-    workload = prompts(run.clients * SIGTERM_ROUNDS, seed=2)
-    answers = run_clients(run.jobs(workload), run.clients, during=fault)
+    answers = run_clients(run.jobs(run.workload()), run.clients, during=fault)
     for a in answers:  # sent after SIGTERM, not taken in: the listener closed before it
         if a.status is None and a.sent_at >= started[0]:
             a.error = "closed"

@@ -203,11 +203,13 @@ def run_clients(jobs: Sequence[Job], concurrency: int, during: Callable[[], None
         return [f.result() for f in futures]
 
 
-def wait_until(condition: Callable[[], bool], timeout_s: float) -> float | None:
-    """Seconds until `condition` held (polled every 50 ms); None if it never did."""
+def wait_until(
+    condition: Callable[[], bool], timeout_s: float, interval_s: float = 0.05
+) -> float | None:
+    """Seconds until `condition` held (polled every `interval_s`); None if it never did."""
     start = time.perf_counter()
     while time.perf_counter() - start < timeout_s:
         if condition():
             return time.perf_counter() - start
-        time.sleep(0.05)
+        time.sleep(interval_s)
     return None

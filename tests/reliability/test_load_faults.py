@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from bench.faults.common import Context, Scale, micro_model
-from bench.faults.concurrent import SIGTERM_ROUNDS, disconnects, redis_killed, sigterm, tenant_flood
+from bench.faults.concurrent import disconnects, redis_killed, sigterm, tenant_flood
 from bench.faults.load_report import LoadOutcome, must_haves_hold
 from engine.model.loading import LoadedModel
 
@@ -53,8 +53,7 @@ def test_clients_leaving_mid_stream_return_their_blocks_and_change_no_other_answ
 def test_sigterm_finishes_what_runs_and_refuses_the_rest_with_a_reason(ctx):
     o = sigterm(ctx)
     assert_clean(o)
-    sent = ctx.scale.load_clients * SIGTERM_ROUNDS
-    assert o.succeeded + sum(o.refused.values()) == o.sent == sent
+    assert o.succeeded + sum(o.refused.values()) == o.sent == 12
     assert set(o.refused) <= {"draining", "closed unread"}
     assert o.figures["exit_s"] < 30  # the drain bound
 
