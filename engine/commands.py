@@ -51,26 +51,25 @@ def command(
     return register
 
 
-def positive_int(text: str) -> int:
-    """An argparse type: flag values are checked before any model loads."""
+def int_at_least(text: str, least: int, what: str) -> int:
+    """An argparse type's check: `text` as an int >= `least` (`what` names the bound)."""
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be {what}, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: flag values are checked before any model loads."""
+    return int_at_least(text, 1, "a positive integer")
 
 
 def non_negative_int(text: str) -> int:
     """An argparse type: an int >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
-    return value
+    return int_at_least(text, 0, "an integer >= 0")
 
 
 def add_model_flag(parser: argparse.ArgumentParser, default: str) -> None:
