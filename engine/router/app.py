@@ -5,7 +5,9 @@ they arrive), GET /v1/models, GET /health, GET /metrics. A request is authentica
 validated here (a bad one never reaches a replica), rendered to token ids as the replicas
 render it, and sent to the replica `Fleet.choose` picks. Until the client has its first
 byte, a replica that fails is dropped and the request goes to the next one, so a dying
-replica loses no request; a stream it breaks later ends with an error event.
+replica loses no request; a stream it breaks later ends with an error event. Requests that
+share an `X-Session-ID` header, or a `prompt_cache_key` (within a load bound: affinity.py),
+go to one replica.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from engine.api.errors import ApiError, bad_request
 from engine.api.prompts import prompt_ids
 from engine.api.routes import OPENAI_PATHS, add_openai_routes
 from engine.api.sse import ClosingStream, sse
+from engine.router.affinity import CacheKeys
 from engine.router.config import SESSION_HEADER, RouterConfig
 from engine.router.fleet import Fleet, NoReplicaError, Replica
 from engine.router.metrics import RouterMetrics
@@ -58,7 +61,8 @@ class Router:
         self.config, self.tokenizer = config, tokenizer
         self.fleet = Fleet(config)
         self.auth = Authenticator(config.api_keys, config.secret_bytes)
-        self.metrics = RouterMetrics(self.fleet)
+        self.cache_keys = CacheKeys(self.fleet)
+        self.metrics = RouterMetrics(self.fleet, self.cache_keys)
         self.sessions: OrderedDict[str, Replica] = OrderedDict()
         timeout = httpx.Timeout(config.connect_timeout_s, read=None, write=30.0, pool=None)
         # idle connections close before the replicas' own 5 s keep-alive could close them
@@ -79,11 +83,12 @@ class Router:
         body = json.dumps(data).encode()
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED}
         session = request.headers.get(SESSION_HEADER)
+        cache_key = _cache_key(req, salt)
         tried: list[Replica] = []
         busy: Response | None = None  # the last 429: answered if every replica is full
         while True:
             try:
-                replica, entry = self._pick(ids, keys, session, tried)
+                replica, entry = self._pick(ids, keys, session, tried, cache_key)
             except ApiError:
                 if busy is None:
                     raise
@@ -111,7 +116,12 @@ class Router:
             raise bad_request(str(e), "prompt") from None
 
     def _pick(
-        self, ids: list[int], keys: list[BlockHash], session: str | None, tried: list
+        self,
+        ids: list[int],
+        keys: list[BlockHash],
+        session: str | None,
+        tried: list,
+        cache_key: tuple[str, str] | None = None,
     ) -> tuple[Replica, tuple[float, int]]:
         """The replica for the request, and its entry in that replica's unseen load."""
         pinned = self.sessions.get(session) if session else None
@@ -119,6 +129,11 @@ class Router:
             self.sessions.move_to_end(session)
             self.fleet.counts["session"] += 1
             return pinned, self.fleet.sent(pinned, len(ids), keys)
+        keyed = self.cache_keys.pinned(cache_key, tried)
+        if keyed is not None:  # its prompts share a prefix: what it holds is not queued work
+            cached = self.fleet.cached_tokens(keyed, len(ids), keys)
+            self.metrics.predicted_cached.inc(cached)
+            return keyed, self.fleet.sent(keyed, len(ids) - cached, keys)
         try:
             replica, choice = self.fleet.choose(len(ids), keys, tried)
         except NoReplicaError as e:
@@ -126,6 +141,7 @@ class Router:
         cached = choice.num_cached_tokens if choice is not None else 0
         self.metrics.predicted_cached.inc(cached)
         entry = self.fleet.sent(replica, len(ids) - cached, keys)
+        self.cache_keys.pin(cache_key, replica)
         if session:
             self.sessions[session] = replica
             if len(self.sessions) > MAX_SESSIONS:
@@ -209,6 +225,12 @@ class Router:
     async def close(self) -> None:
         await self.fleet.close()
         await self.client.aclose()
+
+
+def _cache_key(req: Any, salt: str) -> tuple[str, str] | None:
+    """The request's prompt_cache_key within its cache salt (None: it has none)."""
+    key = getattr(req, "prompt_cache_key", None)
+    return (salt, key) if isinstance(key, str) and key else None
 
 
 def create_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:

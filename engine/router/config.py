@@ -101,6 +101,15 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
         f"(default {defaults.decode_weight})",
     )
     parser.add_argument(
+        "--cache-key-load-slack",
+        type=float,
+        default=defaults.key_load_slack,
+        metavar="COST",
+        help="a prompt_cache_key stays on its replica while that replica's queued and "
+        "running load costs at most this much more than the least loaded one's, in "
+        f"prefill-token units (default {defaults.key_load_slack:g})",
+    )
+    parser.add_argument(
         "--stale-after-s",
         type=float,
         default=3.0,
@@ -117,7 +126,7 @@ def router_config_from_args(
     env = os.environ if env is None else env
     keys = api_keys_from_args(args, env)
     try:
-        routing = RoutingConfig(args.prefill_weight, args.decode_weight)
+        routing = RoutingConfig(args.prefill_weight, args.decode_weight, args.cache_key_load_slack)
     except ValueError as e:
         raise ConfigError("routing", str(e)) from None
     return RouterConfig(

@@ -21,7 +21,7 @@ import httpx
 from engine.router.config import RouterConfig
 from hashing import BlockHash, BlockHasher, Namespace, as_token_array, combine_salts
 from kvstore.fleet.events import BlockSet
-from kvstore.fleet.routing import ReplicaLoad, RouteChoice, choose_replica
+from kvstore.fleet.routing import ReplicaLoad, RouteChoice, choose_replica, within_key_bound
 
 log = logging.getLogger("kvstore.router")
 MAX_HASHERS = 1024  # salts whose hashers are kept
@@ -85,7 +85,7 @@ class Fleet:
         self._next = 0  # round-robin position
         self._client: httpx.AsyncClient | None = None
         self._task: asyncio.Task | None = None
-        self.counts = {"fallback": 0, "kv": 0, "round_robin": 0, "session": 0}
+        self.counts = {"cache_key": 0, "fallback": 0, "kv": 0, "round_robin": 0, "session": 0}
 
     # --- health ------------------------------------------------------------------------------
 
@@ -217,6 +217,23 @@ class Fleet:
         choice = choose_replica(keys, num_tokens, bs, blocks, loads, self.config.routing, live)
         self.counts["fallback" if choice.fallback else "kv"] += 1
         return self.replicas[choice.replica], choice
+
+    def takes_key(self, replica: Replica, exclude: Sequence[Replica] = ()) -> bool:
+        """Whether `replica` may take its prompt_cache_key's next request: alive, not in
+        `exclude`, and within `key_load_slack` of the least loaded live replica's load."""
+        if not replica.alive or replica in exclude:
+            return False
+        live = [i for i, r in enumerate(self.replicas) if r.alive and r not in exclude]
+        loads = [r.load() for r in self.replicas]
+        return within_key_bound(self.replicas.index(replica), loads, live, self.config.routing)
+
+    def cached_tokens(self, replica: Replica, num_tokens: int, keys: list[BlockHash]) -> int:
+        """The prompt's tokens `replica` holds by its events (0 while they are stale); the
+        last token is computed again."""
+        held = self.blocks(replica)
+        bs = self._namespace.block_size if self._namespace else 1
+        cached = held.num_prefix_blocks(keys) * bs if held is not None else 0
+        return min(cached, max(num_tokens - 1, 0))
 
     def _round_robin(self, live: list[int]) -> Replica:
         n = len(self.replicas)

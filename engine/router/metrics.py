@@ -15,14 +15,16 @@ from prometheus_client import (
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from engine.router.affinity import CacheKeys
 from engine.router.fleet import Fleet, Replica
 
 
 class FleetCollector(Collector):
-    """Per replica at each scrape: up, load, routed requests, indexed blocks."""
+    """Per replica at each scrape: up, load, routed requests, indexed blocks; decisions and
+    prompt_cache_key moves."""
 
-    def __init__(self, fleet: Fleet):
-        self.fleet = fleet
+    def __init__(self, fleet: Fleet, keys: CacheKeys):
+        self.fleet, self.keys = fleet, keys
 
     def collect(self) -> Iterator[Metric]:
         gauges = {
@@ -51,16 +53,28 @@ class FleetCollector(Collector):
         for how, value in sorted(self.fleet.counts.items()):
             decisions.add_metric([how], value)
         yield decisions
+        yield self._key_moves()
+
+    def _key_moves(self) -> Metric:
+        moves = CounterMetricFamily(
+            "kvstore_router_cache_key_moves",
+            "requests with a known prompt_cache_key routed away from its replica (it is "
+            "the new one): over the load bound, or down or failed",
+            labels=["why"],
+        )
+        for why, value in self.keys.moves.items():
+            moves.add_metric([why], value)
+        return moves
 
 
 class RouterMetrics:
     content_type = CONTENT_TYPE_PLAIN_0_0_4
 
-    def __init__(self, fleet: Fleet):
+    def __init__(self, fleet: Fleet, keys: CacheKeys):
         disable_created_metrics()
         self.fleet = fleet
         self.registry = CollectorRegistry()
-        self.registry.register(FleetCollector(fleet))
+        self.registry.register(FleetCollector(fleet, keys))
         self.retries = Counter(
             "kvstore_router_retries",
             "requests sent again after a replica failed before the first byte",

@@ -19,6 +19,11 @@ shares its first block with it); the load terms move work away from a busy repli
 its queue costs more than the prefill the cache saves. A replica whose events are stale
 (`None` for its blocks) makes the decision fall back to least loaded: an overlap that may be
 wrong must not outweigh load.
+
+A request's `prompt_cache_key` (OpenAI's routing hint) keeps it on the replica its key last
+went to while that replica's work ahead (`load_cost`: the cost's terms that do not depend on
+the request) exceeds the least loaded candidate's by at most `key_load_slack`
+(`within_key_bound`); past that bound the request is routed by cost and the key moves.
 """
 
 from __future__ import annotations
@@ -31,7 +36,14 @@ from typing import NamedTuple
 from hashing import BlockHash
 from kvstore.fleet.events import BlockSet
 
-__all__ = ["ReplicaLoad", "RouteChoice", "RoutingConfig", "choose_replica"]
+__all__ = [
+    "ReplicaLoad",
+    "RouteChoice",
+    "RoutingConfig",
+    "choose_replica",
+    "load_cost",
+    "within_key_bound",
+]
 
 
 @dataclass(frozen=True)
@@ -40,9 +52,13 @@ class RoutingConfig:
 
     prefill_weight: float = 1.0  # per token to prefill: this request's uncached + queued
     decode_weight: float = 0.1  # per token of KV held by running requests
+    # how much more work ahead (`load_cost`) than the least loaded replica a prompt_cache_key's
+    # replica may have and still take the key's next request: about a long shared prefix's
+    # prefill, so a key moves once the queue ahead of it costs more than computing it again
+    key_load_slack: float = 4096.0
 
     def __post_init__(self) -> None:
-        for name in ("prefill_weight", "decode_weight"):
+        for name in ("prefill_weight", "decode_weight", "key_load_slack"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"{name} must be a number, got {value!r}")
@@ -65,9 +81,22 @@ class RouteChoice(NamedTuple):
     fallback: bool  # True: chosen by load alone (some replica's events were stale)
 
 
+def load_cost(load: ReplicaLoad, config: RoutingConfig) -> float:
+    """The work ahead of a new request's first token on a replica, whatever it holds."""
+    return config.prefill_weight * load.queued_tokens + config.decode_weight * load.running_tokens
+
+
 def _cost(uncached: int, load: ReplicaLoad, config: RoutingConfig) -> float:
-    prefill = config.prefill_weight * (uncached + load.queued_tokens)
-    return prefill + config.decode_weight * load.running_tokens
+    return config.prefill_weight * uncached + load_cost(load, config)
+
+
+def within_key_bound(
+    pinned: int, loads: Sequence[ReplicaLoad], candidates: Sequence[int], config: RoutingConfig
+) -> bool:
+    """Whether replica `pinned` (one of `candidates`) may take its prompt_cache_key's next
+    request: its `load_cost` is at most `key_load_slack` above the least loaded candidate's."""
+    least = min(load_cost(loads[i], config) for i in candidates)
+    return load_cost(loads[pinned], config) <= least + config.key_load_slack
 
 
 def choose_replica(

@@ -7,7 +7,13 @@ import numpy as np
 import pytest
 
 from kvstore.fleet.events import AllBlocksCleared, BlockRemoved, BlockSet, BlockStored, EventSink
-from kvstore.fleet.routing import ReplicaLoad, RoutingConfig, choose_replica
+from kvstore.fleet.routing import (
+    ReplicaLoad,
+    RoutingConfig,
+    choose_replica,
+    load_cost,
+    within_key_bound,
+)
 from kvstore.index import RadixIndex
 
 BS = 16
@@ -129,3 +135,13 @@ def test_only_candidates_are_chosen_and_never_the_last_token():
 def test_bad_weights_are_refused(weights):
     with pytest.raises(ValueError, match="weight"):
         RoutingConfig(*weights)
+
+
+def test_a_keys_replica_takes_it_while_its_load_is_within_the_slack_of_the_least():
+    """Load cost: prefill_weight x queued + decode_weight x running, whatever it holds."""
+    config = RoutingConfig(key_load_slack=100.0)
+    loads = [ReplicaLoad(queued_tokens=61, running_tokens=400), ReplicaLoad(queued_tokens=1)]
+    assert [load_cost(load, config) for load in loads] == [101.0, 1.0]
+    assert within_key_bound(0, loads, [0, 1], config)  # 101 <= 1 + 100
+    assert not within_key_bound(0, [loads[0], ReplicaLoad()], [0, 1], config)  # 101 > 0 + 100
+    assert within_key_bound(0, [loads[0], ReplicaLoad()], [0], config)  # the only candidate

@@ -37,10 +37,10 @@ def start_router(model_dir: Path, log_dir: Path, urls: list[str], *extra: str) -
 
 @contextlib.contextmanager
 def running_fleet(
-    model_dir: Path, log_dir: Path, replicas: int = 2
+    model_dir: Path, log_dir: Path, replicas: int = 2, router_args: tuple[str, ...] = ()
 ) -> Iterator[tuple[ServerProcess, list[ServerProcess]]]:
-    """Replicas with events behind a kv router, the router's view of their events fresh:
-    (router, [replica 0, replica 1, ...]); all stopped on leaving."""
+    """Replicas with events behind a kv router (with `router_args`), the router's view of
+    their events fresh: (router, [replica 0, replica 1, ...]); all stopped on leaving."""
     procs = [start_replica(model_dir, log_dir, f"r{i}") for i in range(replicas)]
     router = None
     try:
@@ -48,13 +48,25 @@ def running_fleet(
             r.start()
         for r in procs:
             r.wait_ready()
-        router = start_router(model_dir, log_dir, [r.url for r in procs]).start().wait_ready()
+        urls = [r.url for r in procs]
+        router = start_router(model_dir, log_dir, urls, *router_args).start().wait_ready()
         wait_for(lambda: all(r["events"] == "fresh" for r in health(router)["replicas"]))
         yield router, procs
     finally:
         for proc in [router, *procs]:
             if proc is not None:
                 proc.stop()
+
+
+@contextlib.contextmanager
+def busy(replica: ServerProcess, router: ServerProcess) -> Iterator[None]:
+    """A long generation on `replica` (sent to it directly), until the router sees it."""
+    body = {"prompt": "x" * 200, "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{replica.url}/v1/completions", json=body, headers=AUTH,
+                      timeout=120) as response:  # fmt: skip
+        assert response.status_code == 200
+        wait_for(lambda: replica_rows(router)[replica.url]["running_tokens"] > 1000)
+        yield  # leaving closes the stream: the replica cancels the request
 
 
 def health(server: ServerProcess) -> dict:

@@ -4,7 +4,6 @@ keys and bodies itself, and loses no request when a replica is SIGKILLed."""
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import re
@@ -20,6 +19,7 @@ from router_helpers import (
     AUTH,
     BLOCK,
     REPLICA,
+    busy,
     cached_blocks,
     chat,
     health,
@@ -85,18 +85,6 @@ def test_each_conversation_stays_where_its_history_is_cached(fleet):
     for replica in replicas:
         wait_for(lambda r=replica: indexed(router, r) == cached_blocks(r))
         assert indexed(router, replica) > 0
-
-
-@contextlib.contextmanager
-def busy(replica: ServerProcess, router: ServerProcess) -> Iterator[None]:
-    """A long generation on `replica` (sent to it directly), until the router sees it."""
-    body = {"prompt": "x" * 200, "max_tokens": 2000, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{replica.url}/v1/completions", json=body, headers=AUTH,
-                      timeout=120) as response:  # fmt: skip
-        assert response.status_code == 200
-        rows = lambda: {r["url"]: r for r in health(router)["replicas"]}  # noqa: E731
-        wait_for(lambda: rows()[replica.url]["running_tokens"] > 1000)
-        yield  # leaving closes the stream: the replica cancels the request
 
 
 @pytest.mark.integration
