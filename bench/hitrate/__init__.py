@@ -18,7 +18,8 @@ Each capacity also gets the offline figures of `bench.hitrate.offline`:
 policy its ratio to both.
 
 `--tiers`, `--replicas`, `--route`, `--write-policy`, the routing and the cost flags plan
-capacity instead: tier hierarchies and replica fleets (`bench.hitrate.plan`).
+capacity instead: tier hierarchies and replica fleets (`bench.hitrate.plan`). `--retain-s T`
+replays a retention rule against LRU instead (`bench.hitrate.retention`).
 """
 
 from __future__ import annotations
@@ -191,7 +192,7 @@ def parse_workload(
 
 
 def _parser() -> argparse.ArgumentParser:
-    from bench.hitrate import plan
+    from bench.hitrate import plan, retention
 
     parser = argparse.ArgumentParser(
         prog="python -m bench hitrate",
@@ -204,6 +205,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--out", type=Path, help="write hitrate.json/.md/.png into this dir")
     plan.add_arguments(parser)
+    retention.add_arguments(parser)
     return parser
 
 
@@ -213,6 +215,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     planning = plan.requested(args)
+    if args.retain_s is not None or args.retain_max_fraction is not None:
+        from bench.hitrate import retention
+
+        if planning:
+            parser.error("--retain-s compares against LRU on one device: no planning flags")
+        return retention.main(parser, args)
     if not planning and args.capacity_blocks is None:
         parser.error("the following arguments are required: --capacity-blocks")
     if args.out is not None:  # before any work: no partial --out

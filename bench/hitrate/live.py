@@ -30,7 +30,7 @@ from hashing import Namespace
 from kvstore.cache import PrefixCache
 from kvstore.config import CacheConfig
 
-__all__ = ["live_replay", "mooncake_answers", "with_answers"]
+__all__ = ["live_replay", "mooncake_answers", "serve", "with_answers"]
 
 
 def mooncake_answers(path: str | Path) -> list[int]:
@@ -68,11 +68,16 @@ def live_replay(
     offsets, hits = trace.offsets.tolist(), 0
     for r in range(trace.num_requests):
         tokens = trace.blocks[offsets[r] : offsets[r + 1]].astype(np.uint32)
-        m = len(tokens) if lookup is None else lookup[r]
-        hit = cache.lookup(tokens[:m], whole_prompt=True)
-        hits += hit.num_cached_tokens
-        kv = torch.zeros(1, 1, len(tokens), 1)
-        cache.store(tokens, [(kv, kv)])
-        cache.release(hit)
+        hits += serve(cache, tokens, len(tokens) if lookup is None else lookup[r])
     cache.close()
     return ReplayResult(hits, hits * trace.block_tokens)
+
+
+def serve(cache: PrefixCache, tokens: np.ndarray, lookup: int) -> int:
+    """One request as the engine serves it (one token a block): the device hit of its first
+    `lookup` blocks, then its whole chain stored. Returns the blocks hit."""
+    hit = cache.lookup(tokens[:lookup], whole_prompt=True)
+    kv = torch.zeros(1, 1, len(tokens), 1)
+    cache.store(tokens, [(kv, kv)])
+    cache.release(hit)
+    return hit.num_cached_tokens
