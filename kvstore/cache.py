@@ -10,7 +10,8 @@ Protocol for a caller (an engine, or another serving stack):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -26,8 +27,10 @@ from kvstore.fleet.events import BlockStored, EventSink
 from kvstore.hits import CacheHit, KVPrefix
 from kvstore.index import RadixIndex
 from kvstore.index.policies import make_policy
+from kvstore.index.policies.retaining import RetainingPolicy
 from kvstore.layout import LayerKV
 from kvstore.metrics import DEVICE_TIER, CacheMetrics
+from kvstore.retention import DeviceRetention, RetainResult, check_ttl
 from kvstore.scopes import Scope, Scopes
 from kvstore.stores import SpillStore, make_stores
 from kvstore.tenants import TenantBlocks
@@ -46,6 +49,7 @@ class PrefixCache:
         events: EventSink | None = None,
         window: int | None = None,
         window_layers: Sequence[int] | None = None,
+        clock: Callable[[], float] | None = None,
     ):
         """`stores` overrides the spill tiers the config names (fastest first); `events` gets
         the device index's block events (kvstore/fleet/events.py), under the cache's lock.
@@ -58,7 +62,9 @@ class PrefixCache:
         `window_layers`: with `window`, the layers that attend through it when others attend
         to the whole prefix (a hybrid model). Their K/V go to a window plane of their own
         (`window_share` slots per block), and what slides out of a request's window lets go
-        of that part only (kvstore/attention/hybrid.py)."""
+        of that part only (kvstore/attention/hybrid.py).
+
+        `clock`: seconds, for retention deadlines (default `time.monotonic`)."""
         check_window(window, window_layers)
         # a hybrid pool's window plane holds at least a request's window, the tier chunk it
         # fills, the block it writes and the engine's scratch and self-test blocks
@@ -71,7 +77,9 @@ class PrefixCache:
         self.window = window
         self.pool = make_pool(config, namespace, window_layers or (), min_slots)
         policy = make_policy(config.eviction_policy, self.pool.num_blocks)
+        policy = RetainingPolicy(policy, clock or time.monotonic)
         self.index = RadixIndex(config.block_size, policy, events)
+        self.retention = DeviceRetention(config, self.index, self.pool.num_blocks)
         self.kind = make_attention(self.pool, self.index, window)  # kvstore/attention/
         self.metrics = CacheMetrics()
         if stores is None and config.has_tiers:
@@ -277,6 +285,40 @@ class PrefixCache:
         self.metrics.inc("stored_blocks_total", len(new_ids))
         return len(new_ids)
 
+    def retain(
+        self,
+        token_ids: Sequence[int] | np.ndarray,
+        ttl_s: float,
+        cache_salt: str = "",
+        tenant: str = "",
+        keys: Sequence[BlockHash] = (),
+    ) -> RetainResult:
+        """Keep the full blocks of token_ids for ttl_s seconds (kvstore/retention.py): those on
+        the device within the retention caps, and every spill-tier entry of the prefix. A hit
+        or a later retain refreshes it. `keys` as in `lookup`."""
+        ttl_s = check_ttl(ttl_s)
+        tokens = as_token_array(token_ids)
+        scope = self.scopes.get(cache_salt)
+        keys = scope.keys(tokens, keys)
+        with self._lock:
+            num_blocks, kept = self.retention.retain(keys, tokens, ttl_s, tenant)
+            ids = self.index.peek_prefix(keys, tokens).block_ids if self.tiers else []
+            entries = self.tiers.retain(scope, keys, tokens, ids, ttl_s) if self.tiers else 0
+        return RetainResult(num_blocks, kept, entries)
+
+    def release_retention(
+        self,
+        token_ids: Sequence[int] | np.ndarray,
+        cache_salt: str = "",
+        keys: Sequence[BlockHash] = (),
+    ) -> int:
+        """End the device retention of the cached full blocks of token_ids now (the spill
+        tiers' entries keep their TTL); returns the blocks released."""
+        tokens = as_token_array(token_ids)
+        keys = self.scopes.get(cache_salt).keys(tokens, keys)
+        with self._lock:
+            return self.retention.release(keys, tokens)
+
     def snapshot_events(self) -> list[BlockStored]:
         """The device index now, as stored events (for a consumer that starts late)."""
         with self._lock:
@@ -335,11 +377,13 @@ class PrefixCache:
                 "blocks_reserved": self.held.num_reserved,  # e.g. an engine's scratch block
             }
             device |= self.kind.stats()
+            retention = self.retention.stats()
         tiers = self.tiers.stats() if self.tiers else {}
         return {
             "namespace": self.namespace.id,
             "device": device,
             "tiers": tiers,
+            "retention": retention,
             **self.metrics.snapshot(),
         }
 

@@ -57,6 +57,8 @@ CACHE_FAMILIES = (
            "hybrid model's: their window layers' part)"),
     Family("tier_writes_blocks_total", "blocks written to a spill tier", ("tier",), SPILL_TIERS),
     Family("dropped_writes_blocks_total", "tier writes dropped (queue full)"),
+    Family("tier_retained_entries_total", "spill-tier entries given a client's retention",
+           ("tier",), SPILL_TIERS),
     Family("verify_failures_total", "tier entries that failed verification",
            ("reason", "tier")),
     Family("foreign_entries_total",

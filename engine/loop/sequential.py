@@ -28,6 +28,7 @@ from engine.loop.request import (
     StopChecker,
     TokenCallback,
 )
+from engine.loop.retain import retain_prompt
 from engine.model.loading import LoadedModel, kv_cache, with_cache
 from kvstore.cache import KVPrefix, PrefixCache
 
@@ -133,6 +134,7 @@ class SequentialPath:
                     request.token_ids, request.params, request.cache_salt, request.emit,
                     request.tenant or "", sampler_of(request),
                 )  # fmt: skip
+                retain_prompt(self.cache, request)
         except BaseException as e:
             outcomes.fail(request, e)
             return

@@ -31,7 +31,15 @@ LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.
 BREAKER_STATES = ("closed", "open", "half_open")
 STORE_COUNTERS = ("hits", "misses", "writes", "evictions", "verify_failures", "dropped_writes",
                   "errors", "foreign")  # fmt: skip
-STORE_GAUGES = ("entries", "bytes", "capacity_bytes")
+STORE_GAUGES = ("entries", "bytes", "capacity_bytes", "retained")
+RETENTION_COUNTERS = (  # stats()["retention"] field, metric name, help
+    ("expired_blocks_total", "kvstore_retention_expired_blocks_total",
+     "device blocks whose retention ran out"),
+    ("forced_blocks_total", "kvstore_retention_forced_evictions_blocks_total",
+     "retained device blocks evicted before their TTL (nothing unretained was left)"),
+    ("deferred_evictions_total", "kvstore_retention_deferred_evictions_total",
+     "evictions that took an unretained block while retained ones waited"),
+)  # fmt: skip
 SERVER_COUNTERS = (  # name, help, label
     ("kvstore_requests_total", "finished requests by outcome (ok, error, cancelled)", "outcome"),
     ("kvstore_requests_rejected_total", "requests refused before queueing, by reason", "reason"),
@@ -90,6 +98,17 @@ def breaker_state(tiers: dict[str, dict]) -> Metric:
     return metric
 
 
+def retention_families(retention: dict) -> Iterator[Metric]:
+    """Device blocks retained now per tenant, and retention's counters."""
+    help_text = "device blocks retained by clients, by tenant"
+    metric = GaugeMetricFamily("kvstore_retained_blocks", help_text, labels=["tenant"])
+    for tenant, blocks in sorted(retention.get("blocks_by_tenant", {}).items()):
+        metric.add_metric([tenant], blocks)
+    yield metric
+    for field, name, help_text in RETENTION_COUNTERS:
+        yield CounterMetricFamily(name, help_text, value=retention.get(field, 0))
+
+
 def queue_gauges(queue: QueueStats) -> Iterator[Metric]:
     yield GaugeMetricFamily("kvstore_queue_waiting", "requests waiting", value=queue.waiting)
     yield GaugeMetricFamily("kvstore_requests_running", "requests running", value=queue.running)
@@ -108,6 +127,7 @@ class EngineCollector(Collector):
         yield device_blocks(stats.get("device", {}))
         yield from store_families(tiers)
         yield breaker_state(tiers)
+        yield from retention_families(stats.get("retention", {}))
         yield from queue_gauges(self._queue())
 
 

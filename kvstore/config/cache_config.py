@@ -50,6 +50,8 @@ class CacheConfig:
     tenant_salt: str = ""
     key_bytes: int = 16  # test hook: < 16 truncates lookup keys to force collisions
     tenant_quota_blocks: int | None = None  # most device blocks one owner (tenant) may hold
+    retention_max_fraction: float = 0.5  # of the pool, retained by clients in total
+    retention_quota_blocks: int | None = None  # most device blocks one tenant may retain
     tail_blocks: int | None = None  # partial last blocks kept for the next turn; None: auto
     window_share: float = 0.5  # a hybrid model's window-layer slots per pool block, in (0, 1]
     # --- spill tiers (all off by default) ---
@@ -122,6 +124,7 @@ class CacheConfig:
             not isinstance(self.tenant_quota_blocks, int) or self.tenant_quota_blocks < 1
         ):
             raise ConfigError("tenant_quota_blocks", "must be an int >= 1 or None")
+        self._check_retention()
         if self.tail_blocks is not None and (
             isinstance(self.tail_blocks, bool)
             or not isinstance(self.tail_blocks, int)
@@ -136,6 +139,16 @@ class CacheConfig:
             raise ConfigError("redis_ttl_s", "must be >= 1 second or None")
         _positive("write_queue_blocks", self.write_queue_blocks, allow_none=False)
         _positive("flush_timeout_s", self.flush_timeout_s, allow_none=False)
+
+    def _check_retention(self) -> None:
+        frac = self.retention_max_fraction
+        if isinstance(frac, bool) or not isinstance(frac, int | float) or not 0 <= frac < 1:
+            raise ConfigError("retention_max_fraction", f"must be in [0, 1), got {frac!r}")
+        quota = self.retention_quota_blocks
+        bad = isinstance(quota, bool) or not isinstance(quota, int) or quota < 1
+        if quota is not None and bad:
+            why = f"must be an int >= 1 or None, got {quota!r}"
+            raise ConfigError("retention_quota_blocks", why)
 
     @property
     def has_tiers(self) -> bool:

@@ -42,6 +42,13 @@ FIELD_HELP = {
     "a block (at most 256 printable characters)",
     "tenant_quota_blocks": "most device-pool blocks one owner (a server tenant) may hold; a "
     "tenant at its quota stores no more blocks until some of its own are evicted",
+    "retention_max_fraction": "most of the device pool that clients' retention (Anthropic "
+    "`cache_control`, OpenAI `prompt_cache_retention`) may keep, in total; 0 turns device "
+    "retention off (the spill tiers still keep retained entries until their TTL). Retention "
+    "past the cap falls to the spill tiers, so it never blocks admission",
+    "retention_quota_blocks": "most device blocks one tenant may retain; unset: only "
+    "`retention_max_fraction` bounds it. A tenant's retention past its quota is not kept on "
+    "the device, and never shortens another tenant's blocks' stay",
     "tail_blocks": "partial last blocks of finished requests kept on the device, so the next "
     "turn of a chat reuses the tokens past its last full block; unset: up to 64 (1/16 of the "
     "pool), 0 turns it off (docs/ARCHITECTURE.md)",

@@ -110,12 +110,27 @@ class RadixIndex:
         """
         return self._match(keys, token_ids, record=True)
 
+    def cut_path(self, keys: Sequence[bytes], token_ids: np.ndarray) -> list[TreeNode]:
+        """The nodes holding the cached prefix of `keys`, root excluded, root-first; a run the
+        prefix ends inside is split there (so the last node ends with it). Records no hit."""
+        node = self._match(keys, token_ids, record=False, split=True).last_node
+        return [] if node is self.root else self._path(node)
+
+    def split(self, node: TreeNode, k: int) -> TreeNode:
+        """Cut `node`'s run after k blocks (0 < k < its blocks); returns the head (the first
+        k blocks, now `node`'s parent)."""
+        if not 0 < k < node.num_blocks:
+            raise ValueError(f"cannot split {node!r} after {k} blocks")
+        return self._split(node, k)
+
     def peek_prefix(self, keys: Sequence[bytes], token_ids: np.ndarray) -> MatchResult:
         """`match_prefix` that records nothing: no policy call, no change of any state (a
         probe, e.g. a scheduler asking what a waiting prompt would find cached)."""
         return self._match(keys, token_ids, record=False)
 
-    def _match(self, keys: Sequence[bytes], token_ids: np.ndarray, record: bool) -> MatchResult:
+    def _match(
+        self, keys: Sequence[bytes], token_ids: np.ndarray, record: bool, split: bool = False
+    ) -> MatchResult:
         n, joined, tokens = pack_query(keys, token_ids, self.block_size)
         node, pos, ids, tw = self.root, 0, [], self._token_bytes
         while pos < n:
@@ -127,9 +142,9 @@ class RadixIndex:
                 break
             ids += child.ids(0, k)
             partial = k < child.num_blocks
+            if partial and (record or split):  # the unused tail keeps its recency
+                child = self._split(child, k)
             if record:
-                if partial:  # the unused tail keeps its recency
-                    child = self._split(child, k)
                 self.policy.access(child.id)
             node, pos = child, pos + k
             if partial:

@@ -42,6 +42,7 @@ class StoreStats:
     dropped_writes: int
     errors: int
     foreign: int = 0  # of verify_failures: intact entries of another secret/namespace/format
+    retained: int | None = None  # entries retained now (None: the backend cannot tell cheaply)
     breaker_state: str | None = None  # "closed", "open", "half_open"; None without a breaker
     seconds_since_error: float | None = None  # since the last counted error; None: never
 
@@ -154,6 +155,12 @@ class SpillStore(ABC):
         """
 
     @abstractmethod
+    def retain(self, keys: Sequence[bytes], ttl_s: float) -> int:
+        """Keep the entries `keys` at least ttl_s seconds from now: eviction passes over them
+        until then (a longer retention or expiry an entry has stays). Returns how many of them
+        the call retained (absent keys are skipped; a failing backend retains none)."""
+
+    @abstractmethod
     def delete(self, keys: Sequence[bytes]) -> int:
         """Remove these keys; returns how many were present."""
 
@@ -213,6 +220,7 @@ class SpillStore(ABC):
         nbytes: int | None,
         capacity: int | None,
         breaker_state: str | None = None,
+        retained: int | None = None,
     ) -> StoreStats:
         return StoreStats(
             self.name,
@@ -220,6 +228,7 @@ class SpillStore(ABC):
             nbytes,
             capacity,
             **self._counters.snapshot(),
+            retained=retained,
             breaker_state=breaker_state,
             seconds_since_error=self._counters.seconds_since_error(),
         )

@@ -5,6 +5,9 @@ Layout of the environment (one per directory, shared by all namespaces: keys are
 - sub-db "order":  8-byte big-endian insertion sequence -> block key (oldest first)
 - sub-db "seq":    block key -> its 8-byte sequence (to delete its "order" record)
 - sub-db "meta":   b"generation" -> 8-byte counter, bumped after each eviction
+- sub-db "expiry": block key -> 8-byte big-endian wall-clock ms its retention ends (only
+  retained entries have one; eviction moves a retained entry behind the others instead of
+  deleting it, until its retention ends or every entry left is retained)
 
 A full map is an error in LMDB, so writes evict ahead of time. Copy-on-write makes the
 live page count an underestimate of what a write needs: an insert copies every leaf it
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
@@ -31,6 +35,10 @@ import lmdb
 
 from kvstore.stores.base import Counters, SpillStore, StoreStats
 from kvstore.stores.lmdb_env import SharedEnv, acquire, release
+from kvstore.stores.lmdb_pages import batches as _batches
+from kvstore.stores.lmdb_pages import data_pages as _data_pages
+from kvstore.stores.lmdb_pages import expiry_ms as _ms
+from kvstore.stores.lmdb_pages import reserve as _reserve
 
 T = TypeVar("T")
 
@@ -48,8 +56,10 @@ class LmdbStore(SpillStore):
         high_water: float = 0.9,
         low_water: float = 0.8,
         namespace_id: bytes = b"",
+        clock: Callable[[], float] = time.time,
     ):
-        """`namespace_id` prefixes every key, so `clear` can drop one namespace's entries."""
+        """`namespace_id` prefixes every key, so `clear` can drop one namespace's entries.
+        `clock`: wall-clock seconds (retention deadlines outlive the process)."""
         if not 0.0 < low_water < high_water <= 1.0:
             raise ValueError(f"need 0 < low_water < high_water <= 1, got {low_water}, {high_water}")
         if not isinstance(map_size_bytes, int) or map_size_bytes < 64 * 4096:
@@ -59,6 +69,7 @@ class LmdbStore(SpillStore):
         self.high_water, self.low_water = high_water, low_water
         self._requested_map_size = map_size_bytes
         self._counters = Counters(self.name)
+        self.clock = clock
         self._shared: SharedEnv | None = acquire(self.path, map_size_bytes)
 
     # --------------------------------------------------------------- environment
@@ -89,7 +100,7 @@ class LmdbStore(SpillStore):
     def _page_counts(txn: lmdb.Transaction, shared: SharedEnv) -> tuple[int, int]:
         """(live pages, of which branch and leaf pages: the ones a write copies)."""
         live = tree = 0
-        for db in (shared.main, shared.blocks, shared.order, shared.seq, shared.meta):
+        for db in shared.all_dbs:
             st = txn.stat(db)
             tree += st["branch_pages"] + st["leaf_pages"]
             live += st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]
@@ -247,16 +258,51 @@ class LmdbStore(SpillStore):
         """Delete up to `chunk` oldest entries, fewer once live pages <= target or none are
         left; returns how many."""
         cursor = txn.cursor(db=shared.order)
-        evicted = 0
+        evicted, passes, now_ms = 0, txn.stat(shared.expiry)["entries"], int(self.clock() * 1000)
         while evicted < chunk:
             if self._used_pages(txn, shared) <= target_pages or not cursor.first():
                 break
             key = cursor.value()
             cursor.delete()
+            if passes > 0 and _ms(txn.get(key, db=shared.expiry)) > now_ms:
+                passes -= 1  # retained: it goes behind the others (each one once a chunk)
+                self._append(txn, shared, key)
+                continue
             txn.delete(key, db=shared.seq)
             txn.delete(key, db=shared.blocks)
+            txn.delete(key, db=shared.expiry)
             evicted += 1
         return evicted
+
+    @staticmethod
+    def _append(txn: lmdb.Transaction, shared: SharedEnv, key: bytes) -> None:
+        """Give `key` the next insertion sequence (the back of the FIFO)."""
+        cursor = txn.cursor(db=shared.order)
+        seq = int.from_bytes(cursor.key(), "big") + 1 if cursor.last() else 0
+        seq_key = seq.to_bytes(8, "big")
+        txn.put(seq_key, key, db=shared.order, append=True)
+        txn.put(key, seq_key, db=shared.seq)
+
+    def retain(self, keys: Sequence[bytes], ttl_s: float) -> int:
+        until = int((self.clock() + ttl_s) * 1000)
+
+        def mark(shared: SharedEnv) -> int:
+            retained = 0
+            with shared.env.begin(write=True) as txn:
+                for key in keys:
+                    full = self._prefix + key
+                    if txn.get(full, db=shared.seq) is None:
+                        continue
+                    if _ms(txn.get(full, db=shared.expiry)) < until:
+                        txn.put(full, until.to_bytes(8, "big"), db=shared.expiry)
+                    retained += 1
+            return retained
+
+        try:
+            return self._run(mark) if keys else 0
+        except lmdb.Error as e:
+            self._counters.error(e)
+            return 0
 
     @staticmethod
     def _insert(txn: lmdb.Transaction, shared: SharedEnv, batch: list[tuple[bytes, bytes]]) -> int:
@@ -290,20 +336,28 @@ class LmdbStore(SpillStore):
     # --------------------------------------------------------------- admin
 
     def stats(self) -> StoreStats:
-        def measure(shared: SharedEnv) -> tuple[int, int]:
+        def measure(shared: SharedEnv) -> tuple[int, int, int]:
             with shared.env.begin() as txn:
-                return txn.stat(shared.blocks)["entries"], self._used_pages(txn, shared)
+                entries, used = txn.stat(shared.blocks)["entries"], self._used_pages(txn, shared)
+                return entries, used, self._num_retained(txn, shared)
 
         shared = self._handle()
         psize, map_pages = self._pages(shared)
-        entries, used = self._run(measure)
-        return self._stats(entries, used * psize, map_pages * psize)
+        entries, used, retained = self._run(measure)
+        return self._stats(entries, used * psize, map_pages * psize, retained=retained)
+
+    def _num_retained(self, txn: lmdb.Transaction, shared: SharedEnv) -> int:
+        """Entries retained now (a walk of the expiry records: few, retained ones only)."""
+        now = int(self.clock() * 1000)
+        cursor = txn.cursor(db=shared.expiry)
+        return sum(_ms(v) > now for _, v in cursor.iternext())
 
     @staticmethod
     def _remove(txn: lmdb.Transaction, shared: SharedEnv, full_key: bytes) -> int:
         seq_key = txn.pop(full_key, db=shared.seq)
         if seq_key is not None:
             txn.delete(seq_key, db=shared.order)
+        txn.delete(full_key, db=shared.expiry)
         return int(txn.delete(full_key, db=shared.blocks))
 
     def clear(self) -> int:
@@ -312,7 +366,7 @@ class LmdbStore(SpillStore):
         def drop_all(shared: SharedEnv) -> int:
             with shared.env.begin(write=True) as txn:
                 removed = txn.stat(shared.blocks)["entries"]
-                for db in (shared.blocks, shared.order, shared.seq):
+                for db in (shared.blocks, shared.order, shared.seq, shared.expiry):
                     txn.drop(db, delete=False)
             return removed
 
@@ -332,46 +386,3 @@ class LmdbStore(SpillStore):
         shared, self._shared = self._shared, None
         if shared is not None:
             release(self.path, shared)
-
-
-_NODE_HEADER = 8  # bytes before a key in a leaf node
-_PAGE_HEADER = 16
-_ORDER_SEQ_BYTES = 2 * (_NODE_HEADER + 8 + 24)  # its "order" and "seq" records
-
-
-def _data_pages(key_bytes: int, value_bytes: int, psize: int) -> float:
-    """Pages an entry adds: a leaf node (a share of a page) or, when the node is over LMDB's
-    node limit (a little under half a page), an overflow run; plus its "order" and "seq"
-    records."""
-    node = _NODE_HEADER + key_bytes + value_bytes
-    if node > _node_max(psize):
-        return -(-(value_bytes + _PAGE_HEADER) // psize) + _ORDER_SEQ_BYTES / psize
-    return (node + _ORDER_SEQ_BYTES) / psize
-
-
-def _node_max(psize: int) -> int:
-    return (((psize - _PAGE_HEADER) // 2) & ~1) - 2  # measured: 2038 bytes at 4 KiB pages
-
-
-def _reserve(num_entries: int, tree_pages: int) -> int:
-    """Pages copy-on-write needs beyond the data: the leaves and branches an insert of
-    `num_entries` copies (about one in "blocks" and one in "seq" per entry, random keys; at
-    most the whole tree), twice: the previous commit's replaced pages are not reusable yet."""
-    return 2 * min(2 * num_entries + 6, tree_pages + 3)
-
-
-def _batches(
-    items: list[tuple[tuple[bytes, bytes], float]], budget: float, tree_pages: int
-) -> Iterator[tuple[list[tuple[bytes, bytes]], float]]:
-    """Split (item, data pages) pairs into batches whose data + reserve fit `budget` pages
-    (a batch holds at least one item), yielding each batch and its data pages."""
-    batch: list[tuple[bytes, bytes]] = []
-    data = 0.0
-    for item, pages in items:
-        if batch and data + pages + _reserve(len(batch) + 1, tree_pages) > budget:
-            yield batch, data
-            batch, data = [], 0.0
-        batch.append(item)
-        data += pages
-    if batch:
-        yield batch, data

@@ -15,7 +15,7 @@ import lmdb
 
 from kvstore.config import ConfigError
 
-DB_NAMES = (b"blocks", b"order", b"seq", b"meta")
+DB_NAMES = (b"blocks", b"order", b"seq", b"meta", b"expiry")
 
 
 @dataclass
@@ -27,9 +27,14 @@ class SharedEnv:
     order: lmdb._Database
     seq: lmdb._Database
     meta: lmdb._Database
+    expiry: lmdb._Database
     main: lmdb._Database
     pid: int
     refs: int = 1
+
+    @property
+    def all_dbs(self) -> tuple[lmdb._Database, ...]:
+        return (self.main, self.blocks, self.order, self.seq, self.meta, self.expiry)
 
 
 _registry_lock = threading.Lock()
@@ -77,8 +82,8 @@ def _open_env(path: str, map_size_bytes: int) -> SharedEnv:
     except lmdb.Error as e:
         raise ConfigError("lmdb_dir", f"cannot open an LMDB environment in {path}: {e}") from None
     env.reader_check()  # clear reader slots left by dead processes
-    blocks, order, seq, meta = (env.open_db(name) for name in DB_NAMES)
-    return SharedEnv(env, blocks, order, seq, meta, env.open_db(), os.getpid())
+    blocks, order, seq, meta, expiry = (env.open_db(name) for name in DB_NAMES)
+    return SharedEnv(env, blocks, order, seq, meta, expiry, env.open_db(), os.getpid())
 
 
 def acquire(path: str, map_size_bytes: int) -> SharedEnv:

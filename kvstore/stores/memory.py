@@ -1,10 +1,12 @@
-"""MemoryStore: encoded entries in host RAM, bounded by bytes, LRU or FIFO eviction."""
+"""MemoryStore: encoded entries in host RAM, bounded by bytes, LRU or FIFO eviction; retained
+entries are passed over until their retention ends (unless every entry is retained)."""
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvstore.stores.base import Counters, SpillStore, StoreStats
 
@@ -19,7 +21,9 @@ class MemoryStore(SpillStore):
 
     name = "memory"
 
-    def __init__(self, capacity_bytes: int, policy: str = "lru"):
+    def __init__(
+        self, capacity_bytes: int, policy: str = "lru", clock: Callable[[], float] = time.monotonic
+    ):
         if not isinstance(capacity_bytes, int) or capacity_bytes < 1:
             raise ValueError(f"capacity_bytes must be an int >= 1, got {capacity_bytes!r}")
         if policy not in MEMORY_POLICIES:
@@ -28,6 +32,8 @@ class MemoryStore(SpillStore):
         self.policy = policy
         self._entries: OrderedDict[bytes, bytes] = OrderedDict()  # oldest / least recent first
         self._bytes = 0
+        self._until: dict[bytes, float] = {}  # retained entries: the clock's time it ends
+        self.clock = clock
         self._lock = threading.Lock()
         self._counters = Counters(self.name)
 
@@ -68,18 +74,35 @@ class MemoryStore(SpillStore):
         return written
 
     def _make_room(self, nbytes: int) -> int:
-        evicted = 0
+        evicted = passed = 0
+        now = self.clock()
         while self._bytes + nbytes > self.capacity_bytes:
-            _, old = self._entries.popitem(last=False)
+            key, old = self._entries.popitem(last=False)
+            if self._until.get(key, now) > now and passed < len(self._entries):
+                self._entries[key] = old  # retained: it goes behind the others
+                passed += 1
+                continue
+            self._until.pop(key, None)
             self._bytes -= len(old)
             evicted += 1
         return evicted
+
+    def retain(self, keys: Sequence[bytes], ttl_s: float) -> int:
+        retained = 0
+        with self._lock:
+            until = self.clock() + ttl_s
+            for key in keys:
+                if key in self._entries:
+                    self._until[key] = max(self._until.get(key, until), until)
+                    retained += 1
+        return retained
 
     def delete(self, keys: Sequence[bytes]) -> int:
         removed = 0
         with self._lock:
             for key in keys:
                 value = self._entries.pop(key, None)
+                self._until.pop(key, None)
                 if value is not None:
                     self._bytes -= len(value)
                     removed += 1
@@ -87,13 +110,16 @@ class MemoryStore(SpillStore):
 
     def stats(self) -> StoreStats:
         with self._lock:
-            entries, nbytes = len(self._entries), self._bytes
-        return self._stats(entries, nbytes, self.capacity_bytes)
+            entries, nbytes, now = len(self._entries), self._bytes, self.clock()
+            self._until = {k: t for k, t in self._until.items() if t > now}
+            retained = len(self._until)
+        return self._stats(entries, nbytes, self.capacity_bytes, retained=retained)
 
     def clear(self) -> int:
         with self._lock:
             removed = len(self._entries)
             self._entries.clear()
+            self._until.clear()
             self._bytes = 0
         return removed
 

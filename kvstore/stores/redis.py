@@ -207,6 +207,24 @@ class RedisStore(SpillStore):
         self._counters.add(writes=written, dropped_writes=failed, errors=min(failed, 1))
         return written
 
+    def retain(self, keys: Sequence[bytes], ttl_s: float) -> int:
+        """PEXPIRE ... GT: an entry's TTL only grows, and one without a TTL keeps none (under
+        `maxmemory-policy volatile-ttl` Redis evicts the entries expiring soonest first)."""
+        if not keys:
+            return 0
+        ms = max(1, int(ttl_s * 1000))
+
+        def commands(pipe: Any) -> None:
+            for key in keys:
+                pipe.pexpire(self._rkey(key), ms, gt=True)
+                pipe.pttl(self._rkey(key))  # -2: absent
+
+        try:
+            results = self._pipeline(commands)
+        except _Failed:
+            return 0
+        return sum(isinstance(r, int) and r != -2 for r in results[1::2])
+
     def delete(self, keys: Sequence[bytes]) -> int:
         if not keys:
             return 0

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -30,9 +31,17 @@ from kvstore.scopes import Scope
 from kvstore.stores import SpillStore
 from kvstore.tiers.fetch import Allocate, Segment, TierReader
 from kvstore.tiers.policy import WritePolicies
-from kvstore.tiers.writer import PendingWrite, TierWriter
+from kvstore.tiers.writer import PendingRetain, PendingWrite, TierWriter
 
-__all__ = ["Allocate", "PendingWrite", "Segment", "TierWriter", "Tiers", "WritePolicies"]
+__all__ = [
+    "Allocate",
+    "PendingRetain",
+    "PendingWrite",
+    "Segment",
+    "TierWriter",
+    "Tiers",
+    "WritePolicies",
+]
 log = logging.getLogger("kvstore.tiers")
 
 
@@ -117,6 +126,26 @@ class Tiers:
         """Blocks keys[start:] are being evicted (their ancestors are still cached, the
         parents go last): write-back."""
         self._submit(scope, self.policies.on_evict, keys, token_ids, start, block_ids)
+
+    def retain(
+        self,
+        scope: Scope,
+        keys: list[bytes],
+        token_ids: np.ndarray,
+        block_ids: Sequence[int | None],
+        ttl_s: float,
+    ) -> int:
+        """Keep the entries of the whole chunks of keys at least ttl_s in every store. The
+        write-back stores get the device's blocks block_ids (of keys[:len(block_ids)]) now,
+        so a retained prefix is in every tier whatever the device keeps. Returns the entries
+        asked of each store."""
+        held = keys[: len(block_ids)]
+        self._submit(scope, self.policies.on_evict, held, token_ids, 0, block_ids)
+        n = self.chunk_blocks
+        entries = [keys[i] for i in range(n - 1, len(keys), n)]
+        if entries:
+            self.writer.submit(PendingRetain(entries, ttl_s, time.monotonic()))
+        return len(entries)
 
     def _submit(
         self,

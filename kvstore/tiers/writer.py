@@ -10,6 +10,7 @@ the others get new bytes per entry.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -48,6 +49,16 @@ class PendingWrite(NamedTuple):
         return int(self.kv.shape[0])
 
 
+class PendingRetain(NamedTuple):
+    """Keep entries `keys` in every store at least `ttl_s` from `asked_at` (monotonic): queued
+    behind the writes of the same entries, so a write-through entry exists when it runs."""
+
+    keys: list[bytes]
+    ttl_s: float
+    asked_at: float
+    num_blocks: int = 0  # takes no room in the queue's block bound
+
+
 class TierWriter:
     """One background thread that encodes queued writes and puts them to their stores."""
 
@@ -62,15 +73,16 @@ class TierWriter:
         """`arena_bytes`: bound of the encode buffer it reuses for stores that copy values."""
         self._stores, self._codec, self._arena_bytes = stores, codec, arena_bytes
         self._max_blocks, self._metrics = max_blocks, metrics
-        self._queue: deque[PendingWrite] = deque()
+        self._queue: deque[PendingWrite | PendingRetain] = deque()
         self._pending_blocks = 0  # queued + in flight
+        self._pending_jobs = 0  # writes and retains, queued + in flight
         self._cond = threading.Condition()
         self._closed = False
         self._arena, self._arena_lock = bytearray(), threading.Lock()
         self._thread = threading.Thread(target=self._run, name="kvstore-tier-writer", daemon=True)
         self._thread.start()
 
-    def submit(self, write: PendingWrite) -> bool:
+    def submit(self, write: PendingWrite | PendingRetain) -> bool:
         n = write.num_blocks
         with self._cond:
             if self._closed or self._pending_blocks + n > self._max_blocks:
@@ -78,13 +90,14 @@ class TierWriter:
                 return False
             self._queue.append(write)
             self._pending_blocks += n
+            self._pending_jobs += 1
             self._cond.notify_all()
         return True
 
     def flush(self, timeout: float) -> bool:
         """Wait until every queued write is done; False if `timeout` ran out first."""
         with self._cond:
-            return self._cond.wait_for(lambda: self._pending_blocks == 0, timeout)
+            return self._cond.wait_for(lambda: self._pending_jobs == 0, timeout)
 
     def close(self, timeout: float) -> bool:
         """Flush (bounded by `timeout`), then stop the thread; no thread outlives its cache."""
@@ -104,12 +117,24 @@ class TierWriter:
                     return
                 write = self._queue.popleft()
             try:
-                self.write(write)
+                if isinstance(write, PendingRetain):
+                    self.retain(write)
+                else:
+                    self.write(write)
             except Exception:  # a tier must never take the writer down
                 self._metrics.inc("dropped_writes_blocks_total", write.num_blocks)
             with self._cond:
                 self._pending_blocks -= write.num_blocks
+                self._pending_jobs -= 1
                 self._cond.notify_all()
+
+    def retain(self, job: PendingRetain) -> None:
+        """Give every store's entries `job.keys` what is left of the job's TTL."""
+        left = job.ttl_s - (time.monotonic() - job.asked_at)
+        if left > 0:
+            for store in self._stores:
+                retained = store.retain(job.keys, left)
+                self._metrics.inc("tier_retained_entries_total", retained, tier=store.name)
 
     def write(self, write: PendingWrite) -> None:
         """Encode `write` and put it to its targets now, on this thread (what the background

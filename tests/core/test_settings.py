@@ -68,6 +68,7 @@ SAMPLES = {
     "device_blocks": 8,
     "tenant_salt": "tenant-a",
     "tenant_quota_blocks": 4,
+    "retention_quota_blocks": 8,
     "tail_blocks": 16,
     "lmdb_dir": "kv",
     "redis_url": "redis://localhost:6379/0",

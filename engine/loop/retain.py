@@ -1,0 +1,25 @@
+"""What a request asked the cache to keep (`Request.retention`: Anthropic `cache_control`
+breakpoints, OpenAI `prompt_cache_retention`), asked of the cache once its prompt's K/V is
+in the index (kvstore/retention.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvstore.cache import PrefixCache
+
+
+def retain_prompt(cache: PrefixCache, request: Any) -> int:
+    """Retain each of the request's prefixes; returns the device blocks retained."""
+    kept = 0
+    for retain in getattr(request, "retention", ()):
+        prefix = request.token_ids[: retain.num_tokens]
+        tenant = request.tenant or ""
+        result = cache.retain(prefix, retain.ttl_s, request.cache_salt, tenant, request.keys)
+        kept += result.num_device_blocks
+    return kept
+
+
+def completes_prompt(request: Any, start: int, num_new: int) -> bool:
+    """Whether a step row of tokens [start, start + num_new) computed the prompt's last one."""
+    return start < len(request.token_ids) <= start + num_new

@@ -1,0 +1,54 @@
+"""LMDB page arithmetic behind `LmdbStore`'s writes (what an entry and a batch cost in pages,
+and batches that fit a budget), and its expiry records' encoding."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+
+def expiry_ms(value: bytes | None) -> int:
+    """An expiry record's milliseconds (0: none)."""
+    return 0 if value is None else int.from_bytes(value, "big")
+
+
+_NODE_HEADER = 8  # bytes before a key in a leaf node
+_PAGE_HEADER = 16
+_ORDER_SEQ_BYTES = 2 * (_NODE_HEADER + 8 + 24)  # its "order" and "seq" records
+
+
+def data_pages(key_bytes: int, value_bytes: int, psize: int) -> float:
+    """Pages an entry adds: a leaf node (a share of a page) or, when the node is over LMDB's
+    node limit (a little under half a page), an overflow run; plus its "order" and "seq"
+    records."""
+    node = _NODE_HEADER + key_bytes + value_bytes
+    if node > _node_max(psize):
+        return -(-(value_bytes + _PAGE_HEADER) // psize) + _ORDER_SEQ_BYTES / psize
+    return (node + _ORDER_SEQ_BYTES) / psize
+
+
+def _node_max(psize: int) -> int:
+    return (((psize - _PAGE_HEADER) // 2) & ~1) - 2  # measured: 2038 bytes at 4 KiB pages
+
+
+def reserve(num_entries: int, tree_pages: int) -> int:
+    """Pages copy-on-write needs beyond the data: the leaves and branches an insert of
+    `num_entries` copies (about one in "blocks" and one in "seq" per entry, random keys; at
+    most the whole tree), twice: the previous commit's replaced pages are not reusable yet."""
+    return 2 * min(2 * num_entries + 6, tree_pages + 3)
+
+
+def batches(
+    items: list[tuple[tuple[bytes, bytes], float]], budget: float, tree_pages: int
+) -> Iterator[tuple[list[tuple[bytes, bytes]], float]]:
+    """Split (item, data pages) pairs into batches whose data + reserve fit `budget` pages
+    (a batch holds at least one item), yielding each batch and its data pages."""
+    batch: list[tuple[bytes, bytes]] = []
+    data = 0.0
+    for item, pages in items:
+        if batch and data + pages + reserve(len(batch) + 1, tree_pages) > budget:
+            yield batch, data
+            batch, data = [], 0.0
+        batch.append(item)
+        data += pages
+    if batch:
+        yield batch, data
