@@ -175,18 +175,25 @@ def _block(block: object, where: str) -> Block:
     return Block(block["text"], cache_ttl(block.get("cache_control"), f"{where}.cache_control"))
 
 
-def conversation(req: MessagesRequest) -> tuple[Turn, ...]:
-    """The request's turns; a 400 for refused content or too many breakpoints."""
+def _turns(req: MessagesRequest) -> list[Turn]:
+    """The system turn, then the messages, consecutive ones of one role merged into one."""
     turns = []
     system = () if req.system is None else content_blocks(req.system, "system")
     if system:
         turns.append(Turn("system", system))
     for i, message in enumerate(req.messages):
         blocks = content_blocks(message.content, f"messages.{i}.content")
-        if turns and turns[-1].role == message.role:  # consecutive turns of one role: one
+        if turns and turns[-1].role == message.role:
             turns[-1] = Turn(message.role, turns[-1].blocks + blocks)
         else:
             turns.append(Turn(message.role, blocks))
+    return turns
+
+
+def conversation(req: MessagesRequest) -> tuple[Turn, ...]:
+    """The request's turns (a top-level cache_control on the last block); a 400 for refused
+    content or too many breakpoints."""
+    turns = _turns(req)
     if turns[-1].role != "user":
         why = "the last message must be the user's (assistant prefill is not supported)"
         raise bad_request(why, "messages")
