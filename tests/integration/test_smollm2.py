@@ -34,8 +34,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 SYSTEM = SYSTEM_PROMPT  # the demo's: 8 rules, about 200 tokens
 TURNS = CHAT_TURNS[:3]  # France, Italy, which is larger
 TOPICS = ("geography", "history", "astronomy", "cooking", "music", "biology", "chemistry",
-          "literature", "mathematics", "painting", "sports", "economics", "botany",
-          "physics")  # fmt: skip
+          "literature", "mathematics", "painting", "sports")  # fmt: skip
 GUIDES = " ".join(
     f"When the user asks about {topic}, answer with one precise fact about {topic}, name "
     f"where it comes from, and add a short example that a curious student of {topic} "
@@ -147,7 +146,7 @@ def test_the_anthropic_client_writes_a_cached_system_block_then_reads_it(server,
     """Only base_url changes in the client: a ~600-token system block with cache_control is
     written by the first request and read by the next ones, whose user turns differ."""
     system_tokens = len(smollm2.tokenizer(LONG_SYSTEM, add_special_tokens=False)["input_ids"])
-    assert 550 <= system_tokens <= 700
+    assert 550 <= system_tokens <= 650
     client = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0)
     system = [{"type": "text", "text": LONG_SYSTEM, "cache_control": {"type": "ephemeral"}}]
 
