@@ -1,4 +1,5 @@
-"""Bearer-key authentication, tenants, and the cache salt each request runs under.
+"""API-key authentication (`Authorization: Bearer <key>`, or Anthropic's `x-api-key`),
+tenants, and the cache salt each request runs under.
 
 A tenant's salt is derived on the server from its name and the deployment secret, so tenants
 never share cached blocks unless their keys name the same tenant. A request's own
@@ -57,8 +58,9 @@ def request_salt(base_salt: str, cache_salt: object) -> str:
 
 
 class Authenticator:
-    """Maps `Authorization: Bearer <key>` to a tenant. Without keys everyone is tenant None,
-    whose salt is empty (the config's namespace, as `kvstore generate` uses)."""
+    """Maps an API key (`Authorization: Bearer <key>` or `x-api-key: <key>`) to a tenant.
+    Without keys everyone is tenant None, whose salt is empty (the config's namespace, as
+    `kvstore generate` uses)."""
 
     def __init__(self, api_keys: Mapping[str, str], secret: bytes):
         self._tenants = {_key_digest(k): t for k, t in api_keys.items()}  # looked up by digest
@@ -72,13 +74,17 @@ class Authenticator:
     def tenants(self) -> list[str]:
         return sorted(self._salts)
 
-    def tenant(self, authorization: str | None) -> str | None:
-        """The tenant of an Authorization header; raises AuthError when a key is required."""
+    def tenant(self, authorization: str | None, api_key: str | None = None) -> str | None:
+        """The tenant of an Authorization header, else of an x-api-key header; raises
+        AuthError when a key is required."""
         if not self.enabled:
             return None
         scheme, _, key = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
-            raise AuthError("missing API key: send 'Authorization: Bearer <key>'")
+            key = api_key or ""
+        if not key.strip():
+            why = "missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'"
+            raise AuthError(why)
         tenant = self._tenants.get(_key_digest(key.strip()))
         if tenant is None:
             raise AuthError("invalid API key")
@@ -91,7 +97,8 @@ class Authenticator:
 def authenticate(auth: Authenticator, request: Request) -> str | None:
     """The request's tenant; a 401 ApiError without a valid key (when keys are set)."""
     try:
-        return auth.tenant(request.headers.get("authorization"))
+        headers = request.headers
+        return auth.tenant(headers.get("authorization"), headers.get("x-api-key"))
     except AuthError as e:
         error = ApiError(401, str(e), type="authentication_error", code="invalid_api_key")
         raise error from None

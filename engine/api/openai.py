@@ -19,6 +19,8 @@ from engine.api.errors import bad_request
 
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs, vLLM's prompt_logprobs (the engine's bound)
 MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' logprobs (OpenAI's bound)
+MAX_PROMPT_CACHE_KEY_CHARS = 64  # a routing hint, not a document (docs/DEPLOY.md)
+RETENTION_TTL_S = {"in_memory": None, "24h": 86400.0}  # prompt_cache_retention -> TTL
 
 # fields OpenAI's API declares nullable whose null means their default value
 NULL_MEANS_DEFAULT = ("temperature", "top_p", "n", "presence_penalty", "frequency_penalty",
@@ -50,6 +52,12 @@ class _Common(BaseModel):
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False  # extension (as vLLM): decode up to max_tokens
     return_token_ids: bool = False  # extension: each choice carries its output token ids
+    # "24h": the whole prompt is retained for 24 h; "in_memory" (the default): no retention
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    # the router keeps requests of one key on one replica while its load allows
+    prompt_cache_key: str | None = Field(
+        default=None, min_length=1, max_length=MAX_PROMPT_CACHE_KEY_CHARS
+    )
 
     @field_validator(*NULL_MEANS_DEFAULT, mode="after", check_fields=False)
     @classmethod
@@ -77,6 +85,11 @@ class _Common(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def retention_ttl_s(self) -> float | None:
+        """How long the whole prompt is retained (None: not retained)."""
+        return RETENTION_TTL_S[self.prompt_cache_retention or "in_memory"]
 
 
 class CompletionRequest(_Common):

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.api import openai as p
+from engine.api.anthropic import MessagesRequest
 from engine.api.errors import bad_request
 
 
@@ -28,8 +29,13 @@ def chat_ids(tokenizer: Any, messages: list[p.ChatMessage]) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def prompt_ids(tokenizer: Any, req: p.CompletionRequest | p.ChatRequest) -> list[int]:
-    """Token ids of a completion's prompt (text or ids) or a chat's messages."""
+def prompt_ids(
+    tokenizer: Any, req: p.CompletionRequest | p.ChatRequest | MessagesRequest
+) -> list[int]:
+    """Token ids of a completion's prompt (text or ids), a chat's messages or an Anthropic
+    conversation (its turns as chat messages)."""
+    if isinstance(req, MessagesRequest):
+        return list(chat_ids(tokenizer, req.chat_messages()))
     if isinstance(req, p.ChatRequest):
         return list(chat_ids(tokenizer, req.messages))
     prompt = req.single_prompt()

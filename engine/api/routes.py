@@ -1,31 +1,46 @@
-"""The OpenAI routes an app serves, wired to whatever answers them: the replica server's
-`Service.handle` or the router's `Router.handle`."""
+"""The API routes an app serves, wired to whatever answers them: the replica server's
+`Service.handle` or the router's `Router.handle`. OpenAI's (`/v1/completions`,
+`/v1/chat/completions`) and Anthropic's (`/v1/messages`)."""
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import Response
 
-from engine.api.errors import ApiError, add_error_handlers
+from engine.api import openai as p
+from engine.api.anthropic import parse_messages
+from engine.api.body import read_json
+from engine.api.errors import ANTHROPIC_PATH, ApiError, add_error_handlers
 
-Handle = Callable[[Request, str], Awaitable[Response]]  # (request, "completion" | "chat")
+Handle = Callable[[Request, str], Awaitable[Response]]  # (request, kind: an API_PATHS key)
 OPENAI_PATHS = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
+API_PATHS = {**OPENAI_PATHS, "messages": ANTHROPIC_PATH}
 
 
-def add_openai_routes(
+async def read_request(request: Request, kind: str, limit: int) -> tuple[object, Any]:
+    """The JSON body (at most `limit` bytes) and its validated request of `kind`."""
+    if kind != "messages":
+        return await p.read_request(request, kind, limit)
+    data = await read_json(request, limit)
+    return data, parse_messages(data)
+
+
+def add_api_routes(
     app: FastAPI, handle: Handle, on_error: Callable[[ApiError], None] | None = None
 ) -> None:
-    """POST /v1/completions and /v1/chat/completions through `handle(request, kind)`, and
-    every error in OpenAI's error shape (`add_error_handlers`)."""
+    """POST each of API_PATHS through `handle(request, kind)`, and every error in the shape
+    of its path's API (`add_error_handlers`)."""
     add_error_handlers(app, on_error)
+    for kind, path in API_PATHS.items():
+        app.add_api_route(path, _route(handle, kind), methods=["POST"], name=kind)
 
-    @app.post(OPENAI_PATHS["completion"])
-    async def completions(request: Request) -> Response:
-        return await handle(request, "completion")
 
-    @app.post(OPENAI_PATHS["chat"])
-    async def chat_completions(request: Request) -> Response:
-        return await handle(request, "chat")
+def _route(handle: Handle, kind: str) -> Callable[[Request], Awaitable[Response]]:
+    async def route(request: Request) -> Response:
+        return await handle(request, kind)
+
+    return route

@@ -94,6 +94,14 @@ def _check_logprobs(name: str, value: object) -> None:
         raise InvalidRequestError(why, name)
 
 
+class Retain(NamedTuple):
+    """Keep the cached blocks of the prompt's first `num_tokens` tokens for `ttl_s` seconds
+    (a client's cache_control breakpoint or prompt_cache_retention, engine/api/)."""
+
+    num_tokens: int
+    ttl_s: float
+
+
 class TokenLogprob(NamedTuple):
     """One sampled token: its logprob and the `logprobs` most likely tokens."""
 
@@ -206,6 +214,7 @@ class Request:
     group: Any = None  # its SequenceGroup when one of a prompt's n sequences (loop/group.py)
     # sum of log_softmax(logits)[token] over its output tokens; None: not counted (best_of)
     cumulative_logprob: float | None = None
+    retention: tuple[Retain, ...] = ()  # retained once its prompt is prefilled
 
     @property
     def num_tokens(self) -> int:

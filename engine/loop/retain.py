@@ -4,15 +4,14 @@ in the index (kvstore/retention.py)."""
 
 from __future__ import annotations
 
-from typing import Any
-
+from engine.loop.request import Request
 from kvstore.cache import PrefixCache
 
 
-def retain_prompt(cache: PrefixCache, request: Any) -> int:
+def retain_prompt(cache: PrefixCache, request: Request) -> int:
     """Retain each of the request's prefixes; returns the device blocks retained."""
     kept = 0
-    for retain in getattr(request, "retention", ()):
+    for retain in request.retention:
         prefix = request.token_ids[: retain.num_tokens]
         tenant = request.tenant or ""
         result = cache.retain(prefix, retain.ttl_s, request.cache_salt, tenant, request.keys)
@@ -20,6 +19,6 @@ def retain_prompt(cache: PrefixCache, request: Any) -> int:
     return kept
 
 
-def completes_prompt(request: Any, start: int, num_new: int) -> bool:
+def completes_prompt(request: Request, start: int, num_new: int) -> bool:
     """Whether a step row of tokens [start, start + num_new) computed the prompt's last one."""
     return start < len(request.token_ids) <= start + num_new

@@ -1,7 +1,8 @@
-"""`kvstore router`: one OpenAI-compatible endpoint in front of `kvstore serve` replicas.
+"""`kvstore router`: one OpenAI- and Anthropic-compatible endpoint in front of `kvstore serve`
+replicas.
 
-Routes: POST /v1/completions and /v1/chat/completions (forwarded; streams pass through as
-they arrive), GET /v1/models, GET /health, GET /metrics. A request is authenticated and
+Routes: POST /v1/completions, /v1/chat/completions and /v1/messages (forwarded; streams pass
+through as they arrive), GET /v1/models, GET /health, GET /metrics. A request is authenticated and
 validated here (a bad one never reaches a replica), rendered to token ids as the replicas
 render it, and sent to the replica `Fleet.choose` picks. Until the client has its first
 byte, a replica that fails is dropped and the request goes to the next one, so a dying
@@ -25,12 +26,11 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from engine.api import openai as p
 from engine.api.auth import Authenticator, authenticate, engine_salt
-from engine.api.errors import ApiError, bad_request
+from engine.api.errors import ApiError, bad_request, stream_error
 from engine.api.prompts import prompt_ids
-from engine.api.routes import OPENAI_PATHS, add_openai_routes
-from engine.api.sse import ClosingStream, sse
+from engine.api.routes import API_PATHS, add_api_routes, read_request
+from engine.api.sse import ClosingStream
 from engine.router.affinity import CacheKeys
 from engine.router.config import SESSION_HEADER, RouterConfig
 from engine.router.fleet import Fleet, NoReplicaError, Replica
@@ -38,7 +38,8 @@ from engine.router.metrics import RouterMetrics
 from hashing import BlockHash
 
 MAX_SESSIONS = 100_000  # session ids whose replica is remembered
-FORWARDED = ("authorization", "content-type", "accept")
+FORWARDED = ("authorization", "x-api-key", "content-type", "accept", "anthropic-version",
+             "anthropic-beta")  # fmt: skip
 REPLICA_HEADER = "x-kvstore-replica"  # on every forwarded answer: the replica that served it
 
 
@@ -76,10 +77,10 @@ class Router:
 
     async def handle(self, request: Request, kind: str) -> Response:
         tenant = self.authenticate(request)
-        data, req = await p.read_request(request, kind, self.config.max_body_bytes)
+        data, req = await read_request(request, kind, self.config.max_body_bytes)
         salt = engine_salt(self.auth, tenant, req.cache_salt)
         ids, keys = await run_in_threadpool(self._tokens, req, salt)
-        path = OPENAI_PATHS[kind]
+        path = API_PATHS[kind]
         body = json.dumps(data).encode()
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED}
         session = request.headers.get(SESSION_HEADER)
@@ -182,14 +183,16 @@ class Router:
             raise Busy(Response(first, 429, headers=headers, media_type=media))
         if whole:
             return Response(first, upstream.status_code, headers=where, media_type=media)
-        relay = self._relay(replica, upstream, first, chunks)
+        relay = self._relay(replica, upstream, first, chunks, path)
         return ClosingStream(relay, media_type=media, headers=where)
 
     async def _relay(
-        self, replica: Replica, upstream: httpx.Response, first: bytes, chunks: AsyncIterator
-    ) -> AsyncIterator[bytes]:
+        self, replica: Replica, upstream: httpx.Response, first: bytes, chunks: AsyncIterator,
+        path: str,
+    ) -> AsyncIterator[bytes]:  # fmt: skip
         """The stream as it arrives; a replica that breaks it mid-way ends it with an error
-        event (the client has part of an answer: it cannot be retried transparently)."""
+        event in the shape of `path`'s API (the client has part of an answer: it cannot be
+        retried transparently)."""
         try:
             yield first
             async for chunk in chunks:
@@ -198,7 +201,7 @@ class Router:
             self.fleet.dead(replica, f"{type(e).__name__} mid-stream")
             self.metrics.broken_streams.inc()
             message = f"replica {replica.url} failed mid-answer ({type(e).__name__}); retry"
-            yield sse(ApiError(502, message, type="server_error").body()).encode()
+            yield stream_error(ApiError(502, message, type="server_error"), path).encode()
         finally:
             await upstream.aclose()
 
@@ -245,7 +248,7 @@ def create_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
     app = FastAPI(title="kvstore router", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.router = router
 
-    add_openai_routes(app, router.handle)
+    add_api_routes(app, router.handle)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

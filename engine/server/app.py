@@ -1,9 +1,9 @@
 """The FastAPI application and `kvstore serve`.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (all need a valid
-Bearer key when keys are configured), GET /health (never), GET /metrics (with
---metrics-require-key only). SIGTERM drains first: new requests get 503 while the admitted
-ones finish, up to --drain-timeout-s.
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/messages (Anthropic's),
+GET /v1/models (all need a valid key when keys are configured), GET /health (never),
+GET /metrics (with --metrics-require-key only). SIGTERM drains first: new requests get 503
+while the admitted ones finish, up to --drain-timeout-s.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from starlette.responses import JSONResponse, Response
 
 from engine.api.errors import ApiError
 from engine.api.openai_responses import now
-from engine.api.routes import add_openai_routes
+from engine.api.routes import add_api_routes
 from engine.loop.engine import Engine
 from engine.server.config import (
     ServerConfig,
@@ -68,7 +68,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         if error.status != 500:
             service.metrics.reject(REJECT_REASONS.get(error.status, "invalid"))
 
-    add_openai_routes(app, service.handle, on_error=rejected)
+    add_api_routes(app, service.handle, on_error=rejected)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:

@@ -1,5 +1,6 @@
 """The request path shared by the routes: authenticate, read and validate the body, tokenize,
-admit into the engine, then answer with JSON or stream server-sent events."""
+admit into the engine, then answer with JSON or stream server-sent events. OpenAI's routes
+are answered here, Anthropic's /v1/messages by `engine/server/messages.py`."""
 
 from __future__ import annotations
 
@@ -17,11 +18,13 @@ from starlette.responses import JSONResponse, Response
 
 from engine.api import logprobs as lp
 from engine.api import openai as p
+from engine.api.anthropic import MessagesRequest
 from engine.api.auth import Authenticator, authenticate, engine_salt
 from engine.api.choices import choice_counts
 from engine.api.errors import ApiError, bad_request
 from engine.api.openai_responses import StreamChunks, response_body
 from engine.api.prompts import prompt_ids
+from engine.api.routes import read_request
 from engine.api.sse import ClosingStream, sse
 from engine.loop.engine import Engine
 from engine.loop.request import (
@@ -30,11 +33,13 @@ from engine.loop.request import (
     InvalidRequestError,
     QueueFullError,
     Request,
+    Retain,
     SamplingParams,
 )
 from engine.server.config import ServerConfig
 from engine.server.groups import Choices, GroupAnswers
 from engine.server.health import Health, health
+from engine.server.messages import Messages
 from engine.server.metrics import ServerMetrics
 from engine.server.streaming import DONE, ChoiceStream, TextStreamer, TokenBridge, stream_outcome
 
@@ -66,6 +71,7 @@ class Service:
         self._in_flight = _Gauge()  # requests from arrival to their response's last byte
         # requests of several choices (n, best_of)
         self.groups = GroupAnswers(engine, config, self.metrics, self.failure, self.texts)
+        self.messages = Messages(self)  # Anthropic's /v1/messages
         self.closed = False
 
     def health(self) -> Health:
@@ -113,13 +119,18 @@ class Service:
     # --- request -> job --------------------------------------------------------------------
 
     async def handle(self, request: HTTPRequest, kind: str) -> Response:
-        """POST /v1/completions (kind "completion") and /v1/chat/completions (kind "chat").
-        Counted in flight from before the drain check (so a drain either refuses it or
-        waits for it) to its last byte (a stream: when the response ends, however it ends)."""
+        """POST /v1/completions (kind "completion"), /v1/chat/completions (kind "chat") and
+        /v1/messages (kind "messages"). Counted in flight from before the drain check (so a
+        drain either refuses it or waits for it) to its last byte (a stream: when the response
+        ends, however it ends)."""
         self._in_flight.enter()
         streaming = False
         try:
             self.check_draining()
+            if kind == "messages":
+                response = await self.messages.respond(request, self._in_flight.exit)
+                streaming = isinstance(response, ClosingStream)  # the response counts it out
+                return response
             job, req, bridge = await self.admit_request(request, kind)
             if isinstance(job, Choices):  # n or best_of > 1 (engine/server/groups.py)
                 response = await self.groups.respond(job, req, kind, self._in_flight.exit)
@@ -142,18 +153,21 @@ class Service:
         """Read, validate and tokenize the request, and queue its job (its jobs, for
         several choices) in the engine."""
         tenant = self.authenticate(request)
-        _, req = await p.read_request(request, kind, self.config.max_body_bytes)
+        _, req = await read_request(request, kind, self.config.max_body_bytes)
         self.check_model(req.model)
         counts = choice_counts(req, self.config.max_n)
         salt = engine_salt(self.auth, tenant, req.cache_salt)
         ids = await run_in_threadpool(self.prompt_ids, req)
         params = self.sampling_params(req, len(ids))
         prompt_field = "messages" if isinstance(req, p.ChatRequest) else "prompt"
+        retention = self.retention(req, len(ids))
         if counts.best_of > 1:
             choices = self.groups.jobs(req, ids, params, salt, tenant, counts)
+            choices.jobs[0].retention = retention  # the leader prefills the prompt
             await run_in_threadpool(self.groups.admit, choices, prompt_field)
             return choices, req, choices.bridge
         job = Request(ids, params, salt, tenant, on_done=self.metrics.observe)
+        job.retention = retention
         bridge = TokenBridge(asyncio.get_running_loop()) if req.stream else None
         if bridge is not None:
             job.on_token = bridge.push
@@ -161,22 +175,28 @@ class Service:
         await run_in_threadpool(self.admit, job, prompt_field)  # hashes: off the event loop
         return job, req, bridge
 
-    def prompt_ids(self, req: p.CompletionRequest | p.ChatRequest) -> list[int]:
+    def prompt_ids(self, req: Any) -> list[int]:
+        """The request's prompt as token ids, within --max-prompt-tokens."""
         ids = prompt_ids(self.tokenizer, req)
         limit = self.config.max_prompt_tokens
         if limit is not None and len(ids) > limit:
             message = f"the prompt has {len(ids)} tokens; this server takes at most {limit}"
-            raise bad_request(message, "prompt", "context_length_exceeded")
+            field = "messages" if isinstance(req, MessagesRequest) else "prompt"
+            raise bad_request(message, field, "context_length_exceeded")
         return ids
+
+    @staticmethod
+    def retention(req: p.CompletionRequest | p.ChatRequest, num_prompt: int) -> tuple:
+        """`prompt_cache_retention` "24h": the whole prompt, retained 24 h."""
+        ttl_s = req.retention_ttl_s
+        return () if ttl_s is None else (Retain(num_prompt, ttl_s),)
 
     def sampling_params(self, req: p.CompletionRequest | p.ChatRequest, num_prompt: int) -> Any:
         """The engine's sampling parameters; a 400 naming the field the client sent."""
         chat = isinstance(req, p.ChatRequest)
         asked = req.requested_max_tokens if chat else req.max_tokens
         field = "max_completion_tokens" if chat and req.max_completion_tokens else "max_tokens"
-        prompt_field = "messages" if chat else "prompt"
-        room, limit = self.engine.model.max_positions, self.config.max_tokens_limit
-        asked = max_new_tokens(asked, num_prompt, limit, room, field, prompt_field)
+        asked = self.new_tokens(asked, num_prompt, field, "messages" if chat else "prompt")
         want = lp.asked(req)
         try:
             return SamplingParams(
@@ -192,6 +212,11 @@ class Service:
         except InvalidRequestError as e:
             client_field = field if e.field == "max_new_tokens" else e.field
             raise bad_request(str(e).replace("max_new_tokens", field), client_field) from None
+
+    def new_tokens(self, asked: int | None, num_prompt: int, field: str, prompt_field: str) -> int:
+        """`max_new_tokens` within this server's limit and its model's positions."""
+        room, limit = self.engine.model.max_positions, self.config.max_tokens_limit
+        return max_new_tokens(asked, num_prompt, limit, room, field, prompt_field)
 
     def admit(self, job: Request, prompt_field: str = "prompt") -> None:
         """Queue a job in the engine (`prompt_field`: what the client called its prompt)."""

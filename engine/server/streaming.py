@@ -117,15 +117,22 @@ class ChoiceStream:
         return self.chunks.final(self.streamer.finish(result.text), result.finish_reason, ids)
 
 
+def openai_ending(error: ApiError) -> list[str]:
+    return [sse(error.body()), sse("[DONE]")]
+
+
 def stream_outcome(
-    job: Request, failure: Callable[[BaseException], ApiError], metrics: ServerMetrics
+    job: Request,
+    failure: Callable[[BaseException], ApiError],
+    metrics: ServerMetrics,
+    ending: Callable[[ApiError], list[str]] = openai_ending,
 ) -> tuple[GenerateResult | None, list[str]]:
     """A streamed job that is done: its result, or None and the events that end the stream
-    with its error in OpenAI's shape (a job displaced from a full queue after its headers
-    went out counts as a `queue_full` rejection)."""
+    with its error (`ending`: in OpenAI's shape by default; a job displaced from a full
+    queue after its headers went out counts as a `queue_full` rejection)."""
     try:
         return job.future.result(), []
     except (Exception, concurrent.futures.CancelledError) as e:
         if isinstance(e, QueueFullError):
             metrics.reject("queue_full")
-        return None, [sse(failure(e).body()), sse("[DONE]")]
+        return None, ending(failure(e))

@@ -1,6 +1,7 @@
 """The real model end to end: SmolLM2-135M-Instruct fetched and converted from scratch into
 a fresh cache directory, then the output contract over a 3-turn chat, a factual answer, and
-a 3-turn chat through `kvstore serve` with the official `openai` client.
+a 3-turn chat through `kvstore serve` with the official `openai` client, and a cached system
+block through `/v1/messages` with the official `anthropic` client.
 
 Without the package index these tests skip, unless KVSTORE_REQUIRE_REAL_MODEL=1 (CI sets it),
 where they fail instead."""
@@ -8,10 +9,12 @@ where they fail instead."""
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import anthropic
 import openai
 import pytest
 
@@ -30,6 +33,15 @@ from kvstore.config import CacheConfig
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 SYSTEM = SYSTEM_PROMPT  # the demo's: 8 rules, about 200 tokens
 TURNS = CHAT_TURNS[:3]  # France, Italy, which is larger
+TOPICS = ("geography", "history", "astronomy", "cooking", "music", "biology", "chemistry",
+          "literature", "mathematics", "painting", "sports")  # fmt: skip
+GUIDES = " ".join(
+    f"When the user asks about {topic}, answer with one precise fact about {topic}, name "
+    f"where it comes from, and add a short example that a curious student of {topic} "
+    "would enjoy."
+    for topic in TOPICS
+)
+LONG_SYSTEM = f"{SYSTEM} {GUIDES}"  # ~600 tokens: what an agent marks with cache_control
 
 
 @pytest.fixture(scope="module")
@@ -128,3 +140,32 @@ def test_a_3_turn_chat_over_the_openai_client_hits_each_previous_turn(server):
         messages.append({"role": "assistant", "content": reply.choices[0].message.content})
         previous = usage.prompt_tokens + usage.completion_tokens
     assert "Paris" in messages[2]["content"]
+
+
+def test_the_anthropic_client_writes_a_cached_system_block_then_reads_it(server, smollm2):
+    """Only base_url changes in the client: a ~600-token system block with cache_control is
+    written by the first request and read by the next ones, whose user turns differ."""
+    system_tokens = len(smollm2.tokenizer(LONG_SYSTEM, add_special_tokens=False)["input_ids"])
+    assert 550 <= system_tokens <= 650
+    client = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0)
+    system = [{"type": "text", "text": LONG_SYSTEM, "cache_control": {"type": "ephemeral"}}]
+
+    def ask(question: str) -> dict:
+        messages = [{"role": "user", "content": question}]
+        return {"model": "smollm2", "max_tokens": 24, "system": system, "messages": messages,
+                "extra_body": {"temperature": 0}}  # fmt: skip
+
+    first = client.messages.create(**ask("What is the capital of France?"))
+    second = client.messages.create(**ask("Name one planet of the solar system."))
+    assert first.usage.cache_creation_input_tokens >= 0.9 * system_tokens
+    assert second.usage.cache_read_input_tokens >= 0.9 * system_tokens
+    with client.messages.stream(**ask("What do bees make?")) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert final.usage.cache_read_input_tokens >= 0.9 * system_tokens
+    assert final.usage.cache_creation_input_tokens == 0  # its breakpoint was written before
+    assert final.usage.input_tokens > 0 and final.usage.output_tokens > 0
+    assert streamed == final.content[0].text
+    for answer in (first.content[0].text, second.content[0].text, streamed):
+        assert len(re.findall(r"[A-Za-z]{2,}", answer)) >= 2, answer  # words, not noise
+    assert "Paris" in first.content[0].text

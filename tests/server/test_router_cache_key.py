@@ -15,7 +15,6 @@ import pytest
 from router_helpers import REPLICA, busy, chat, running_fleet
 from server_helpers import ServerProcess, parse_metrics
 
-from engine.api.openai import ChatRequest
 from engine.router.affinity import CacheKeys
 from engine.router.app import Router, _cache_key
 from engine.router.config import RouterConfig, add_router_arguments, router_config_from_args
@@ -105,12 +104,6 @@ def test_a_bad_load_slack_is_refused_by_name(slack):
 
 # --- through real replicas ------------------------------------------------------------------
 
-needs_parsed_key = pytest.mark.skipif(
-    "prompt_cache_key" not in ChatRequest.model_fields,
-    reason="the API layer (engine/api/openai.py) does not parse prompt_cache_key yet",
-)
-
-
 @pytest.fixture(scope="module")
 def fleet(model_dir: Path, tmp_path_factory) -> Iterator[tuple[ServerProcess, list]]:
     """Two replicas with events behind a kv router whose key load slack is SLACK."""
@@ -131,7 +124,6 @@ def router_metric(router: ServerProcess, name: str) -> float:
 
 
 @pytest.mark.integration
-@needs_parsed_key
 def test_equal_keys_land_on_one_replica_then_spill_over_past_the_load_bound(fleet):
     router, replicas = fleet
     homes = {keyed_chat(router, f"unrelated prompt {i} " * 6, "agent-1") for i in range(4)}
@@ -149,7 +141,6 @@ def test_equal_keys_land_on_one_replica_then_spill_over_past_the_load_bound(flee
 
 
 @pytest.mark.integration
-@needs_parsed_key
 def test_the_key_of_a_killed_replica_moves_to_a_live_one(fleet):
     """Last in this module: it kills a replica of the shared fleet."""
     router, replicas = fleet

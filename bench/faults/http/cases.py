@@ -9,13 +9,14 @@ from typing import NamedTuple
 
 from hypothesis import strategies as st
 
+from engine.api.anthropic import Message, MessagesRequest
 from engine.api.openai import ChatMessage, ChatRequest, CompletionRequest, StreamOptions
 
 MODEL, KEYS, KEY = "micro", {"sk-fuzz-a": "a", "sk-fuzz-b": "b"}, "sk-fuzz-a"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_BODY, MAX_PROMPT, MAX_TOKENS = 16384, 200, 64  # the server's limits: what "huge" means
 WARM = [(7 * i + 3) % 250 for i in range(41)]  # 10 whole blocks of 4 tokens can hit
-COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+COMPLETIONS, CHAT, MESSAGES = "/v1/completions", "/v1/chat/completions", "/v1/messages"
 
 
 class Case(NamedTuple):
@@ -28,6 +29,7 @@ class Case(NamedTuple):
 
 
 def base(path: str) -> dict:
+    """A valid body of `path` (chat's is also a valid Anthropic message)."""
     if path == COMPLETIONS:
         return {"model": MODEL, "prompt": WARM[:9], "max_tokens": 2, "temperature": 0}
     msgs = [{"role": "user", "content": "hi"}]
@@ -72,6 +74,8 @@ def typed_fields() -> list[tuple[str, str, set[str]]]:
         (CHAT, "messages.0.", ChatMessage),
         (COMPLETIONS, "stream_options.", StreamOptions),
         (CHAT, "stream_options.", StreamOptions),
+        (MESSAGES, "", MessagesRequest),
+        (MESSAGES, "messages.0.", Message),
     ]
     return [
         (path, prefix + name, types)

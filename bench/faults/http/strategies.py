@@ -16,6 +16,7 @@ from bench.faults.http.cases import (
     MAX_BODY,
     MAX_PROMPT,
     MAX_TOKENS,
+    MESSAGES,
     MODEL,
     WARM,
     Case,
@@ -203,16 +204,17 @@ def salts() -> st.SearchStrategy[Case]:
 
 
 def keys() -> st.SearchStrategy[Case]:
-    """Valid requests on every keyed route with a bad Authorization header (latin-1, as
-    HTTP carries it; no edge whitespace, which the client itself refuses to send)."""
+    """Valid requests on every keyed route with a bad Authorization or x-api-key header
+    (latin-1, as HTTP carries it; no edge whitespace, which the client itself refuses to
+    send)."""
     latin = st.characters(min_codepoint=0x20, max_codepoint=0xFF, exclude_characters="\x7f")
     token = st.text(latin.filter(lambda c: not 0x80 <= ord(c) < 0xA0), min_size=1, max_size=40)
     token = token.filter(lambda k: k == k.strip(" \t") and k.strip() not in KEYS)
-    routes = st.sampled_from([COMPLETIONS, CHAT, "/v1/models", "/metrics"])
+    routes = st.sampled_from([COMPLETIONS, CHAT, MESSAGES, "/v1/models", "/metrics"])
 
     def sent(header: st.SearchStrategy[dict]) -> st.SearchStrategy[tuple]:
         def one(path: str, h: dict) -> tuple:
-            content = dumps(base(path)) if path in (COMPLETIONS, CHAT) else None
+            content = dumps(base(path)) if path in (COMPLETIONS, CHAT, MESSAGES) else None
             return (path, content, {k: v.encode("latin-1") for k, v in h.items()})
 
         return st.builds(one, routes, header)
@@ -223,6 +225,7 @@ def keys() -> st.SearchStrategy[Case]:
         {
             "missing": sent(st.just({})),
             "wrong key": sent(token.map(bearer)),
+            "wrong x-api-key": sent(token.map(lambda k: {"x-api-key": k})),
             "wrong scheme": sent(
                 st.sampled_from(["Basic", "Token", "bearer:", ""]).map(
                     lambda s: {"Authorization": f"{s} {KEY}".strip()}
