@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from engine.api.anthropic import Breakpoint, MessagesRequest
 from engine.api.errors import ApiError
 from engine.api.prompts import chat_ids
@@ -26,12 +28,9 @@ class Retention(NamedTuple):
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(np.asarray(a[:n], np.int64) != np.asarray(b[:n], np.int64))
+    return int(differ[0]) if len(differ) else n
 
 
 def position(tokenizer: Any, req: MessagesRequest, ids: Sequence[int], point: Breakpoint) -> int:

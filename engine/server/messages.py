@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request as HTTPRequest
@@ -32,8 +32,23 @@ from engine.loop.request import (
 )
 from engine.server.streaming import DONE, TextStreamer, TokenBridge, stream_outcome
 
-if TYPE_CHECKING:
-    from engine.server.service import Service
+
+class Service(Protocol):
+    """What the route uses of the replica server's `Service` (engine/server/service.py)."""
+
+    engine: Any
+    config: Any
+    tokenizer: Any
+    auth: Any
+    metrics: Any
+
+    def authenticate(self, request: HTTPRequest) -> str | None: ...
+    def check_model(self, name: str | None) -> None: ...
+    def prompt_ids(self, req: Any) -> list[int]: ...
+    def new_tokens(self, asked: int | None, num_prompt: int, field: str, prompt: str) -> int: ...
+    def admit(self, job: Request, prompt_field: str = "prompt") -> None: ...
+    async def result(self, job: Request) -> GenerateResult: ...
+    def failure(self, error: BaseException) -> ApiError: ...
 
 
 def anthropic_ending(error: ApiError) -> list[str]:

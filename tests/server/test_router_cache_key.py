@@ -104,6 +104,7 @@ def test_a_bad_load_slack_is_refused_by_name(slack):
 
 # --- through real replicas ------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def fleet(model_dir: Path, tmp_path_factory) -> Iterator[tuple[ServerProcess, list]]:
     """Two replicas with events behind a kv router whose key load slack is SLACK."""
