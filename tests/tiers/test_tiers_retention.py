@@ -143,3 +143,12 @@ def test_a_retained_prefix_reaches_every_tier_of_a_cache(tmp_path: Path, redis_s
         keys = cache.block_keys(prompt)[1::2]
         redis = cache.tiers.stores[-1]
         assert all(redis_server.client().pttl(redis._rkey(k)) > 3_500_000 for k in keys)
+
+
+def test_retention_on_a_dead_redis_retains_nothing_and_raises_nothing(redis_server) -> None:
+    chain = make_chain(namespace(), num_blocks=2)
+    with RedisStore(redis_server.url, uuid.uuid4().hex[:16], deadline_ms=50) as store:
+        store.put_many(chain.items)
+        redis_server.kill()
+        assert store.retain(chain.keys, 60.0) == 0
+        assert store.stats().errors == 1
