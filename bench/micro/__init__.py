@@ -24,6 +24,8 @@ from tqdm import tqdm
 from hashing import BlockHasher, Namespace
 from kvstore.config import POLICY_NAMES
 from kvstore.index import RadixIndex
+from kvstore.index.policies import make_policy
+from kvstore.index.policies.retaining import RetainingPolicy
 
 BLOCK_SIZE = 16
 PROMPT_TOKENS = 2048
@@ -91,7 +93,8 @@ class _Bench:
 
     def __init__(self, target_blocks: int, policy: str, seed: int):
         self.hasher = BlockHasher(_namespace())
-        self.index = RadixIndex(BLOCK_SIZE, policy)
+        # as the cache builds it: the policy inside retention's wrapper
+        self.index = RadixIndex(BLOCK_SIZE, RetainingPolicy(make_policy(policy), time.monotonic))
         self.filler = _Filler(self.index, self.hasher, seed)
         gc.collect()
         tracemalloc.start()
