@@ -63,19 +63,27 @@ class QuietTrimmer:
         self.activity, self.in_flight = activity, in_flight
         self.quiet_s, self.tick_s = quiet_s, tick_s
         self.trims = 0
+        self._trimmed_at = activity()  # requests seen at the last trim (or at the start)
+        self._quiet_since: float | None = None
+
+    def due(self, now: float) -> bool:
+        """One tick at `now` (seconds): whether the heap is to be trimmed now, the first tick
+        of a quiet spell `quiet_s` long that follows requests not trimmed after yet."""
+        if self.in_flight():
+            self._quiet_since = None
+            return False
+        if self._quiet_since is None:
+            self._quiet_since = now
+        seen = self.activity()
+        if seen == self._trimmed_at or now - self._quiet_since < self.quiet_s:
+            return False
+        self._trimmed_at = seen
+        return True
 
     async def run(self) -> None:
-        trimmed_at, quiet_since = self.activity(), None
         while True:
             await asyncio.sleep(self.tick_s)
-            now = time.monotonic()
-            if self.in_flight():
-                quiet_since = None
-                continue
-            quiet_since = now if quiet_since is None else quiet_since
-            seen = self.activity()
-            if seen != trimmed_at and now - quiet_since >= self.quiet_s:
-                trimmed_at = seen
+            if self.due(time.monotonic()):
                 released = await asyncio.to_thread(trim_heap)
                 self.trims += 1
                 log.debug("quiet: heap trimmed (%s)", "pages returned" if released else "none")
