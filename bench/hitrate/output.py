@@ -3,12 +3,13 @@ block hit rate against capacity."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from bench.hitrate.plan_output import write_report
 
-__all__ = ["COLUMNS", "markdown", "plot", "print_table", "summary", "write_outputs"]
+__all__ = ["COLUMNS", "markdown", "plot", "print_rows", "print_table", "summary", "write_outputs"]
 
 
 def _pct(x: float | None) -> str:
@@ -98,12 +99,17 @@ def write_outputs(report: dict[str, Any], out: Path) -> None:
 
 
 def print_table(report: dict[str, Any]) -> None:
+    print_rows(summary(report), COLUMNS, _rows(report))
+
+
+def print_rows(title: str, columns: Sequence[str], rows: Iterable[Sequence[str]]) -> None:
+    """A table on the terminal (rich), every column right-aligned."""
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=summary(report))
-    for col in COLUMNS:
+    table = Table(title=title)
+    for col in columns:
         table.add_column(col, justify="right")
-    for row in _rows(report):
+    for row in rows:
         table.add_row(*row)
     Console().print(table)

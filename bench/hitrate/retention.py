@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from bench.hitrate.live import serve
-from bench.hitrate.output import summary
+from bench.hitrate.output import print_rows, summary
 from bench.traces import BlockTrace, TraceError
 from hashing import Namespace
 from kvstore.cache import PrefixCache
@@ -189,15 +189,7 @@ def title(report: dict[str, Any]) -> str:
 
 
 def print_table(report: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=title(report))
-    for col in COLUMNS:
-        table.add_column(col, justify="right")
-    for row in rows(report):
-        table.add_row(*row)
-    Console().print(table)
+    print_rows(title(report), COLUMNS, rows(report))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
