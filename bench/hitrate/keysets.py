@@ -17,6 +17,11 @@ Each model follows its store (kvstore/stores/) as `make_stores` builds it:
   sampling a few keys; the model evicts the exact least recently used one.
 
 A tier at least as large as the trace's unique blocks never evicts: a plain bool array.
+
+Given an `EventSink`, a tier reports what it stores and evicts as `BlockStored` /
+`BlockRemoved` events, in order, as a replica's spill tier reports them to a router (keys:
+each id as a little-endian 16-byte integer, as `tiers.key_blob`; a spill tier's event names
+no parent, and its token ids are the block ids, one token a block as the replay's index).
 """
 
 from __future__ import annotations
@@ -29,9 +34,18 @@ from typing import Protocol
 
 import numpy as np
 
+from kvstore.fleet.events import BlockRemoved, BlockStored, EventSink
 from kvstore.stores import LmdbStore
 
-__all__ = ["LOWER_TIERS", "FifoSet", "KeySet", "LruSet", "UnboundedSet", "make_keyset"]
+__all__ = [
+    "LOWER_TIERS",
+    "FifoSet",
+    "KeySet",
+    "LruSet",
+    "TierEvents",
+    "UnboundedSet",
+    "make_keyset",
+]
 
 LOWER_TIERS = ("memory", "lmdb", "redis")  # fastest first, as `make_stores` orders them
 _LMDB_ARGS = inspect.signature(LmdbStore.__init__).parameters
@@ -56,6 +70,29 @@ class KeySet(Protocol):
     def __len__(self) -> int: ...
 
 
+class TierEvents:
+    """A tier's stores and evictions as events, in order: consecutive ids of one kind make
+    one event, sent by `flush` (at the end of each write) or when the kind changes."""
+
+    def __init__(self, sink: EventSink):
+        self.sink = sink
+        self.stored: bool | None = None
+        self.ids: list[int] = []
+
+    def add(self, stored: bool, ids: Sequence[int]) -> None:
+        if stored is not self.stored:
+            self.flush()
+            self.stored = stored
+        self.ids.extend(ids)
+
+    def flush(self) -> None:
+        if self.ids:
+            keys = [b.to_bytes(16, "little") for b in self.ids]
+            stored = BlockStored(keys, None, list(self.ids), 1) if self.stored else None
+            self.sink.emit(stored or BlockRemoved(keys))
+        self.stored, self.ids = None, []
+
+
 def _leading(present: np.ndarray) -> int:
     """Length of the leading run of True."""
     if len(present) == 0 or present.all():
@@ -66,10 +103,11 @@ def _leading(present: np.ndarray) -> int:
 class UnboundedSet:
     """A tier that holds every block of the trace: nothing is ever evicted."""
 
-    def __init__(self, name: str, capacity: int, num_unique: int):
+    def __init__(self, name: str, capacity: int, num_unique: int, events: EventSink | None = None):
         self.name, self.capacity = name, capacity
         self.present = np.zeros(num_unique, dtype=bool)
         self.size = 0
+        self.events = TierEvents(events) if events is not None else None
 
     def run(self, ids: np.ndarray) -> int:
         return _leading(self.present[ids])
@@ -77,8 +115,12 @@ class UnboundedSet:
     def put(self, ids: Sequence[int]) -> None:
         if len(ids):
             new = np.unique(np.asarray(ids, dtype=np.int64))
-            self.size += len(new) - int(self.present[new].sum())
+            new = new[~self.present[new]]
+            self.size += len(new)
             self.present[new] = True
+            if self.events is not None:
+                self.events.add(True, new.tolist())
+                self.events.flush()
 
     def __len__(self) -> int:
         return self.size
@@ -88,10 +130,18 @@ class LruSet:
     """LRU over block ids; reads refresh every present id asked for, and writes of present ids
     refresh them when `refresh_on_write` (Redis) and not otherwise (host memory)."""
 
-    def __init__(self, name: str, capacity: int, num_unique: int, refresh_on_write: bool):
+    def __init__(
+        self,
+        name: str,
+        capacity: int,
+        num_unique: int,
+        refresh_on_write: bool,
+        events: EventSink | None = None,
+    ):
         self.name, self.capacity, self.refresh_on_write = name, capacity, refresh_on_write
         self.present = np.zeros(num_unique, dtype=bool)
         self.order: OrderedDict[int, None] = OrderedDict()  # least recent first
+        self.events = TierEvents(events) if events is not None else None
 
     def run(self, ids: np.ndarray) -> int:
         present = self.present[ids]
@@ -100,16 +150,23 @@ class LruSet:
         return _leading(present)
 
     def put(self, ids: Sequence[int]) -> None:
-        order, present = self.order, self.present
+        order, present, events = self.order, self.present, self.events
         for b in ids:
             if b in order:
                 if self.refresh_on_write:
                     order.move_to_end(b)
                 continue
             if len(order) >= self.capacity:
-                present[order.popitem(last=False)[0]] = False
+                old = order.popitem(last=False)[0]
+                present[old] = False
+                if events is not None:
+                    events.add(False, (old,))
             order[b] = None
             present[b] = True
+            if events is not None:
+                events.add(True, (b,))
+        if events is not None:
+            events.flush()
 
     def __len__(self) -> int:
         return len(self.order)
@@ -118,9 +175,10 @@ class LruSet:
 class FifoSet:
     """LMDB: FIFO by insertion, evicting in batches between its water marks."""
 
-    def __init__(self, name: str, capacity: int, num_unique: int):
+    def __init__(self, name: str, capacity: int, num_unique: int, events: EventSink | None = None):
         self.name, self.capacity = name, capacity
         self.present = np.zeros(num_unique, dtype=bool)
+        self.events = TierEvents(events) if events is not None else None
         self.queue: deque[int] = deque()  # oldest first
         self.low = int(capacity * LMDB_LOW_WATER / LMDB_HIGH_WATER)  # floor, exactly
         self.batch = max(1, capacity - self.low)  # a batch costs at most high - low water
@@ -132,27 +190,36 @@ class FifoSet:
         new = [b for b in ids if not self.present[b]]
         for start in range(0, len(new), self.batch):
             self._put_batch(new[start : start + self.batch])
+        if self.events is not None:
+            self.events.flush()
 
     def _put_batch(self, batch: list[int]) -> None:
         if len(self.queue) + len(batch) > self.capacity:
             target = max(0, self.low - len(batch))
-            while len(self.queue) > target:
-                self.present[self.queue.popleft()] = False
+            gone = [self.queue.popleft() for _ in range(len(self.queue) - target)]
+            self.present[gone] = False
+            if self.events is not None:
+                self.events.add(False, gone)
         self.queue.extend(batch)
         self.present[batch] = True
+        if self.events is not None:
+            self.events.add(True, batch)
 
     def __len__(self) -> int:
         return len(self.queue)
 
 
-def make_keyset(name: str, capacity: int, num_unique: int) -> KeySet:
-    """The model of spill tier `name` holding up to `capacity` blocks."""
+def make_keyset(
+    name: str, capacity: int, num_unique: int, events: EventSink | None = None
+) -> KeySet:
+    """The model of spill tier `name` holding up to `capacity` blocks (`events`: where its
+    stores and evictions go, as events)."""
     if name not in LOWER_TIERS:
         raise ValueError(f"unknown spill tier {name!r}; choose from {LOWER_TIERS}")
     if not isinstance(capacity, int) or capacity < 1:
         raise ValueError(f"{name} capacity must be an int >= 1 block, got {capacity!r}")
     if capacity >= num_unique:
-        return UnboundedSet(name, capacity, num_unique)
+        return UnboundedSet(name, capacity, num_unique, events)
     if name == "lmdb":
-        return FifoSet(name, capacity, num_unique)
-    return LruSet(name, capacity, num_unique, refresh_on_write=name == "redis")
+        return FifoSet(name, capacity, num_unique, events)
+    return LruSet(name, capacity, num_unique, name == "redis", events)
