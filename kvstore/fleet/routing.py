@@ -67,9 +67,10 @@ class RoutingConfig:
     # prefill, so a key moves once the queue ahead of it costs more than computing it again
     key_load_slack: float = 4096.0
     # loading a block from a spill tier, as a fraction of computing it again (block_size *
-    # prefill_weight). Measured on a CPU (docs/BENCHMARKS.md, `bench ttft`) these are about
-    # 0.005, 0.01 and 0.03; on a GPU prefill is far faster while the copy crosses PCIe or the
-    # network, so the defaults are GPU-sized upper estimates, in the tiers' order of speed
+    # prefill_weight). On a CPU replica (docs/BENCHMARKS.md, `bench io` read bandwidths against
+    # `bench ttft` prefill) they are under 0.01 for host memory and LMDB and 0.01-0.03 for
+    # Redis; on a GPU prefill is far faster while a load still crosses PCIe, a disk or the
+    # network, so the defaults are estimates for a GPU replica, in the tiers' order of speed
     host_block_cost: float = 0.05  # host-memory tier (medium HOST)
     disk_block_cost: float = 0.2  # LMDB (DISK)
     redis_block_cost: float = 0.5  # Redis, shared or not (REDIS)
