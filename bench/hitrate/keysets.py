@@ -18,8 +18,8 @@ Each model follows its store (kvstore/stores/) as `make_stores` builds it:
 
 A tier at least as large as the trace's unique blocks never evicts: a plain bool array.
 
-Given an `EventSink`, a tier reports what it stores and evicts as `BlockStored` /
-`BlockRemoved` events, in order, as a replica's spill tier reports them to a router (keys:
+Given an `EventSink`, a tier reports each write's evictions and stores as `BlockRemoved` /
+`BlockStored` events (`TierEvents`), as a replica's spill tier reports them to a router (keys:
 each id as a little-endian 16-byte integer, as `tiers.key_blob`; a spill tier's event names
 no parent, and its token ids are the block ids, one token a block as the replay's index).
 """
@@ -71,26 +71,25 @@ class KeySet(Protocol):
 
 
 class TierEvents:
-    """A tier's stores and evictions as events, in order: consecutive ids of one kind make
-    one event, sent by `flush` (at the end of each write) or when the kind changes."""
+    """A tier's writes as events: per write, the ids it evicted, then the ids it stored, net of
+    the write itself (an id it stored and evicted is in neither, one it evicted and stored
+    again only in the second), so a consumer applying them holds exactly the tier's ids."""
 
     def __init__(self, sink: EventSink):
         self.sink = sink
-        self.stored: bool | None = None
-        self.ids: list[int] = []
 
-    def add(self, stored: bool, ids: Sequence[int]) -> None:
-        if stored is not self.stored:
-            self.flush()
-            self.stored = stored
-        self.ids.extend(ids)
+    def write(self, present: np.ndarray, added: Sequence[int], gone: Sequence[int]) -> None:
+        new = set(added)
+        removed = [b for b in gone if not present[b] and b not in new]
+        stored = [b for b in added if present[b]]
+        if removed:
+            self.sink.emit(BlockRemoved(_keys(removed)))
+        if stored:
+            self.sink.emit(BlockStored(_keys(stored), None, stored, 1))
 
-    def flush(self) -> None:
-        if self.ids:
-            keys = [b.to_bytes(16, "little") for b in self.ids]
-            stored = BlockStored(keys, None, list(self.ids), 1) if self.stored else None
-            self.sink.emit(stored or BlockRemoved(keys))
-        self.stored, self.ids = None, []
+
+def _keys(ids: Sequence[int]) -> list[bytes]:
+    return [b.to_bytes(16, "little") for b in ids]
 
 
 def _leading(present: np.ndarray) -> int:
@@ -119,8 +118,7 @@ class UnboundedSet:
             self.size += len(new)
             self.present[new] = True
             if self.events is not None:
-                self.events.add(True, new.tolist())
-                self.events.flush()
+                self.events.write(self.present, new.tolist(), ())
 
     def __len__(self) -> int:
         return self.size
@@ -150,7 +148,9 @@ class LruSet:
         return _leading(present)
 
     def put(self, ids: Sequence[int]) -> None:
-        order, present, events = self.order, self.present, self.events
+        order, present = self.order, self.present
+        added: list[int] = []
+        gone: list[int] = []
         for b in ids:
             if b in order:
                 if self.refresh_on_write:
@@ -159,14 +159,12 @@ class LruSet:
             if len(order) >= self.capacity:
                 old = order.popitem(last=False)[0]
                 present[old] = False
-                if events is not None:
-                    events.add(False, (old,))
+                gone.append(old)
             order[b] = None
             present[b] = True
-            if events is not None:
-                events.add(True, (b,))
-        if events is not None:
-            events.flush()
+            added.append(b)
+        if self.events is not None:
+            self.events.write(present, added, gone)
 
     def __len__(self) -> int:
         return len(self.order)
@@ -188,22 +186,22 @@ class FifoSet:
 
     def put(self, ids: Sequence[int]) -> None:
         new = [b for b in ids if not self.present[b]]
+        gone: list[int] = []
         for start in range(0, len(new), self.batch):
-            self._put_batch(new[start : start + self.batch])
+            gone += self._put_batch(new[start : start + self.batch])
         if self.events is not None:
-            self.events.flush()
+            self.events.write(self.present, new, gone)
 
-    def _put_batch(self, batch: list[int]) -> None:
+    def _put_batch(self, batch: list[int]) -> list[int]:
+        """Write one batch; returns the ids it evicted."""
+        gone: list[int] = []
         if len(self.queue) + len(batch) > self.capacity:
             target = max(0, self.low - len(batch))
             gone = [self.queue.popleft() for _ in range(len(self.queue) - target)]
             self.present[gone] = False
-            if self.events is not None:
-                self.events.add(False, gone)
         self.queue.extend(batch)
         self.present[batch] = True
-        if self.events is not None:
-            self.events.add(True, batch)
+        return gone
 
     def __len__(self) -> int:
         return len(self.queue)

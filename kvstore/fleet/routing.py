@@ -136,14 +136,19 @@ def held_prefix(
     each block at its cheapest medium, the device free."""
     if not isinstance(held, MediaBlocks):
         return held.num_prefix_blocks(keys), 0.0
-    tiers = sorted(((config.block_cost(m), s) for m, s in held.tiers.items()), key=lambda t: t[0])
-    device, n, load = held.device, 0, 0.0
-    for key in keys:
+    # the raw sets, cheapest first: this runs per replica for every request routed
+    tiers = [(config.block_cost(m), s.blocks) for m, s in held.tiers.items()]
+    tiers.sort(key=lambda tier: tier[0])
+    device, load = held.device, 0.0
+    n = device.num_prefix_blocks(keys)
+    for key in keys[n:]:
         if key not in device:
-            cost = next((c for c, tier in tiers if key in tier), None)
-            if cost is None:
-                break
-            load += cost
+            for cost, blocks in tiers:
+                if key in blocks:
+                    load += cost
+                    break
+            else:
+                break  # no medium holds it: this block and every later one are computed
         n += 1
     return n, load
 

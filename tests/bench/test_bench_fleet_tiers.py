@@ -65,18 +65,17 @@ def test_a_shared_redis_makes_every_replica_warm_and_load_decides():
     assert result.routed == [2, 2]
 
 
-def test_a_tier_reports_stores_and_evictions_in_order():
+def test_a_tier_reports_each_writes_evictions_then_its_stores():
     sink = BlockSet()
     events: list = []
     sink.emit = events.append  # type: ignore[method-assign]
     tier = LruSet("memory", 2, 10, refresh_on_write=False, events=sink)
-    tier.put([1, 2, 3])  # 1 is evicted by 3
-    tier.put([1])  # and comes back, evicting 2
+    tier.put([1, 2, 3])  # 1 is stored, then evicted by 3: in neither event
+    tier.put([1])  # evicts 2
+    tier.put([1, 3])  # both present: no event
     key = [b.to_bytes(16, "little") for b in range(4)]
     assert events == [
-        BlockStored([key[1], key[2]], None, [1, 2], 1),
-        BlockRemoved([key[1]]),
-        BlockStored([key[3]], None, [3], 1),
+        BlockStored([key[2], key[3]], None, [2, 3], 1),
         BlockRemoved([key[2]]),
         BlockStored([key[1]], None, [1], 1),
     ]
