@@ -9,10 +9,12 @@ the Redis tier is one set shared by all of them. Routes:
   here carries a session id, so sessions are derived from the prefix chains
   (`derive_sessions`);
 - `kv`: the live router's choice, by its own code (`kvstore.fleet.routing.choose_replica`): the
-  cheapest replica by the prefill the request needs there plus the replica's load. Each
-  replica's device index publishes its block events to a `BlockSet`, as a replica's events
-  reach the router, so the route never looks into an index (and, like the router, never
-  sees a replica's host memory or LMDB); loads come from the service model.
+  cheapest replica by the prefill the request needs there, each prefix block priced by the
+  cheapest tier that holds it there, plus the replica's load. Each replica's device index
+  and spill tiers publish their block events to a `BlockSet` per medium (`MediaBlocks`), as
+  a replica's events reach the router, so the route never looks into an index or a tier;
+  the shared Redis publishes to one set that counts for every replica. Loads come from the
+  service model.
 
 `prefix` (the longest device prefix, ties to the least loaded) was replaced by `kv`: every
 prompt shares its first block with what the first replica holds, so it never tied and sent
@@ -55,7 +57,7 @@ import numpy as np
 from bench.hitrate.keysets import make_keyset
 from bench.hitrate.tiers import BlockRequest, Replica, TierConfig, block_requests
 from bench.traces import BlockTrace
-from kvstore.fleet.events import BlockSet
+from kvstore.fleet.events import TIER_MEDIUM, BlockSet, MediaBlocks
 from kvstore.fleet.routing import ReplicaLoad, RoutingConfig, choose_replica
 from kvstore.index.policies import POLICIES
 
@@ -251,7 +253,7 @@ def _session_router(sessions: np.ndarray, replicas: list[Replica]) -> Router:
 def _kv_router(
     trace: BlockTrace,
     replicas: list[Replica],
-    views: Sequence[BlockSet],
+    views: Sequence[MediaBlocks],
     queues: Sequence[ServiceQueue],
     config: RoutingConfig,
 ) -> Router:
@@ -269,21 +271,35 @@ class Fleet(NamedTuple):
     """The replicas of one replay and what the router knows of them."""
 
     replicas: list[Replica]
-    views: list[BlockSet]  # each replica's blocks by its events (kv route only, else [])
+    views: list[MediaBlocks]  # each replica's blocks by its events (kv route only, else [])
     queues: list[ServiceQueue]
+
+
+def _views(config: FleetConfig) -> tuple[list[MediaBlocks], dict[str, BlockSet]]:
+    """Each replica's blocks per medium, and the shared tiers' sets (in every view)."""
+    names = [name for name, _ in config.tiers.spill]
+    shared = {t: BlockSet() for t in SHARED_TIERS if t in names}
+    views = []
+    for _ in range(config.replicas):
+        tiers = {TIER_MEDIUM[t]: shared[t] if t in shared else BlockSet() for t in names}
+        views.append(MediaBlocks(BlockSet(), tiers))
+    return views, shared
 
 
 def make_fleet(config: FleetConfig, num_unique: int) -> Fleet:
     """The replicas (the shared tiers made once), their event views and service queues."""
-    caps = config.tiers.capacities
-    shared = {t: make_keyset(t, caps[t], num_unique) for t in SHARED_TIERS if t in caps}
-    n = config.replicas
-    sinks = [BlockSet() for _ in range(n)] if config.route == "kv" else []
-    replicas = [
-        Replica(config.tiers, config.policy, num_unique, shared, sinks[i] if sinks else None)
-        for i in range(n)
-    ]
-    return Fleet(replicas, sinks, [ServiceQueue() for _ in range(n)])
+    caps, n = config.tiers.capacities, config.replicas
+    views, sinks = _views(config) if config.route == "kv" else ([], {})
+    shared = {
+        t: make_keyset(t, caps[t], num_unique, sinks.get(t)) for t in SHARED_TIERS if t in caps
+    }
+    replicas = []
+    for i in range(n):
+        view = views[i] if views else None
+        device = view.device if view else None
+        private = {t: view.tiers[TIER_MEDIUM[t]] for t, _ in config.tiers.spill} if view else None
+        replicas.append(Replica(config.tiers, config.policy, num_unique, shared, device, private))
+    return Fleet(replicas, views, [ServiceQueue() for _ in range(n)])
 
 
 def make_replicas(config: FleetConfig, num_unique: int) -> list[Replica]:

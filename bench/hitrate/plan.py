@@ -5,6 +5,7 @@
         [--write-policy TIER=POLICY,...] [--replicas N,...] [--route ROUTE,...]
         [--prefill-ms-per-token MS --load-ms-per-block TIER=MS,...]
         [--decode-ms-per-token MS] [--prefill-weight W] [--decode-weight W]
+        [--host-block-cost F] [--disk-block-cost F] [--redis-block-cost F]
 
 Any of these flags switches `bench hitrate` to this mode (the policy then defaults to lru, the
 cache's default). Each `--tiers` is one hierarchy per replica, fastest first; a capacity is
@@ -13,7 +14,9 @@ each `--capacity-blocks` value as its device capacity. Every hierarchy runs with
 policy, replica count and route (one replica: the first route only, all are the same).
 Every replica times its requests by the service model of `bench.hitrate.fleet` (prefill
 `--prefill-ms-per-token`, else its default, and `--decode-ms-per-token`); the `kv` route
-weighs that load against the cache with `--prefill-weight` and `--decode-weight`.
+weighs that load against the cache with `--prefill-weight` and `--decode-weight`, and prices
+a block each replica holds in a spill tier by `--host-block-cost` (memory), `--disk-block-cost`
+(LMDB) and `--redis-block-cost` (kvstore/fleet/routing.py).
 
 Each result row keeps the plain mode's fields, with `capacity_blocks` the blocks of every
 tier of the fleet (a replica's private tiers times the replicas, plus the shared Redis) and
@@ -60,8 +63,18 @@ FLAGS = (
     "decode_ms_per_token",
     "prefill_weight",
     "decode_weight",
+    "host_block_cost",
+    "disk_block_cost",
+    "redis_block_cost",
 )
-KV_FLAGS = ("prefill_weight", "decode_weight")  # weights of the kv route only
+# weights of the kv route only
+KV_FLAGS = (
+    "prefill_weight",
+    "decode_weight",
+    "host_block_cost",
+    "disk_block_cost",
+    "redis_block_cost",
+)
 SERVICE = ServiceModel()
 ROUTING = RoutingConfig()
 
@@ -106,6 +119,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="W",
         help=f"kv route: cost per token of running requests (default {ROUTING.decode_weight:g})",
     )
+    for tier, name in (("memory", "host"), ("lmdb", "disk"), ("redis", "redis")):
+        default = getattr(ROUTING, f"{name}_block_cost")
+        group.add_argument(
+            f"--{name}-block-cost",
+            type=float,
+            metavar="F",
+            help=f"kv route: loading a {tier} block, as a fraction of its prefill "
+            f"(default {default:g})",
+        )
 
 
 def requested(args: argparse.Namespace) -> bool:
@@ -208,10 +230,7 @@ def _routing(args: argparse.Namespace, kv_used: bool) -> RoutingConfig:
         flag = "--" + given[0].replace("_", "-")
         raise ValueError(f"{flag} weighs the kv route: add --route kv and --replicas N>1")
     try:
-        return RoutingConfig(
-            _option(args.prefill_weight, ROUTING.prefill_weight),
-            _option(args.decode_weight, ROUTING.decode_weight),
-        )
+        return dataclasses.replace(ROUTING, **{name: getattr(args, name) for name in given})
     except ValueError as exc:
         raise ValueError(f"--{str(exc).replace('_', '-')}") from None
 

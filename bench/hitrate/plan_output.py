@@ -77,7 +77,9 @@ def summary(report: dict[str, Any]) -> str:
         w, service = kv["routing"], kv["service_model"]
         text += (
             f"; kv route: prefill weight {w['prefill_weight']:g}, decode weight "
-            f"{w['decode_weight']:g}, service {service['prefill_ms_per_token']:g} ms per "
+            f"{w['decode_weight']:g}, block load host {w['host_block_cost']:g} / disk "
+            f"{w['disk_block_cost']:g} / redis {w['redis_block_cost']:g} of its prefill, "
+            f"service {service['prefill_ms_per_token']:g} ms per "
             f"uncached prompt token + {service['decode_ms_per_token']:g} per output token"
         )
     return text

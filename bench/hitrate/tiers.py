@@ -27,7 +27,7 @@ land at once (the real writer is a background thread whose bounded queue may dro
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -145,7 +145,9 @@ def block_requests(trace: BlockTrace) -> Iterator[BlockRequest]:
 
 class Replica:
     """One cache: a device index and its spill tiers (`shared` ones are other replicas' too);
-    `events` gets the index's block events (kvstore.fleet.events), as a router would."""
+    `events` gets the index's block events (kvstore.fleet.events) and `tier_events` those of
+    its own spill tiers by tier name, as a router would (a shared tier reports to the sink
+    it was made with)."""
 
     def __init__(
         self,
@@ -154,6 +156,7 @@ class Replica:
         num_unique: int,
         shared: dict[str, KeySet] | None = None,
         events: EventSink | None = None,
+        tier_events: Mapping[str, EventSink] | None = None,
     ):
         if not isinstance(policy, str) and policy.entries():
             raise ValueError("a replica needs a fresh policy instance; this one has entries")
@@ -162,9 +165,11 @@ class Replica:
             1, make_policy(policy, capacity) if isinstance(policy, str) else policy, events
         )
         self.capacity = capacity
-        shared = shared or {}
+        shared, sinks = shared or {}, tier_events or {}
         self.stores: list[KeySet] = [
-            shared[name] if name in shared else make_keyset(name, blocks, num_unique)
+            shared[name]
+            if name in shared
+            else make_keyset(name, blocks, num_unique, sinks.get(name))
             for name, blocks in config.spill
         ]
         self.writes = WritePolicies(config.cache_config(), self.stores)  # type: ignore[arg-type]

@@ -16,10 +16,15 @@ from __future__ import annotations
 import msgspec
 import zmq
 
-from kvstore.fleet.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvstore.fleet.events import (
+    MEDIUM_CPU,
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+)
 
-MEDIUM_GPU = "GPU"
-MEDIUM_CPU = "CPU"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 

@@ -109,6 +109,15 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
         "running load costs at most this much more than the least loaded one's, in "
         f"prefill-token units (default {defaults.key_load_slack:g})",
     )
+    for medium, name in (("host-memory", "host"), ("LMDB", "disk"), ("Redis", "redis")):
+        parser.add_argument(
+            f"--{name}-block-cost",
+            type=float,
+            default=getattr(defaults, f"{name}_block_cost"),
+            metavar="FRACTION",
+            help=f"loading a block from a replica's {medium} tier, as a fraction of "
+            f"prefilling it, 0..1 (default {getattr(defaults, f'{name}_block_cost'):g})",
+        )
     parser.add_argument(
         "--stale-after-s",
         type=float,
@@ -126,7 +135,14 @@ def router_config_from_args(
     env = os.environ if env is None else env
     keys = api_keys_from_args(args, env)
     try:
-        routing = RoutingConfig(args.prefill_weight, args.decode_weight, args.cache_key_load_slack)
+        routing = RoutingConfig(
+            args.prefill_weight,
+            args.decode_weight,
+            args.cache_key_load_slack,
+            args.host_block_cost,
+            args.disk_block_cost,
+            args.redis_block_cost,
+        )
     except ValueError as e:
         raise ConfigError("routing", str(e)) from None
     return RouterConfig(

@@ -276,6 +276,9 @@ class _WithPending(BlockSet):
         super().__init__()
         self.blocks, self.pending = seen.blocks, pending
 
+    def __contains__(self, key: object) -> bool:
+        return key in self.blocks or key in self.pending
+
     def num_prefix_blocks(self, keys: Sequence[BlockHash]) -> int:
         n = 0
         for key in keys:

@@ -3,17 +3,26 @@
 One implementation for the live router (`kvstore router`, engine/router/) and the capacity
 replay's `kv` route (bench/hitrate/fleet.py). Each replica is known by
 
-- its blocks, a `BlockSet` rebuilt from the replica's own index events (kvstore/fleet/events.py),
-  never guessed from the requests routed to it;
+- its blocks, rebuilt from the replica's own events (kvstore/fleet/events.py), never guessed
+  from the requests routed to it: a `BlockSet` of its device pool, or a `MediaBlocks` with a
+  set per spill medium too (host memory, LMDB, Redis; a shared Redis's set is the same object
+  for every replica that reads it);
 - its load, as the replica reports it: tokens waiting for prefill and tokens held by
   running requests.
 
 The cost of sending a request to replica r is the work ahead of its first token there:
 
     cost(r) = prefill_weight * (uncached_tokens(r) + queued_tokens(r))
+              + prefill_weight * block_size * sum of load(b) over the prefix blocks b it holds
               + decode_weight * running_tokens(r)
 
-and the cheapest replica wins (ties: the fewer requests routed, then the lower index). Cache
+Each block of the prompt's prefix is priced by the cheapest medium that holds it on r: the
+device is free, a spill medium costs its `*_block_cost` (a fraction of computing the block
+again). The prefix ends at the first block no medium holds: the cache computes every block
+after it anyway. With device blocks only (a `BlockSet`) the load sum is 0 and the cost is
+the prefill of the uncached tokens plus the load terms.
+
+The cheapest replica wins (ties: the fewer requests routed, then the lower index). Cache
 overlap alone would pile every request onto the replica that holds the most (every prompt
 shares its first block with it); the load terms move work away from a busy replica once
 its queue costs more than the prefill the cache saves. A replica whose events are stale
@@ -34,13 +43,14 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from hashing import BlockHash
-from kvstore.fleet.events import BlockSet
+from kvstore.fleet.events import MEDIUM_DISK, MEDIUM_HOST, MEDIUM_REDIS, BlockSet, MediaBlocks
 
 __all__ = [
     "ReplicaLoad",
     "RouteChoice",
     "RoutingConfig",
     "choose_replica",
+    "held_prefix",
     "load_cost",
     "within_key_bound",
 ]
@@ -56,14 +66,43 @@ class RoutingConfig:
     # replica may have and still take the key's next request: about a long shared prefix's
     # prefill, so a key moves once the queue ahead of it costs more than computing it again
     key_load_slack: float = 4096.0
+    # loading a block from a spill tier, as a fraction of computing it again (block_size *
+    # prefill_weight). On a CPU replica (docs/BENCHMARKS.md, `bench io` read bandwidths against
+    # `bench ttft` prefill) they are under 0.01 for host memory and LMDB and 0.01-0.03 for
+    # Redis; on a GPU prefill is far faster while a load still crosses PCIe, a disk or the
+    # network, so the defaults are estimates for a GPU replica, in the tiers' order of speed
+    host_block_cost: float = 0.05  # host-memory tier (medium HOST)
+    disk_block_cost: float = 0.2  # LMDB (DISK)
+    redis_block_cost: float = 0.5  # Redis, shared or not (REDIS)
 
     def __post_init__(self) -> None:
-        for name in ("prefill_weight", "decode_weight", "key_load_slack"):
+        for name in ("prefill_weight", "decode_weight", "key_load_slack", *_BLOCK_COSTS.values()):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"{name} must be a number, got {value!r}")
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        for name in _BLOCK_COSTS.values():
+            if getattr(self, name) > 1:  # a tier dearer than computing would never be read
+                raise ValueError(
+                    f"{name} must be <= 1 (a block's prefill), got {getattr(self, name)!r}"
+                )
+
+    def block_cost(self, medium: str) -> float:
+        """Loading one block from spill `medium`, as a fraction of computing it."""
+        name = _BLOCK_COSTS.get(medium)
+        if name is None:
+            raise ValueError(
+                f"no load cost for medium {medium!r}; spill media are {list(_BLOCK_COSTS)}"
+            )
+        return getattr(self, name)
+
+
+_BLOCK_COSTS = {
+    MEDIUM_HOST: "host_block_cost",
+    MEDIUM_DISK: "disk_block_cost",
+    MEDIUM_REDIS: "redis_block_cost",
+}
 
 
 class ReplicaLoad(NamedTuple):
@@ -86,8 +125,32 @@ def load_cost(load: ReplicaLoad, config: RoutingConfig) -> float:
     return config.prefill_weight * load.queued_tokens + config.decode_weight * load.running_tokens
 
 
-def _cost(uncached: int, load: ReplicaLoad, config: RoutingConfig) -> float:
-    return config.prefill_weight * uncached + load_cost(load, config)
+def _cost(uncached: int, tier_load: float, load: ReplicaLoad, config: RoutingConfig) -> float:
+    return config.prefill_weight * (uncached + tier_load) + load_cost(load, config)
+
+
+def held_prefix(
+    held: BlockSet | MediaBlocks, keys: Sequence[BlockHash], config: RoutingConfig
+) -> tuple[int, float]:
+    """(leading `keys` some medium of the replica holds, the sum of their load fractions):
+    each block at its cheapest medium, the device free."""
+    if not isinstance(held, MediaBlocks):
+        return held.num_prefix_blocks(keys), 0.0
+    # the raw sets, cheapest first: this runs per replica for every request routed
+    tiers = [(config.block_cost(m), s.blocks) for m, s in held.tiers.items()]
+    tiers.sort(key=lambda tier: tier[0])
+    device, load = held.device, 0.0
+    n = device.num_prefix_blocks(keys)
+    for key in keys[n:]:
+        if key not in device:
+            for cost, blocks in tiers:
+                if key in blocks:
+                    load += cost
+                    break
+            else:
+                break  # no medium holds it: this block and every later one are computed
+        n += 1
+    return n, load
 
 
 def within_key_bound(
@@ -103,24 +166,27 @@ def choose_replica(
     keys: Sequence[BlockHash],
     num_prompt_tokens: int,
     block_size: int,
-    blocks: Sequence[BlockSet | None],
+    blocks: Sequence[BlockSet | MediaBlocks | None],
     loads: Sequence[ReplicaLoad],
     config: RoutingConfig,
     candidates: Sequence[int] | None = None,
 ) -> RouteChoice:
     """The replica among `candidates` (default all) with the cheapest cost for a prompt of
     `num_prompt_tokens` whose whole blocks have the lookup keys `keys`. A replica holding
-    every block still computes the last token (it runs it again for its logits)."""
+    every block still computes the last token (it runs it again for its logits), and still
+    loads every block it holds in a spill tier."""
     pool = range(len(loads)) if candidates is None else candidates
     if not pool:
         raise ValueError("no replica to route to")
     fallback = any(blocks[i] is None for i in pool)
     costs, cached = [math.inf] * len(loads), [0] * len(loads)
     for i in pool:
-        held = blocks[i]
+        held, tier_load = blocks[i], 0.0
         if not fallback and held is not None:
-            cached[i] = held.num_prefix_blocks(keys) * block_size
+            n, tier_load = held_prefix(held, keys, config)
+            cached[i] = n * block_size
         cached[i] = min(cached[i], max(num_prompt_tokens - 1, 0))  # the last token is computed
-        costs[i] = _cost(num_prompt_tokens - cached[i], loads[i], config)
+        uncached = num_prompt_tokens - cached[i]
+        costs[i] = _cost(uncached, tier_load * block_size, loads[i], config)
     best = min(pool, key=lambda i: (costs[i], loads[i].routed, i))
     return RouteChoice(best, cached[best], costs, fallback)

@@ -26,7 +26,7 @@ from bench.hitrate.fleet import (
 from bench.hitrate.offline import infinite_hits
 from bench.hitrate.tiers import TierConfig, block_requests, key_blob
 from bench.traces import BlockTrace, from_chains, load_trace
-from kvstore.fleet.events import BlockRemoved, BlockSet
+from kvstore.fleet.events import TIER_MEDIUM, BlockRemoved, BlockSet
 from kvstore.fleet.routing import ReplicaLoad, RoutingConfig
 from kvstore.index.policies import LRUPolicy
 
@@ -215,20 +215,34 @@ def index_keys(replica, num_unique: int) -> set[bytes]:
     return {blob[b * 16 : (b + 1) * 16] for b in replica.index.all_block_ids()}
 
 
+def assert_views_hold_what_each_tier_holds(fleet: fleet_module.Fleet, num_unique: int) -> None:
+    """Every replica's view: its device index, and each spill tier by its medium."""
+    blob = key_blob(num_unique)
+    for replica, view in zip(fleet.replicas, fleet.views, strict=True):
+        assert view.device.blocks == index_keys(replica, num_unique)
+        assert len(view.tiers) == len(replica.stores)
+        for store in replica.stores:
+            held = {blob[b * 16 : (b + 1) * 16] for b in np.flatnonzero(store.present).tolist()}
+            assert view.tiers[TIER_MEDIUM[store.name]].blocks == held
+
+
 def test_the_block_sets_built_from_events_equal_each_replicas_index_through_evictions():
     trace = fixture_head(600)
-    config = FleetConfig(TierConfig(60, (("redis", 400),)), "lru", 3, "kv")
+    config = FleetConfig(TierConfig(60, (("memory", 150), ("redis", 400))), "lru", 3, "kv")
 
     def check(fleet: fleet_module.Fleet) -> None:
-        for replica, view in zip(fleet.replicas, fleet.views, strict=True):
-            assert view.blocks == index_keys(replica, trace.num_unique)
+        assert_views_hold_what_each_tier_holds(fleet, trace.num_unique)
 
     original = BlockSet.apply
     with mock.patch.object(BlockSet, "apply", autospec=True, side_effect=original) as apply:
         done = replay_watching_events(trace, config, check)
     removed = [c for c in apply.call_args_list if isinstance(c.args[1], BlockRemoved)]
     assert len(removed) > 100  # the devices of 60 blocks evicted all along
-    assert [len(view) for view in done.views] == [60, 60, 60]
+    assert [len(view.device) for view in done.views] == [60, 60, 60]
+    assert [len(view.tiers["HOST"]) for view in done.views] == [150, 150, 150]
+    redis = {id(view.tiers["REDIS"]) for view in done.views}
+    assert len(redis) == 1  # one shared set: every replica reads the one Redis
+    assert len(done.views[0].tiers["REDIS"]) == 400
     assert sum(p.routed for p in done.replicas) == 600
 
 
@@ -236,11 +250,10 @@ def test_the_block_sets_built_from_events_equal_each_replicas_index_through_evic
 @settings(max_examples=25, derandomize=True, deadline=None)
 @given(trace=traces())
 def test_event_block_sets_track_the_indexes_on_small_traces(replicas, trace):
-    config = fleet(replicas, "kv", 3, (("memory", 4),), service=ONE_MS)
+    config = fleet(replicas, "kv", 3, (("memory", 4), ("lmdb", 9)), service=ONE_MS)
 
     def check(fleet: fleet_module.Fleet) -> None:
-        for replica, view in zip(fleet.replicas, fleet.views, strict=True):
-            assert view.blocks == index_keys(replica, trace.num_unique)
+        assert_views_hold_what_each_tier_holds(fleet, trace.num_unique)
 
     replay_watching_events(trace, config, check)
 
@@ -404,7 +417,8 @@ def test_planning_json_has_the_documented_fields_and_files(tmp_path, capsys):
         busiest = max(r["requests_per_replica"]) / (156 / r["replicas"])
         assert r["routed_max_to_mean"] == pytest.approx(busiest, abs=1e-4)
         assert r["service_model"] == {"prefill_ms_per_token": 0.5, "decode_ms_per_token": 0.25}
-        kv = {"prefill_weight": 1.0, "decode_weight": 0.3}
+        kv = {"prefill_weight": 1.0, "decode_weight": 0.3, "key_load_slack": 4096.0}
+        kv |= {"host_block_cost": 0.05, "disk_block_cost": 0.2, "redis_block_cost": 0.5}
         assert r["routing"] == (kv if r["route"] == "kv" else None)
         assert r["est_queue_wait_s"] >= 0
         assert r["est_ttft_nocache_s"] == pytest.approx(0.5 * tokens / 156 / 1000, abs=1e-4)

@@ -6,7 +6,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvstore.fleet.events import AllBlocksCleared, BlockRemoved, BlockSet, BlockStored, EventSink
+from kvstore.fleet.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockSet,
+    BlockStored,
+    EventSink,
+    MediaBlocks,
+)
 from kvstore.fleet.routing import (
     ReplicaLoad,
     RoutingConfig,
@@ -39,6 +46,12 @@ def held(*ids: int) -> BlockSet:
     blocks = BlockSet()
     blocks.apply(BlockStored([key(i) for i in ids], None, [0] * BS * len(ids), BS))
     return blocks
+
+
+def media(device=(), host=(), disk=(), redis: BlockSet | None = None) -> MediaBlocks:
+    """A replica's blocks per medium; `redis` a set shared with other replicas."""
+    tiers = {"HOST": held(*host), "DISK": held(*disk)}
+    return MediaBlocks(held(*device), tiers | ({"REDIS": redis} if redis is not None else {}))
 
 
 def test_events_rebuild_the_index_exactly_through_splits_and_evictions():
@@ -145,3 +158,92 @@ def test_a_keys_replica_takes_it_while_its_load_is_within_the_slack_of_the_least
     assert within_key_bound(0, loads, [0, 1], config)  # 101 <= 1 + 100
     assert not within_key_bound(0, [loads[0], ReplicaLoad()], [0, 1], config)  # 101 > 0 + 100
     assert within_key_bound(0, [loads[0], ReplicaLoad()], [0], config)  # the only candidate
+
+
+# --- tier-aware cost -----------------------------------------------------------------------
+FOUR = [key(i) for i in range(4)]  # a prompt of 4 whole blocks and one more token
+N = 4 * BS + 1
+DEFAULTS = RoutingConfig()
+HOST, DISK, REDIS = DEFAULTS.host_block_cost, DEFAULTS.disk_block_cost, DEFAULTS.redis_block_cost
+
+
+def test_a_replica_whose_host_tier_holds_the_prefix_beats_a_cold_one():
+    loads = [ReplicaLoad(routed=0), ReplicaLoad(routed=5)]  # the tie-break favours the cold one
+    choice = choose_replica(FOUR, N, BS, [media(), media(host=(0, 1, 2))], loads, RoutingConfig())
+    assert (choice.replica, choice.num_cached_tokens) == (1, 3 * BS)
+    assert choice.costs == [N, N - 3 * BS + 3 * HOST * BS]
+
+
+def test_a_device_hit_beats_the_same_prefix_in_host_memory():
+    loads = [ReplicaLoad(routed=0), ReplicaLoad(routed=5)]
+    blocks = [media(host=(0, 1, 2)), media(device=(0, 1, 2))]
+    choice = choose_replica(FOUR, N, BS, blocks, loads, RoutingConfig())
+    assert choice.replica == 1
+    assert choice.costs == [N - 3 * BS + 3 * HOST * BS, N - 3 * BS]
+
+
+def test_each_block_counts_at_its_cheapest_medium_and_the_walk_stops_at_the_first_gap():
+    # block 0 on the device (and in Redis), 1 in host memory and LMDB, 2 in LMDB; 3 nowhere,
+    # so nothing after it counts even where a tier holds it
+    shared = held(0, 4)
+    blocks = [media(device=(0,), host=(1,), disk=(1, 2), redis=shared)]
+    keys = [*FOUR, key(4)]
+    choice = choose_replica(keys, 5 * BS + 1, BS, blocks, [ReplicaLoad()], RoutingConfig())
+    assert choice.num_cached_tokens == 3 * BS
+    assert choice.costs == [5 * BS + 1 - 3 * BS + (HOST + DISK) * BS]
+
+
+def test_a_shared_redis_counts_for_every_replica_that_reads_it():
+    # replicas 0 and 1 read one Redis holding the prefix; replica 2 reads none. Replica 0 is
+    # busier, so the prefix goes to replica 1, read from the shared tier
+    shared = held(0, 1, 2)
+    blocks = [media(redis=shared), media(redis=shared), media()]
+    loads = [ReplicaLoad(queued_tokens=10), ReplicaLoad(routed=3), ReplicaLoad()]
+    choice = choose_replica(FOUR, N, BS, blocks, loads, RoutingConfig())
+    tier = N - 3 * BS + 3 * REDIS * BS
+    assert choice.costs == [tier + 10, tier, N]
+    assert (choice.replica, choice.num_cached_tokens) == (1, 3 * BS)
+
+
+def test_stale_events_still_fall_back_to_least_loaded_with_tiers_known():
+    loads = [ReplicaLoad(queued_tokens=50), ReplicaLoad(queued_tokens=10)]
+    choice = choose_replica(FOUR, N, BS, [media(host=(0, 1, 2, 3)), None], loads, RoutingConfig())
+    assert choice.fallback and choice.replica == 1 and choice.num_cached_tokens == 0
+    assert choice.costs == [N + 50, N + 10]
+
+
+def test_with_device_blocks_only_the_cost_is_the_device_only_cost():
+    # the live router knows device blocks only: a BlockSet, or a MediaBlocks without tiers,
+    # prices them exactly as the cost without tiers did (prefill of the rest plus load)
+    loads = [ReplicaLoad(queued_tokens=7), ReplicaLoad(running_tokens=30)]
+    plain = choose_replica(FOUR, N, BS, [held(0), held(0, 1)], loads, RoutingConfig())
+    tiered = [MediaBlocks(held(0)), MediaBlocks(held(0, 1))]
+    assert choose_replica(FOUR, N, BS, tiered, loads, RoutingConfig()) == plain
+    assert plain.costs == [N - BS + 7, N - 2 * BS + 3.0]
+
+
+def test_a_tier_priced_as_recomputing_its_blocks_is_as_good_as_cold():
+    blocks, loads = [media(), media(host=(0, 1, 2))], [ReplicaLoad()] * 2
+    choice = choose_replica(FOUR, N, BS, blocks, loads, RoutingConfig(host_block_cost=1.0))
+    assert choice.costs == [N, N] and choice.replica == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"host_block_cost": 1.5}, "host_block_cost must be <= 1"),
+        ({"disk_block_cost": -0.1}, "disk_block_cost must be a finite number >= 0"),
+        ({"redis_block_cost": float("inf")}, "redis_block_cost must be a finite number"),
+        ({"host_block_cost": "0.1"}, "host_block_cost must be a number"),
+    ],
+)
+def test_bad_block_costs_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        RoutingConfig(**kwargs)
+
+
+def test_a_medium_the_cost_does_not_know_is_refused():
+    with pytest.raises(ValueError, match="unknown spill medium 'CPU'"):
+        MediaBlocks(BlockSet(), {"CPU": BlockSet()})
+    with pytest.raises(ValueError, match="no load cost for medium 'GPU'"):
+        RoutingConfig().block_cost("GPU")

@@ -210,6 +210,7 @@ def test_a_killed_replica_loses_no_request(fleet):
         (["--replica", "engine-a:8000"], "replica: expected http://HOST:PORT"),
         (["--replica", "http://a:1", "--replica", "http://a:1"], "replica: each replica once"),
         (["--replica", "http://a:1", "--decode-weight", "-1"], "decode_weight must be"),
+        (["--replica", "http://a:1", "--redis-block-cost", "2"], "redis_block_cost must be <= 1"),
         (["--replica", "http://a:1", "--policy", "random"], "invalid choice: 'random'"),
     ],
 )
@@ -258,6 +259,19 @@ def test_the_router_command_imports_no_torch():
                          timeout=120, env=clean_env())  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_the_tier_block_costs_are_router_flags():
+    import argparse
+
+    from engine.router.config import add_router_arguments, router_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_router_arguments(parser)
+    argv = ["--replica", "http://a:1", "--host-block-cost", "0.02", "--redis-block-cost", "1"]
+    routing = router_config_from_args(parser.parse_args(argv), env={}).routing
+    costs = (routing.host_block_cost, routing.disk_block_cost, routing.redis_block_cost)
+    assert costs == (0.02, 0.2, 1.0)
 
 
 def test_a_prompt_just_routed_counts_as_held_before_its_events_arrive():
