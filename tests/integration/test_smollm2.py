@@ -41,7 +41,9 @@ GUIDES = " ".join(
     "would enjoy."
     for topic in TOPICS
 )
-LONG_SYSTEM = f"{SYSTEM} {GUIDES}"  # ~600 tokens: what an agent marks with cache_control
+# ~600 tokens: what an agent marks with cache_control. The guides come first: a system
+# prompt that began with SYSTEM would find the chat test's blocks cached before it writes any
+LONG_SYSTEM = f"{GUIDES} {SYSTEM}"
 
 
 @pytest.fixture(scope="module")
