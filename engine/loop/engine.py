@@ -34,7 +34,7 @@ from engine.loop.request import (
     SamplingParams,
     TokenCallback,
 )
-from engine.loop.retain import completes_prompt, retain_prompt
+from engine.loop.retain import retain_prompt
 from engine.loop.runner import PagedRunner, start_paged
 from engine.loop.scheduler import QueueStats, Scheduled, Scheduler, SchedulerConfig
 from engine.loop.sequential import SequentialPath
@@ -368,8 +368,7 @@ class Engine:
         if limit // self.tables.block_size > state.blocks.num_committed:  # a block filled
             self.tables.commit(state.blocks, row.request.token_slice(0, limit), limit)
         self.tables.slide(state.blocks, state.num_computed)  # a window model's old blocks
-        if completes_prompt(row.request, row.start, row.num_new):
-            retain_prompt(self.cache, row.request)
+        retain_prompt(self.cache, row.request, row.start, row.num_new)
 
     # --- lifecycle ----------------------------------------------------------------------------
 

@@ -8,8 +8,14 @@ from engine.loop.request import Request
 from kvstore.cache import PrefixCache
 
 
-def retain_prompt(cache: PrefixCache, request: Request) -> int:
-    """Retain each of the request's prefixes; returns the device blocks retained."""
+def retain_prompt(
+    cache: PrefixCache, request: Request, start: int = 0, num_new: int | None = None
+) -> int:
+    """Retain each of the request's prefixes once its prompt is computed: when a step row of
+    tokens [start, start + num_new) computed the prompt's last one (a whole run: None).
+    Returns the device blocks retained."""
+    if num_new is not None and not start < len(request.token_ids) <= start + num_new:
+        return 0
     kept = 0
     for retain in request.retention:
         prefix = request.token_ids[: retain.num_tokens]
@@ -17,8 +23,3 @@ def retain_prompt(cache: PrefixCache, request: Request) -> int:
         result = cache.retain(prefix, retain.ttl_s, request.cache_salt, tenant, request.keys)
         kept += result.num_device_blocks
     return kept
-
-
-def completes_prompt(request: Request, start: int, num_new: int) -> bool:
-    """Whether a step row of tokens [start, start + num_new) computed the prompt's last one."""
-    return start < len(request.token_ids) <= start + num_new

@@ -138,3 +138,17 @@ class DeviceIndex:
         while node.parent is not self.index.root:
             node = node.parent
         return node.key(0)
+
+    def check(self) -> None:
+        """Index invariants plus pool accounting: free + cached + held = total."""
+        self.index.check_integrity()
+        cached = self.index.all_block_ids()
+        free = self.pool.free_block_ids()
+        if set(cached) & set(free):
+            raise AssertionError("a block is both cached and free")
+        if len(set(free)) != len(free) or any(self.pool.ref_cnt[free] != 0):
+            raise AssertionError("free list holds a duplicate or a referenced block")
+        held = int(np.count_nonzero(self.pool.ref_cnt)) - len(cached)
+        if len(free) + len(cached) + held != self.pool.num_blocks or held < 0:
+            raise AssertionError("free + cached + held != total blocks")
+        self.kind.check(cached)
