@@ -52,7 +52,8 @@ class PrefixCache:
         clock: Callable[[], float] | None = None,
     ):
         """`stores` overrides the spill tiers the config names (fastest first); `events` gets
-        the device index's block events (kvstore/fleet/events.py), under the cache's lock.
+        the device index's block events (kvstore/fleet/events.py) under the cache's lock, and
+        the spill tiers' (each of its medium) from the tier writer's thread.
 
         `window`: the sliding window (in tokens) of every attention layer of the model, None
         when some layer attends to the whole prefix. A window cache lets a running request
@@ -84,8 +85,10 @@ class PrefixCache:
         self.metrics = CacheMetrics()
         if stores is None and config.has_tiers:
             stores = make_stores(config, namespace)
-        at_commit = self.kind.writes_back_at_commit
-        self.tiers = Tiers(config, stores, self.pool, self.metrics, at_commit) if stores else None
+        at_commit, pool = self.kind.writes_back_at_commit, self.pool
+        self.tiers = (
+            Tiers(config, stores, pool, self.metrics, at_commit, events) if stores else None
+        )
         self.scopes = Scopes(config, namespace, with_entries=self.tiers is not None)
         self.hasher = self.scopes.default.hasher
         self.tenants = TenantBlocks(config.tenant_quota_blocks, self.pool.num_blocks)

@@ -2,14 +2,21 @@
 replicas, on a multi-session chat workload.
 
     python -m bench fleet [--model tiny] [--replicas 3] [--sessions 12] [--turns 4]
-        [--think-s 1.0] [--scenarios private,shared,kill] [--out DIR] [--json]
+        [--think-s 1.0] [--scenarios private,shared,kill,host-tiers,host-kill]
+        [--out DIR] [--json]
 
 Scenarios (each route gets fresh replicas, caches and Redis; routes run one after another):
 - `private`: each replica has its own device pool and LMDB, no shared tier;
 - `shared`: the replicas share one Redis under their device pools;
 - `kill`: `shared` with the kv router, and replica 0 SIGKILLed once a third of the
   requests finished: every request must be answered, or failed with an error only if it had
-  already streamed part of its answer.
+  already streamed part of its answer;
+- `host-tiers`: small device pools (`--small-device-blocks`) over a private host-memory
+  tier each (`--memory-cache-gb`); the kv router fed by every tier's events against the kv
+  router fed by device events alone (route `kv-device`, `kvstore router
+  --device-events-only`): a chat whose blocks left the device for the host tier of its
+  replica is a hit there, and a cold miss anywhere else;
+- `host-kill`: `host-tiers` with the kv router, and replica 0 SIGKILLed as in `kill`.
 
 Each session is a chat: a shared system prompt, a long first message of its own (a document
 the session is about), then short follow-ups; every turn resends the whole history with the
@@ -38,8 +45,9 @@ from bench.load.runner import Request, run_level, warm_up
 from bench.load.servers import prepare_model
 from bench.load.workload import ChatSession, make_sessions, warmup_session, words
 
-SCENARIOS = ("private", "shared", "kill")
-ROUTES = ("kv", "round-robin")
+SCENARIOS = ("private", "shared", "kill", "host-tiers", "host-kill")
+ROUTES = {"host-tiers": ("kv", "kv-device"), "kill": ("kv",), "host-kill": ("kv",)}
+DEFAULT_ROUTES = ("kv", "round-robin")
 
 
 def fleet_sessions(args: argparse.Namespace) -> list[ChatSession]:
@@ -59,15 +67,17 @@ def run_route(
     args: argparse.Namespace, model_dir: Path, base: Path, scenario: str, route: str
 ) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix=f"{scenario}-{route}-", dir=base))
+    host = scenario.startswith("host")
     spec = FleetSpec(
         model_dir=model_dir,
         replicas=args.replicas,
-        device_blocks=args.device_blocks,
-        shared=scenario != "private",
+        device_blocks=args.small_device_blocks if host else args.device_blocks,
+        shared=scenario in ("shared", "kill"),
         route=route,
         workdir=workdir,
         prefill_weight=args.prefill_weight,
         decode_weight=args.decode_weight,
+        memory_cache_gb=args.memory_cache_gb if host else None,
     )
     sessions = fleet_sessions(args)
     with Fleet(spec) as fleet:
@@ -76,7 +86,7 @@ def run_route(
         for proc in fleet.replicas:  # each replica's first forward, on a prompt of its own
             warm_up(replace(request, url=proc.url), warmup_session(64, args.seed + proc.port))
         total = len(sessions) * args.turns
-        killer = _Killer(fleet, total) if scenario == "kill" else None
+        killer = _Killer(fleet, total) if scenario.endswith("kill") else None
         desc = f"{scenario} {route}"
         with tqdm(total=total, desc=desc, unit="req", leave=False, disable=args.json) as bar:
             tick, think = _Tick(bar, killer), _thinker(args.think_s, args.seed)
@@ -151,6 +161,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="mean pause before a chat's next turn (exponential)",
     )
     parser.add_argument("--device-blocks", type=int, default=1024, help="per replica")
+    parser.add_argument(
+        "--small-device-blocks",
+        type=int,
+        default=48,
+        help="per replica in the host-tier scenarios: a few chats' worth",
+    )
+    parser.add_argument(
+        "--memory-cache-gb",
+        type=float,
+        default=1.0,
+        help="each replica's host-memory tier in the host-tier scenarios",
+    )
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
     parser.add_argument("--prefill-weight", type=float, default=None)
     parser.add_argument("--decode-weight", type=float, default=None)
@@ -186,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         base.mkdir(parents=True, exist_ok=True)
         runs = []
         for scenario in scenarios:
-            for route in ROUTES if scenario != "kill" else ("kv",):
+            for route in ROUTES.get(scenario, DEFAULT_ROUTES):
                 runs.append(run_route(args, model_dir, base, scenario, route))
     report = {"config": vars(args), "runs": runs, "wall_s": time.perf_counter() - start}
     if args.out:

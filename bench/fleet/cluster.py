@@ -25,8 +25,9 @@ class FleetSpec:
     replicas: int
     device_blocks: int
     shared: bool  # one Redis for all replicas; else each replica has its own LMDB
-    route: str  # the router's --policy
+    route: str  # the router's --policy; "kv-device": kv, priced by device events alone
     workdir: Path
+    memory_cache_gb: float | None = None  # a private host-memory tier instead of LMDB
     prefill_weight: float | None = None
     decode_weight: float | None = None
 
@@ -49,9 +50,12 @@ def router_command(spec: FleetSpec, port: int, replicas: list[str]) -> list:
         weights += ["--prefill-weight", str(spec.prefill_weight)]
     if spec.decode_weight is not None:
         weights += ["--decode-weight", str(spec.decode_weight)]
+    if spec.route == "kv-device":
+        weights.append("--device-events-only")
     urls = [arg for url in replicas for arg in ("--replica", url)]
+    policy = "kv" if spec.route == "kv-device" else spec.route
     return [sys.executable, "-m", "engine.cli", "router", "--model", str(spec.model_dir),
-            "--port", str(port), "--policy", spec.route, "--log-level", "warning",
+            "--port", str(port), "--policy", policy, "--log-level", "warning",
             *urls, *weights]  # fmt: skip
 
 
@@ -68,6 +72,8 @@ class Fleet:
     def _tier(self, i: int) -> list[str]:
         if self.redis is not None:
             return ["--redis-url", self.redis.url]
+        if self.spec.memory_cache_gb is not None:
+            return ["--memory-cache-gb", str(self.spec.memory_cache_gb)]
         return ["--lmdb-dir", str(self.spec.workdir / f"lmdb-{i}")]
 
     def start(self) -> Fleet:

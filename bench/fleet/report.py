@@ -78,6 +78,11 @@ def print_report(report: dict) -> str:
                 f"\n{scenario}: kv / round-robin: TTFT p50 {ttft}, "
                 f"device share of cached tokens {device}"
             )
+    kv, device_only = (_find(report, "host-tiers", r) for r in ("kv", "kv-device"))
+    if kv and device_only:
+        ttft = _ratio(kv["ttft_p50_ms"], device_only["ttft_p50_ms"])
+        cached = _ratio(kv["cached_share"], device_only["cached_share"])
+        lines.append(f"\nhost-tiers: kv / kv-device: TTFT p50 {ttft}, cached share {cached}")
     return "\n".join(lines)
 
 

@@ -66,6 +66,7 @@ FLAGS = (
     "host_block_cost",
     "disk_block_cost",
     "redis_block_cost",
+    "device_affinity",
 )
 # weights of the kv route only
 KV_FLAGS = (
@@ -74,6 +75,7 @@ KV_FLAGS = (
     "host_block_cost",
     "disk_block_cost",
     "redis_block_cost",
+    "device_affinity",
 )
 SERVICE = ServiceModel()
 ROUTING = RoutingConfig()
@@ -128,6 +130,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             help=f"kv route: loading a {tier} block, as a fraction of its prefill "
             f"(default {default:g})",
         )
+    group.add_argument(
+        "--device-affinity",
+        type=float,
+        metavar="F",
+        help="kv route: each prefix block on a replica's device also worth this fraction of "
+        f"its prefill there (default {ROUTING.device_affinity:g})",
+    )
 
 
 def requested(args: argparse.Namespace) -> bool:

@@ -18,13 +18,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Mapping
 
 import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from engine.events.wire import decode_batch, ipv6_socket, seq_bytes, seq_of
-from kvstore.fleet.events import AllBlocksCleared, BlockSet, KVEvent
+from kvstore.fleet.events import AllBlocksCleared, BlockSet, KVEvent, MediaBlocks
 
 log = logging.getLogger("kvstore.fleet.events")
 DEFAULT_TOPIC = "kv@kvstore"
@@ -45,12 +46,16 @@ class EventSubscriber:
         topic: str = DEFAULT_TOPIC,
         replay_timeout_s: float = 1.0,
         retry_s: float = 0.5,
+        shared: Mapping[str, BlockSet] | None = None,
     ):
         """`endpoint`: the replica's PUB socket; `replay_endpoint`: its replay socket (without
-        one, events sent before the subscriber connected, or lost, are not repaired)."""
+        one, events sent before the subscriber connected, or lost, are not repaired);
+        `shared`: the set of each spill medium it shares with other replicas (a shared
+        Redis), which its events update and its restarts leave alone."""
         self.endpoint, self.replay_endpoint, self.topic = endpoint, replay_endpoint, topic
         self.replay_timeout_s, self.retry_s = replay_timeout_s, retry_s
-        self.blocks = BlockSet()  # replaced whole by a replay: read it through the attribute
+        self._shared = dict(shared or {})
+        self.media = self._fresh()  # replaced whole by a replay: read it through the attribute
         self.last_seq = -1  # the last batch applied
         self.last_message_at: float | None = None  # monotonic time of the last batch received
         self.gaps = self.restarts = self.replays = self.bad_batches = 0
@@ -66,6 +71,14 @@ class EventSubscriber:
             self._thread = threading.Thread(target=self._run, name="kv-events-sub", daemon=True)
             self._thread.start()
         return self
+
+    @property
+    def blocks(self) -> BlockSet:
+        """Its device pool's blocks (`media` has its spill tiers' too)."""
+        return self.media.device
+
+    def _fresh(self) -> MediaBlocks:
+        return MediaBlocks(BlockSet(), self._shared, self._shared)
 
     @property
     def synced(self) -> bool:
@@ -160,7 +173,7 @@ class EventSubscriber:
         if self._restarted(seq, payload):
             self._restart()
             if self.replay_endpoint is None:  # no way to learn what came before: go on
-                self._apply(self.blocks, seq, payload)
+                self._apply(self.media, seq, payload)
         self._last_pub = seq
         if not self._synced:
             self._retry_at = 0.0  # the replica is up: replay now
@@ -174,7 +187,7 @@ class EventSubscriber:
                 return
             log.warning("KV events: batches %d..%d of %s are lost", self.last_seq + 1, seq - 1,
                         self.endpoint)  # fmt: skip
-        self._apply(self.blocks, seq, payload)
+        self._apply(self.media, seq, payload)
 
     def _restarted(self, seq: int, payload: bytes) -> bool:
         """A PUB stream goes up one by one; a seq we applied comes again with its payload."""
@@ -187,7 +200,7 @@ class EventSubscriber:
         self.restarts += 1
         log.info("KV events: %s restarted; its blocks are dropped", self.endpoint)
         self._synced = False  # first: a reader never sees the empty set as synced
-        self.blocks, self.last_seq, self._last_pub = BlockSet(), -1, None
+        self.media, self.last_seq, self._last_pub = self._fresh(), -1, None
         self._digests.clear()
         self._synced = self.replay_endpoint is None
 
@@ -233,16 +246,14 @@ class EventSubscriber:
                 batches = batches[1:]  # the witness, applied already
         first_missing = self.last_seq + 1
         fresh = bool(batches) and batches[0][0] > first_missing  # a snapshot, or a loss
-        blocks = BlockSet()
-        if not fresh:
-            blocks.blocks = set(self.blocks.blocks)
+        blocks = self._fresh() if fresh else self.media.copy()
         for i, (seq, payload) in enumerate(batches):
             events = self._apply(blocks, seq, payload, remember=not (fresh and i == 0))
             if fresh and i == 0 and not _clears(events):
                 log.warning("KV events: %s no longer holds batches %d..%d (and has no "
                             "snapshot): its blocks are under-counted", self.endpoint,
                             first_missing, seq - 1)  # fmt: skip
-        self.blocks, self._synced = blocks, True
+        self.media, self._synced = blocks, True
 
     def _same_run(self, ask: int, batches: list[tuple[int, bytes]]) -> bool:
         """The publisher still has the batch we applied last (`ask`), with its payload; or
@@ -255,7 +266,7 @@ class EventSubscriber:
     # --- applying --------------------------------------------------------------------------
 
     def _apply(
-        self, blocks: BlockSet, seq: int, payload: bytes, remember: bool = True
+        self, blocks: MediaBlocks, seq: int, payload: bytes, remember: bool = True
     ) -> list[KVEvent]:
         try:
             _, events = decode_batch(payload)

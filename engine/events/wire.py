@@ -19,6 +19,7 @@ import zmq
 from kvstore.fleet.events import (
     MEDIUM_CPU,
     MEDIUM_GPU,
+    SPILL_MEDIA,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -104,24 +105,30 @@ _decoder = msgspec.msgpack.Decoder(WireBatch)
 
 
 def _to_wire(event: KVEvent, medium: str) -> WireEvent:
+    """`medium`: the publisher's device pool's, for events that name none."""
     if isinstance(event, BlockStored):  # lists of bytes and ints already: no copy
         hashes, parent = event.block_hashes, event.parent_block_hash
-        tokens = event.token_ids
+        tokens, medium = event.token_ids, event.medium or medium
         return WireBlockStored(hashes, parent, tokens, event.block_size, None, medium, None)
     if isinstance(event, BlockRemoved):
-        return WireBlockRemoved(event.block_hashes, medium)
+        return WireBlockRemoved(event.block_hashes, event.medium or medium)
     if isinstance(event, AllBlocksCleared):
         return WireAllBlocksCleared()
     raise TypeError(f"not a KV event: {type(event).__name__}")
 
 
 def _from_wire(event: WireEvent) -> KVEvent:
+    """A spill medium is kept; any other (GPU, CPU, none) is the replica's device pool."""
     if isinstance(event, WireBlockStored):
-        parent = event.parent_block_hash
-        return BlockStored(event.block_hashes, parent, event.token_ids, event.block_size)
+        parent, medium = event.parent_block_hash, _spill(event.medium)
+        return BlockStored(event.block_hashes, parent, event.token_ids, event.block_size, medium)
     if isinstance(event, WireBlockRemoved):
-        return BlockRemoved(event.block_hashes)
+        return BlockRemoved(event.block_hashes, _spill(event.medium))
     return AllBlocksCleared()
+
+
+def _spill(medium: str | None) -> str | None:
+    return medium if medium in SPILL_MEDIA else None
 
 
 def encode_batch(

@@ -43,6 +43,7 @@ class RouterConfig:
     api_keys: Mapping[str, str] = field(default_factory=dict, repr=False)  # key -> tenant
     health_interval_s: float = 0.1  # how often each replica's load and liveness are read
     stale_after_s: float = 3.0  # events older than this: route by load alone
+    tier_events: bool = True  # price blocks in replicas' spill tiers (False: device only)
     connect_timeout_s: float = 2.0
     max_body_bytes: int = 4 << 20
     log_level: str = "info"
@@ -119,10 +120,25 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
             f"prefilling it, 0..1 (default {getattr(defaults, f'{name}_block_cost'):g})",
         )
     parser.add_argument(
+        "--device-affinity",
+        type=float,
+        default=defaults.device_affinity,
+        metavar="FRACTION",
+        help="each prefix block a replica holds on its device also counts this fraction of "
+        "its prefill in that replica's favour: a turn sent elsewhere strands the device copy "
+        f"(default {defaults.device_affinity:g})",
+    )
+    parser.add_argument(
         "--stale-after-s",
         type=float,
         default=3.0,
         help="a replica's events older than this: route by load alone (default 3)",
+    )
+    parser.add_argument(
+        "--device-events-only",
+        action="store_true",
+        help="route by the replicas' device pools alone, ignoring their spill tiers' events "
+        "(the baseline `bench fleet --scenario host-tiers` compares against)",
     )
     parser.add_argument("--api-key", default=None, help=f"API key (default: ${API_KEY_ENV})")
     parser.add_argument("--api-keys-file", default=None, help='JSON {"key": "tenant", ...}')
@@ -142,6 +158,7 @@ def router_config_from_args(
             args.host_block_cost,
             args.disk_block_cost,
             args.redis_block_cost,
+            args.device_affinity,
         )
     except ValueError as e:
         raise ConfigError("routing", str(e)) from None
@@ -153,6 +170,7 @@ def router_config_from_args(
         routing=routing,
         api_keys=keys,
         stale_after_s=args.stale_after_s,
+        tier_events=not args.device_events_only,
         log_level=args.log_level,
         secret=env.get(SECRET_ENV, ""),
     )

@@ -20,8 +20,14 @@ import httpx
 
 from engine.router.config import RouterConfig
 from hashing import BlockHash, BlockHasher, Namespace, as_token_array, combine_salts
-from kvstore.fleet.events import BlockSet
-from kvstore.fleet.routing import ReplicaLoad, RouteChoice, choose_replica, within_key_bound
+from kvstore.fleet.events import SPILL_MEDIA, BlockSet, MediaBlocks
+from kvstore.fleet.routing import (
+    ReplicaLoad,
+    RouteChoice,
+    choose_replica,
+    held_prefix,
+    within_key_bound,
+)
 
 log = logging.getLogger("kvstore.router")
 MAX_HASHERS = 1024  # salts whose hashers are kept
@@ -85,6 +91,7 @@ class Fleet:
         self._next = 0  # round-robin position
         self._client: httpx.AsyncClient | None = None
         self._task: asyncio.Task | None = None
+        self.shared: dict[str, BlockSet] = {}  # a shared tier's blocks, by its identity
         self.counts = {"cache_key": 0, "fallback": 0, "kv": 0, "round_robin": 0, "session": 0}
 
     # --- health ------------------------------------------------------------------------------
@@ -162,7 +169,17 @@ class Fleet:
             return
         events = info.get("kv_events")
         if events and self.config.policy == "kv":
-            replica.events = _subscribe(replica.host, events)
+            replica.events = _subscribe(replica.host, events, self._shared_sets(info))
+
+    def _shared_sets(self, info: dict) -> dict[str, BlockSet]:
+        """The set of each spill medium the replica shares (by the identity its /health
+        names): one set per identity, which every replica that reads the tier updates."""
+        sets = {}
+        for tier in info.get("tiers") or ():
+            shared = tier.get("shared") if isinstance(tier, dict) else None
+            if isinstance(shared, str) and tier.get("medium") in SPILL_MEDIA:
+                sets[tier["medium"]] = self.shared.setdefault(shared, BlockSet())
+        return sets
 
     # --- routing -------------------------------------------------------------------------------
 
@@ -187,18 +204,34 @@ class Fleet:
         return hasher.hash_blocks(as_token_array(token_ids))
 
     def indexed(self, replica: Replica) -> int:
-        """Blocks the router counts for `replica`: its events' while it is up and they are
-        fresh; 0 while it is down (they are dropped) or its events are stale."""
+        """Device blocks the router counts for `replica`: its events' while it is up and
+        they are fresh; 0 while it is down (they are dropped) or its events are stale."""
         held = self.blocks(replica) if replica.alive else None
+        if isinstance(held, MediaBlocks):
+            held = held.device
         return 0 if held is None else len(held)
 
-    def blocks(self, replica: Replica) -> BlockSet | None:
-        """Its blocks by its events; None (stale) when they cannot be trusted now."""
+    def tier_blocks(self, replica: Replica) -> dict[str, int]:
+        """Blocks its spill tiers hold by its events, per medium (a shared tier's: every
+        reader's), priced or not; empty while it is down or its events are stale."""
+        held = self.blocks(replica) if replica.alive else None
+        if held is None:
+            return {}
+        tiers = replica.events.media.tiers
+        return {medium: len(blocks) for medium, blocks in sorted(tiers.items())}
+
+    def blocks(self, replica: Replica) -> BlockSet | MediaBlocks | None:
+        """Its blocks by its events (with its spill tiers', unless the router prices the
+        device alone); None (stale) when they cannot be trusted now."""
         sub, now = replica.events, time.monotonic()
         if sub is None or sub.stale(now, self.config.stale_after_s):
             return None
         since, keys = replica.pending
-        return _WithPending(sub.blocks, keys) if now - since < PENDING_S else sub.blocks
+        media = sub.media
+        device = _WithPending(media.device, keys) if now - since < PENDING_S else media.device
+        if not self.config.tier_events or not media.tiers:
+            return device
+        return MediaBlocks(device, media.tiers, media.shared)
 
     def choose(
         self, num_tokens: int, keys: list[BlockHash], exclude: Sequence[Replica] = ()
@@ -232,7 +265,7 @@ class Fleet:
         last token is computed again."""
         held = self.blocks(replica)
         bs = self._namespace.block_size if self._namespace else 1
-        cached = held.num_prefix_blocks(keys) * bs if held is not None else 0
+        cached = held_prefix(held, keys, self.config.routing)[0] * bs if held is not None else 0
         return min(cached, max(num_tokens - 1, 0))
 
     def _round_robin(self, live: list[int]) -> Replica:
@@ -292,12 +325,12 @@ class NoReplicaError(RuntimeError):
     """No live replica can take the request (answered with 503)."""
 
 
-def _subscribe(host: str, events: dict) -> object:
+def _subscribe(host: str, events: dict, shared: dict[str, BlockSet]) -> object:
     from engine.events.subscriber import EventSubscriber
     from engine.events.wire import zmq_host
 
     endpoint = f"tcp://{zmq_host(host)}:{events['port']}"
     replay = f"tcp://{zmq_host(host)}:{events['replay_port']}"
-    subscriber = EventSubscriber(endpoint, replay)
+    subscriber = EventSubscriber(endpoint, replay, shared=shared)
     subscriber.start()
     return subscriber

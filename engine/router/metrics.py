@@ -109,4 +109,5 @@ class RouterMetrics:
             "running_tokens": load.running_tokens,
             "events": events,
             "indexed_blocks": self.fleet.indexed(replica),
+            "indexed_tier_blocks": self.fleet.tier_blocks(replica),
         }

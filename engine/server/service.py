@@ -42,6 +42,7 @@ from engine.server.health import Health, health
 from engine.server.messages import Messages
 from engine.server.metrics import ServerMetrics
 from engine.server.streaming import DONE, ChoiceStream, TextStreamer, TokenBridge, stream_outcome
+from kvstore.fleet.events import TIER_MEDIUM
 
 log = logging.getLogger("kvstore.server")
 DRAIN_LINGER_S = 1.0  # after the last response of a drain: still answering 503 this long
@@ -54,7 +55,19 @@ def cache_info(engine: Engine, config: ServerConfig) -> dict:
     if config.kv_events_port is not None:
         events = {"port": config.kv_events_port, "replay_port": config.kv_events_replay_port}
     namespace = dataclasses.asdict(engine.cache.namespace)
-    return {"block_size": engine.cache.block_size, "namespace": namespace, "kv_events": events}
+    tiers = engine.cache.tiers.stores if engine.cache.tiers else []
+    return {
+        "block_size": engine.cache.block_size,
+        "namespace": namespace,
+        "kv_events": events,
+        # the spill tiers whose events it publishes (medium), and which it shares with other
+        # replicas (`shared`: the backend's identity, no secret; None: its own)
+        "tiers": [
+            {"name": s.name, "medium": TIER_MEDIUM[s.name], "shared": s.identity()}
+            for s in tiers
+            if s.name in TIER_MEDIUM
+        ],
+    }
 
 
 class Service:

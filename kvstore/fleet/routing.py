@@ -14,13 +14,20 @@ The cost of sending a request to replica r is the work ahead of its first token 
 
     cost(r) = prefill_weight * (uncached_tokens(r) + queued_tokens(r))
               + prefill_weight * block_size * sum of load(b) over the prefix blocks b it holds
+              - prefill_weight * block_size * device_affinity * its prefix blocks on device
               + decode_weight * running_tokens(r)
 
 Each block of the prompt's prefix is priced by the cheapest medium that holds it on r: the
 device is free, a spill medium costs its `*_block_cost` (a fraction of computing the block
 again). The prefix ends at the first block no medium holds: the cache computes every block
-after it anyway. With device blocks only (a `BlockSet`) the load sum is 0 and the cost is
-the prefill of the uncached tokens plus the load terms.
+after it anyway. With device blocks only (a `BlockSet`) the load sum is 0.
+
+`device_affinity` values a device copy beyond the prefill it saves now: a turn sent
+elsewhere strands it (the conversation's next turns would hit it there) and makes another
+replica's device hold the prefix too. Without it, a replica busier by a little more than
+what a shared Redis copy costs over its device copy loses its conversations to replicas
+that read them from Redis, and device hits fall below session routing's (docs/BENCHMARKS.md,
+"Replicas and routes").
 
 The cheapest replica wins (ties: the fewer requests routed, then the lower index). Cache
 overlap alone would pile every request onto the replica that holds the most (every prompt
@@ -46,6 +53,7 @@ from hashing import BlockHash
 from kvstore.fleet.events import MEDIUM_DISK, MEDIUM_HOST, MEDIUM_REDIS, BlockSet, MediaBlocks
 
 __all__ = [
+    "HeldPrefix",
     "ReplicaLoad",
     "RouteChoice",
     "RoutingConfig",
@@ -74,9 +82,14 @@ class RoutingConfig:
     host_block_cost: float = 0.05  # host-memory tier (medium HOST)
     disk_block_cost: float = 0.2  # LMDB (DISK)
     redis_block_cost: float = 0.5  # Redis, shared or not (REDIS)
+    # each prefix block a replica holds on its device is also worth this fraction of a
+    # block's prefill there: a turn sent elsewhere strands the device copy its conversation's
+    # next turns would hit, and a tier copy elsewhere must be loaded into a device again
+    device_affinity: float = 1.0
 
     def __post_init__(self) -> None:
-        for name in ("prefill_weight", "decode_weight", "key_load_slack", *_BLOCK_COSTS.values()):
+        names = ("prefill_weight", "decode_weight", "key_load_slack", "device_affinity")
+        for name in (*names, *_BLOCK_COSTS.values()):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"{name} must be a number, got {value!r}")
@@ -129,20 +142,35 @@ def _cost(uncached: int, tier_load: float, load: ReplicaLoad, config: RoutingCon
     return config.prefill_weight * (uncached + tier_load) + load_cost(load, config)
 
 
+class HeldPrefix(NamedTuple):
+    """What a replica holds of a prompt's prefix, by its events."""
+
+    num_blocks: int  # leading blocks some medium holds
+    tier_load: float  # the sum of their load fractions (each at its cheapest medium)
+    num_device: int  # of them, those on the device
+
+    def weight(self, config: RoutingConfig) -> float:
+        """Tier loads less the device's affinity, in blocks' prefill."""
+        return self.tier_load - config.device_affinity * self.num_device
+
+
 def held_prefix(
     held: BlockSet | MediaBlocks, keys: Sequence[BlockHash], config: RoutingConfig
-) -> tuple[int, float]:
-    """(leading `keys` some medium of the replica holds, the sum of their load fractions):
-    each block at its cheapest medium, the device free."""
+) -> HeldPrefix:
+    """The leading `keys` some medium of the replica holds: each block at its cheapest
+    medium, the device free."""
     if not isinstance(held, MediaBlocks):
-        return held.num_prefix_blocks(keys), 0.0
+        n = held.num_prefix_blocks(keys)
+        return HeldPrefix(n, 0.0, n)
     # the raw sets, cheapest first: this runs per replica for every request routed
     tiers = [(config.block_cost(m), s.blocks) for m, s in held.tiers.items()]
     tiers.sort(key=lambda tier: tier[0])
     device, load = held.device, 0.0
-    n = device.num_prefix_blocks(keys)
+    n = on_device = device.num_prefix_blocks(keys)
     for key in keys[n:]:
-        if key not in device:
+        if key in device:
+            on_device += 1
+        else:
             for cost, blocks in tiers:
                 if key in blocks:
                     load += cost
@@ -150,7 +178,7 @@ def held_prefix(
             else:
                 break  # no medium holds it: this block and every later one are computed
         n += 1
-    return n, load
+    return HeldPrefix(n, load, on_device)
 
 
 def within_key_bound(
@@ -181,12 +209,12 @@ def choose_replica(
     fallback = any(blocks[i] is None for i in pool)
     costs, cached = [math.inf] * len(loads), [0] * len(loads)
     for i in pool:
-        held, tier_load = blocks[i], 0.0
+        held, weight = blocks[i], 0.0
         if not fallback and held is not None:
-            n, tier_load = held_prefix(held, keys, config)
-            cached[i] = n * block_size
+            prefix = held_prefix(held, keys, config)
+            cached[i], weight = prefix.num_blocks * block_size, prefix.weight(config)
         cached[i] = min(cached[i], max(num_prompt_tokens - 1, 0))  # the last token is computed
         uncached = num_prompt_tokens - cached[i]
-        costs[i] = _cost(uncached, tier_load * block_size, loads[i], config)
+        costs[i] = _cost(uncached, weight * block_size, loads[i], config)
     best = min(pool, key=lambda i: (costs[i], loads[i].routed, i))
     return RouteChoice(best, cached[best], costs, fallback)

@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from kvstore.stores.breaker import describe as describe_error
@@ -100,10 +100,15 @@ class Counters:
         self.add(hits=found, misses=requested - found)
 
 
+# listener(removed, stored): entry keys one call of this process removed, then stored
+StoreListener = Callable[[list[bytes], list[bytes]], None]
+
+
 class SpillStore(ABC):
     """A spill tier below the device pool. Implementations are thread-safe."""
 
     name: str
+    _listener: StoreListener | None = None
     # True: put_many copies the values during the call, so a caller may pass views of a buffer
     # it reuses afterwards. False (the safe default): it may keep them, so pass immutable bytes.
     copies_values: bool = False
@@ -175,6 +180,12 @@ class SpillStore(ABC):
         secret, namespace or format version; the rest another prefix's): counted, kept."""
         self._counters.add(verify_failures=count, foreign=foreign)
 
+    def identity(self) -> str | None:
+        """The backend's name without secrets, the same in every process that reads it (a
+        router counts a block written there for each of them); None: private to this
+        process (host memory)."""
+        return None
+
     def probe(self) -> str | None:
         """None when the store can be reached now, else why not (one line, no secrets).
         Local stores are reachable once open; a networked one asks its server."""
@@ -197,6 +208,19 @@ class SpillStore(ABC):
         """Release connections/handles. Idempotent."""
 
     _counters: Counters
+
+    def watch(self, listener: StoreListener) -> None:
+        """Have `listener(removed, stored)` called after each call of this process that
+        changed the store (put_many, its evictions, delete, reject, clear), with the entry
+        keys it removed and then those it stored, net of the call: a key it stored and then
+        evicted is in `removed` only. A change made by another process (a shared LMDB's
+        writer, Redis's own eviction or expiry) is not seen. One listener per store."""
+        self._listener = listener
+
+    def _changed(self, removed: list[bytes], stored: list[bytes]) -> None:
+        if self._listener is not None and (removed or stored):
+            gone = set(removed)
+            self._listener(removed, [k for k in stored if k not in gone] if gone else stored)
 
     def __enter__(self) -> SpillStore:
         return self

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
@@ -39,6 +40,10 @@ from kvstore.stores.lmdb_pages import batches as _batches
 from kvstore.stores.lmdb_pages import data_pages as _data_pages
 from kvstore.stores.lmdb_pages import expiry_ms as _ms
 from kvstore.stores.lmdb_pages import reserve as _reserve
+from kvstore.stores.lmdb_records import advance as _advance
+from kvstore.stores.lmdb_records import append as _append
+from kvstore.stores.lmdb_records import insert as _insert
+from kvstore.stores.lmdb_records import remove as _remove
 
 T = TypeVar("T")
 
@@ -196,16 +201,31 @@ class LmdbStore(SpillStore):
         budget = (self.high_water - self.low_water) * map_pages  # pages one batch may cost
         sized = [((k, v), _data_pages(len(k), len(v), psize)) for k, v in items]
         fits = [(item, c) for item, c in sized if int(c) <= budget]
-        written = sum(self._put_batch(b, data) for b, data in _batches(fits, budget, tree))
+        removed: list[bytes] = []
+        stored: list[bytes] = []
+        written = sum(
+            self._put_batch(b, data, removed, stored) for b, data in _batches(fits, budget, tree)
+        )
         self._counters.add(writes=written, dropped_writes=len(sized) - len(fits))
+        n = len(self._prefix)
+        self._changed([k[n:] for k in removed if k.startswith(self._prefix)], stored)
         return written
 
-    def _put_batch(self, batch: list[tuple[bytes, bytes]], data_pages: float) -> int:
-        for force_evict in (False, True):
+    def _put_batch(
+        self,
+        batch: list[tuple[bytes, bytes]],
+        data_pages: float,
+        removed: list[bytes],
+        stored: list[bytes],
+    ) -> int:
+        """Write `batch`: the full keys it evicted go to `removed`, its keys to `stored`."""
+        for force in (False, True):
             try:
-                return self._run(
-                    lambda shared, force=force_evict: self._write(shared, batch, data_pages, force)
+                written = self._run(
+                    lambda sh, f=force: self._write(sh, batch, data_pages, f, removed)
                 )
+                stored.extend(key[len(self._prefix) :] for key, _ in batch)
+                return written
             except lmdb.MapFullError:
                 continue
             except lmdb.Error as e:
@@ -215,7 +235,12 @@ class LmdbStore(SpillStore):
         return 0
 
     def _write(
-        self, shared: SharedEnv, batch: list[tuple[bytes, bytes]], data_pages: float, force: bool
+        self,
+        shared: SharedEnv,
+        batch: list[tuple[bytes, bytes]],
+        data_pages: float,
+        force: bool,
+        removed: list[bytes],
     ) -> int:
         _, map_pages = self._pages(shared)
         with shared.env.begin() as txn:
@@ -223,27 +248,25 @@ class LmdbStore(SpillStore):
         need = data_pages + _reserve(len(batch), tree)
         if force or live + need > self.high_water * map_pages:
             target = max(0, int(self.low_water * map_pages - need))
-            self._evict(shared, min(target, live // 2) if force else target, map_pages)
+            self._evict(shared, min(target, live // 2) if force else target, map_pages, removed)
         with shared.env.begin(write=True) as txn:  # commits unless an exception escapes
-            return self._insert(txn, shared, batch)
+            return _insert(txn, shared, batch)
 
-    @staticmethod
-    def _advance(shared: SharedEnv) -> None:
-        """Commit one tiny transaction: pages freed by transaction N are reusable from N + 2."""
-        with shared.env.begin(write=True, db=shared.meta) as txn:
-            generation = int.from_bytes(txn.get(b"generation", b""), "big") + 1
-            txn.put(b"generation", generation.to_bytes(8, "big"))
-
-    def _evict(self, shared: SharedEnv, target_pages: int, map_pages: int) -> None:
+    def _evict(
+        self, shared: SharedEnv, target_pages: int, map_pages: int, removed: list[bytes]
+    ) -> None:
         """Delete the oldest entries (FIFO) until live pages <= target_pages, a chunk per
-        transaction; a chunk that hits MapFull is retried at half the size."""
+        transaction (its full keys go to `removed` once committed); a chunk that hits
+        MapFull is retried at half the size."""
         chunk = max(1, int((1.0 - self.high_water) * map_pages) // 4)
         while True:
             try:
+                keys: list[bytes] = []
                 with shared.env.begin(write=True) as txn:
-                    evicted = self._evict_chunk(txn, shared, target_pages, chunk)
+                    evicted = self._evict_chunk(txn, shared, target_pages, chunk, keys)
                 self._counters.add(evictions=evicted)  # committed
-                self._advance(shared)
+                removed.extend(keys)
+                _advance(shared)
             except lmdb.MapFullError:
                 if chunk == 1:
                     raise
@@ -253,35 +276,27 @@ class LmdbStore(SpillStore):
                 return
 
     def _evict_chunk(
-        self, txn: lmdb.Transaction, shared: SharedEnv, target_pages: int, chunk: int
+        self, txn: lmdb.Transaction, shared: SharedEnv, target: int, chunk: int, keys: list
     ) -> int:
-        """Delete up to `chunk` oldest entries, fewer once live pages <= target or none are
-        left; returns how many."""
+        """Delete up to `chunk` oldest entries (their keys into `keys`), fewer once live
+        pages <= target or none are left; returns how many."""
         cursor = txn.cursor(db=shared.order)
         evicted, passes, now_ms = 0, txn.stat(shared.expiry)["entries"], int(self.clock() * 1000)
         while evicted < chunk:
-            if self._used_pages(txn, shared) <= target_pages or not cursor.first():
+            if self._used_pages(txn, shared) <= target or not cursor.first():
                 break
             key = cursor.value()
             cursor.delete()
             if passes > 0 and _ms(txn.get(key, db=shared.expiry)) > now_ms:
                 passes -= 1  # retained: it goes behind the others (each one once a chunk)
-                self._append(txn, shared, key)
+                _append(txn, shared, key)
                 continue
             txn.delete(key, db=shared.seq)
             txn.delete(key, db=shared.blocks)
             txn.delete(key, db=shared.expiry)
+            keys.append(key)
             evicted += 1
         return evicted
-
-    @staticmethod
-    def _append(txn: lmdb.Transaction, shared: SharedEnv, key: bytes) -> None:
-        """Give `key` the next insertion sequence (the back of the FIFO)."""
-        cursor = txn.cursor(db=shared.order)
-        seq = int.from_bytes(cursor.key(), "big") + 1 if cursor.last() else 0
-        seq_key = seq.to_bytes(8, "big")
-        txn.put(seq_key, key, db=shared.order, append=True)
-        txn.put(key, seq_key, db=shared.seq)
 
     def retain(self, keys: Sequence[bytes], ttl_s: float) -> int:
         until = int((self.clock() + ttl_s) * 1000)
@@ -304,36 +319,23 @@ class LmdbStore(SpillStore):
             self._counters.error(e)
             return 0
 
-    @staticmethod
-    def _insert(txn: lmdb.Transaction, shared: SharedEnv, batch: list[tuple[bytes, bytes]]) -> int:
-        cursor = txn.cursor(db=shared.order)
-        seq = int.from_bytes(cursor.key(), "big") + 1 if cursor.last() else 0
-        written = 0
-        for key, value in batch:
-            if not txn.put(key, value, db=shared.blocks, overwrite=False):
-                continue  # already present
-            seq_key = seq.to_bytes(8, "big")
-            seq += 1
-            txn.put(seq_key, key, db=shared.order, append=True)
-            txn.put(key, seq_key, db=shared.seq)
-            written += 1
-        return written
-
     def delete(self, keys: Sequence[bytes]) -> int:
-        def remove(shared: SharedEnv) -> int:
-            removed = 0
+        def remove(shared: SharedEnv) -> list[bytes]:
             with shared.env.begin(write=True) as txn:
-                for key in keys:
-                    removed += self._remove(txn, shared, self._prefix + key)
-            return removed
+                return [k for k in keys if _remove(txn, shared, self._prefix + k)]
 
         try:
-            return self._run(remove) if keys else 0
+            removed = self._run(remove) if keys else []
+            self._changed([bytes(k) for k in removed], [])
+            return len(removed)
         except lmdb.Error as e:
             self._counters.error(e)
             return 0
 
     # --------------------------------------------------------------- admin
+
+    def identity(self) -> str | None:
+        return f"lmdb://{socket.gethostname()}{self.path}"  # processes of one host share it
 
     def stats(self) -> StoreStats:
         def measure(shared: SharedEnv) -> tuple[int, int, int]:
@@ -351,14 +353,6 @@ class LmdbStore(SpillStore):
         now = int(self.clock() * 1000)
         cursor = txn.cursor(db=shared.expiry)
         return sum(_ms(v) > now for _, v in cursor.iternext())
-
-    @staticmethod
-    def _remove(txn: lmdb.Transaction, shared: SharedEnv, full_key: bytes) -> int:
-        seq_key = txn.pop(full_key, db=shared.seq)
-        if seq_key is not None:
-            txn.delete(seq_key, db=shared.order)
-        txn.delete(full_key, db=shared.expiry)
-        return int(txn.delete(full_key, db=shared.blocks))
 
     def clear(self) -> int:
         """Delete this namespace's entries (every entry when the store has no namespace id)."""
@@ -378,7 +372,7 @@ class LmdbStore(SpillStore):
                         if not key.startswith(self._prefix):
                             break
                         keys.append(key)
-                return sum(self._remove(txn, shared, key) for key in keys)
+                return sum(_remove(txn, shared, key) for key in keys)
 
         return self._run(drop_namespace if self._prefix else drop_all)
 

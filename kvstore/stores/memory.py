@@ -58,24 +58,29 @@ class MemoryStore(SpillStore):
         return values
 
     def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> int:
-        written = dropped = evicted = 0
+        written = dropped = 0
+        removed: list[bytes] = []
+        stored: list[bytes] = []
         with self._lock:
             for key, value in items:
                 if key in self._entries:
+                    stored.append(bytes(key))
                     continue
                 if len(value) > self.capacity_bytes:
                     dropped += 1
                     continue
-                evicted += self._make_room(len(value))
+                self._make_room(len(value), removed)
                 self._entries[bytes(key)] = bytes(value)
                 self._bytes += len(value)
+                stored.append(bytes(key))
                 written += 1
-        self._counters.add(writes=written, dropped_writes=dropped, evictions=evicted)
+        self._counters.add(writes=written, dropped_writes=dropped, evictions=len(removed))
+        self._changed(removed, stored)
         return written
 
-    def _make_room(self, nbytes: int) -> int:
-        evicted = passed = 0
-        now = self.clock()
+    def _make_room(self, nbytes: int, removed: list[bytes]) -> None:
+        """Evict (into `removed`) until nbytes more fit."""
+        passed, now = 0, self.clock()
         while self._bytes + nbytes > self.capacity_bytes:
             key, old = self._entries.popitem(last=False)
             if self._until.get(key, now) > now and passed < len(self._entries):
@@ -84,8 +89,7 @@ class MemoryStore(SpillStore):
                 continue
             self._until.pop(key, None)
             self._bytes -= len(old)
-            evicted += 1
-        return evicted
+            removed.append(key)
 
     def retain(self, keys: Sequence[bytes], ttl_s: float) -> int:
         retained = 0
@@ -98,15 +102,16 @@ class MemoryStore(SpillStore):
         return retained
 
     def delete(self, keys: Sequence[bytes]) -> int:
-        removed = 0
+        removed: list[bytes] = []
         with self._lock:
             for key in keys:
                 value = self._entries.pop(key, None)
                 self._until.pop(key, None)
                 if value is not None:
                     self._bytes -= len(value)
-                    removed += 1
-        return removed
+                    removed.append(bytes(key))
+        self._changed(removed, [])
+        return len(removed)
 
     def stats(self) -> StoreStats:
         with self._lock:
@@ -117,11 +122,12 @@ class MemoryStore(SpillStore):
 
     def clear(self) -> int:
         with self._lock:
-            removed = len(self._entries)
+            removed = list(self._entries)
             self._entries.clear()
             self._until.clear()
             self._bytes = 0
-        return removed
+        self._changed(removed, [])
+        return len(removed)
 
     def close(self) -> None:
         self.clear()

@@ -205,6 +205,8 @@ class RedisStore(SpillStore):
         written = sum(r is True for r in results)
         failed = sum(isinstance(r, Exception) for r in results)  # e.g. OOM under maxmemory
         self._counters.add(writes=written, dropped_writes=failed, errors=min(failed, 1))
+        stored = [key for (key, _), r in zip(items, results, strict=True) if _stored(r)]
+        self._changed([], stored)  # NX: a key already there (None) is held too
         return written
 
     def retain(self, keys: Sequence[bytes], ttl_s: float) -> int:
@@ -232,9 +234,13 @@ class RedisStore(SpillStore):
             results = self._pipeline(lambda pipe: [pipe.delete(self._rkey(k)) for k in keys])
         except _Failed:
             return 0
+        self._changed([k for k, r in zip(keys, results, strict=True) if r == 1], [])
         return sum(r for r in results if isinstance(r, int))
 
     # --------------------------------------------------------------- admin
+
+    def identity(self) -> str | None:
+        return url_identity(self.url)
 
     def probe(self) -> str | None:
         """None when the server answers a PING now, else why not (one line). Outside the
@@ -282,6 +288,17 @@ class RedisStore(SpillStore):
         if client is not None:
             with contextlib.suppress(*_FAILURES):
                 client.close()
+
+
+def _stored(result: object) -> bool:
+    """A SET NX answered: True (written) or None (there already); not an error."""
+    return result is True or result is None
+
+
+def url_identity(url: str) -> str:
+    """`url` without its user and password: scheme, host, port and database."""
+    scheme, sep, rest = url.partition("://")
+    return f"{scheme}{sep}{rest.rpartition('@')[2]}" if sep else url
 
 
 def redact_url(url: str) -> str:

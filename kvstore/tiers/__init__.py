@@ -26,9 +26,11 @@ import numpy as np
 
 from kvstore.config import CacheConfig
 from kvstore.device.pool import BlockPool
+from kvstore.fleet.events import TIER_MEDIUM, EventSink
 from kvstore.metrics import CacheMetrics
 from kvstore.scopes import Scope
 from kvstore.stores import SpillStore
+from kvstore.tiers.events import TierEvents
 from kvstore.tiers.fetch import Allocate, Segment, TierReader
 from kvstore.tiers.policy import WritePolicies
 from kvstore.tiers.writer import PendingRetain, PendingWrite, TierWriter
@@ -56,15 +58,20 @@ class Tiers:
         pool: BlockPool,
         metrics: CacheMetrics,
         write_back_at_commit: bool = False,
+        events: EventSink | None = None,
     ):
         """`write_back_at_commit`: write-back stores are written when blocks are committed
-        (an attention kind whose blocks lose parts long before they are evicted)."""
+        (an attention kind whose blocks lose parts long before they are evicted); `events`
+        gets each store's changes as block events of its medium (kvstore/tiers/events.py)."""
         self.config, self.pool, self.metrics = config, pool, metrics
         self.stores = list(stores)
         self.chunk_blocks = config.chunk_blocks
         self.policies = WritePolicies(config, self.stores, write_back_at_commit)
         self.reader = TierReader(self.stores, pool.layout, config.chunk_blocks, metrics)
-        self.writer = TierWriter(self.stores, config.codec, config.write_queue_blocks, metrics)
+        self.events = [_events(s, events, pool.block_size, self.chunk_blocks) for s in stores]
+        self.writer = TierWriter(
+            self.stores, config.codec, config.write_queue_blocks, metrics, events=self.events
+        )
         _flush_at_exit(self)
         warn_unreachable(self.stores)
 
@@ -181,6 +188,7 @@ class Tiers:
                 self.pool.read_blocks(block_ids[first:end]),
                 targets,
                 scope,
+                keys[first:end] if any(self.events) else (),
             )
         )
 
@@ -201,6 +209,15 @@ class Tiers:
         self.writer.close(self.config.flush_timeout_s)
         for store in self.stores:
             store.close()
+
+
+def _events(
+    store: SpillStore, sink: EventSink | None, block_size: int, chunk_blocks: int
+) -> TierEvents | None:
+    """The store's event reporter, when there is a sink and the store has a medium."""
+    if sink is None or store.name not in TIER_MEDIUM:
+        return None
+    return TierEvents(store, sink, block_size, chunk_blocks)
 
 
 def warn_unreachable(stores: Sequence[SpillStore]) -> None:

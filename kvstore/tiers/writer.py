@@ -13,7 +13,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -43,10 +43,17 @@ class PendingWrite(NamedTuple):
     kv: torch.Tensor  # [num_blocks, layers, 2, kv_heads, block_size, head_dim], independent copy
     targets: tuple[int, ...]
     scope: Scope  # the namespace the entries belong to
+    block_keys: Sequence[bytes] = ()  # every block's lookup key (for the tiers' events)
 
     @property
     def num_blocks(self) -> int:
         return int(self.kv.shape[0])
+
+
+class Watcher(Protocol):
+    """A store's event reporter (kvstore/tiers/events.py), told which write is put."""
+
+    def writing(self, write: PendingWrite | None) -> None: ...
 
 
 class PendingRetain(NamedTuple):
@@ -69,9 +76,12 @@ class TierWriter:
         max_blocks: int,
         metrics: CacheMetrics,
         arena_bytes: int = ARENA_BYTES,
+        events: Sequence[Watcher | None] = (),
     ):
-        """`arena_bytes`: bound of the encode buffer it reuses for stores that copy values."""
+        """`arena_bytes`: bound of the encode buffer it reuses for stores that copy values;
+        `events`: per store, what reports its changes as events (told which write it puts)."""
         self._stores, self._codec, self._arena_bytes = stores, codec, arena_bytes
+        self._events = list(events) or [None] * len(stores)
         self._max_blocks, self._metrics = max_blocks, metrics
         self._queue: deque[PendingWrite | PendingRetain] = deque()
         self._pending_blocks = 0  # queued + in flight
@@ -195,5 +205,8 @@ class TierWriter:
     def _put(self, write: PendingWrite, items: list[tuple[bytes, bytes | memoryview]]) -> None:
         per = write.num_blocks // len(write.keys)
         for target in write.targets:
+            watcher = self._events[target]
+            if watcher is not None:
+                watcher.writing(write)
             written = self._stores[target].put_many(items) * per
             self._metrics.inc("tier_writes_blocks_total", written, tier=self._stores[target].name)

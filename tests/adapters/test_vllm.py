@@ -9,6 +9,7 @@ import itertools
 import json
 import os
 import time
+from collections.abc import Callable
 
 import msgspec
 import numpy as np
@@ -51,6 +52,7 @@ from kvstore.adapters.vllm import KvstoreTier
 from kvstore.cache import PrefixCache
 from kvstore.config import CacheConfig, ConfigError
 from kvstore.fleet.events import AllBlocksCleared, BlockRemoved, BlockStored, EventSink, KVEvent
+from kvstore.stores import MemoryStore
 
 BLOCK_BYTES = 2 * 2 * 2 * 16 * 8 * 2  # layers x K/V x heads x 16 tokens x head_dim x bf16
 STEP = ScheduleEndContext((), ())
@@ -347,24 +349,17 @@ def _vllm_block_set(batches: list) -> set:
     return blocks
 
 
-def test_kv_events_of_a_cache_decode_with_vllms_classes_into_its_exact_blocks():
-    """kvstore's publisher over a PrefixCache run with evictions; a plain SUB socket reads it
-    as vLLM's consumers do, and vLLM's KVEventBatch decodes every payload."""
-    bs, local = 4, "tcp://127.0.0.1:*"
-    config = EventsConfig(endpoint=local, replay_endpoint=local, heartbeat_s=0.05)
-    pub = ZmqEventPublisher(config)
-    sink = CountingSink(pub)
-    namespace = Namespace("fp", "float32", 2, 2, 8, bs)
-    cache = PrefixCache(CacheConfig(block_size=bs, device_blocks=16, device="cpu"), namespace,
-                        events=sink)  # fmt: skip
+def _published_batches(pub: ZmqEventPublisher, sink: CountingSink, run: Callable[[], None]):
+    """Run `run` while a plain SUB socket reads the publisher as vLLM's consumers do; every
+    batch it published, decoded by vLLM's KVEventBatch (none may be lost)."""
     decoder = msgspec.msgpack.Decoder(vllm_events.KVEventBatch)
     with zmq.Context() as ctx, ctx.socket(zmq.SUB) as sub:
         sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.SUBSCRIBE, config.topic.encode())
+        sub.setsockopt(zmq.SUBSCRIBE, pub.config.topic.encode())
         sub.connect(pub.endpoint)
         assert sub.poll(5000), "no heartbeat"  # subscribed: nothing after this is missed
         frames = [sub.recv_multipart()]
-        _events_workload(cache, bs)
+        run()
         deadline = time.monotonic() + 10
         while pub.published_events < sink.count and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -375,7 +370,20 @@ def test_kv_events_of_a_cache_decode_with_vllms_classes_into_its_exact_blocks():
         pub.close()
     seqs = [int.from_bytes(seq, "big") for _, seq, _ in frames]
     assert seqs == list(range(seqs[0], seqs[-1] + 1))  # none lost
-    batches = [decoder.decode(payload) for _, _, payload in frames]
+    return [decoder.decode(payload) for _, _, payload in frames]
+
+
+def test_kv_events_of_a_cache_decode_with_vllms_classes_into_its_exact_blocks():
+    """kvstore's publisher over a PrefixCache run with evictions; a plain SUB socket reads it
+    as vLLM's consumers do, and vLLM's KVEventBatch decodes every payload."""
+    bs, local = 4, "tcp://127.0.0.1:*"
+    config = EventsConfig(endpoint=local, replay_endpoint=local, heartbeat_s=0.05)
+    pub = ZmqEventPublisher(config)
+    sink = CountingSink(pub)
+    namespace = Namespace("fp", "float32", 2, 2, 8, bs)
+    cache = PrefixCache(CacheConfig(block_size=bs, device_blocks=16, device="cpu"), namespace,
+                        events=sink)  # fmt: skip
+    batches = _published_batches(pub, sink, lambda: _events_workload(cache, bs))
     evicted = cache.metrics.get("evicted_blocks_total")
     assert evicted > 0
     truth = {key for event in cache.snapshot_events() for key in event.block_hashes}
@@ -393,6 +401,58 @@ def test_kv_events_of_a_cache_decode_with_vllms_classes_into_its_exact_blocks():
         assert len(e.token_ids) == bs * len(e.block_hashes)
         assert all(isinstance(h, bytes) and len(h) == 16 for h in e.block_hashes)
         assert (e.lora_id, e.lora_name, e.extra_keys, e.group_idx) == (None, None, None, None)
+
+
+def _vllm_media_sets(batches: list) -> dict[str, set]:
+    """Per medium, the blocks vLLM's events describe (AllBlocksCleared clears them all)."""
+    media: dict[str, set] = {}
+    for batch in batches:
+        for event in batch.events:
+            if isinstance(event, vllm_events.AllBlocksCleared):
+                for blocks in media.values():
+                    blocks.clear()
+            elif isinstance(event, vllm_events.BlockStored):
+                media.setdefault(event.medium, set()).update(event.block_hashes)
+            else:
+                media.setdefault(event.medium, set()).difference_update(event.block_hashes)
+    return media
+
+
+def test_kv_events_of_a_device_pool_and_a_spilling_host_tier_rebuild_each_medium():
+    """A cache over a host-memory tier that evicts: vLLM's classes decode the stream, and
+    the blocks per `medium` are the device pool's ("CPU") and the tier's ("HOST")."""
+    bs, local = 4, "tcp://127.0.0.1:*"
+    config = EventsConfig(endpoint=local, replay_endpoint=local, heartbeat_s=0.05)
+    pub = ZmqEventPublisher(config)
+    sink = CountingSink(pub)
+    namespace = Namespace("fp", "float32", 2, 2, 8, bs)
+    store = MemoryStore(30 * (2 * 2 * 2 * bs * 8 * 4 + 512))  # about 30 entries
+    cache = PrefixCache(CacheConfig(block_size=bs, device_blocks=16, device="cpu"), namespace,
+                        stores=[store], events=sink)  # fmt: skip
+    prompts = []
+
+    def run() -> None:
+        rng = np.random.default_rng(3)
+        for _ in range(40):
+            prompt = rng.integers(0, 1000, bs * int(rng.integers(4, 9)) + 1).astype(np.uint32)
+            hit = cache.lookup(prompt)
+            kv = torch.randn(1, 2, len(prompt), 8)
+            cache.store(prompt, [(kv, kv)] * 2, keys=hit.keys)
+            cache.release(hit)
+            prompts.append(cache.hasher.hash_blocks(prompt))
+        assert cache.tiers.flush(10)
+
+    media = _vllm_media_sets(_published_batches(pub, sink, run))
+    assert store.stats().evictions > 0
+    device = {key for event in cache.snapshot_events() for key in event.block_hashes}
+    held = {
+        k
+        for keys in prompts
+        for k, there in zip(keys, store.contains_many(keys), strict=True)
+        if there
+    }
+    assert media == {"CPU": device, "HOST": held}
+    cache.close()
 
 
 def test_kv_events_encode_byte_for_byte_as_vllm_and_decode_vllms_batches():

@@ -57,6 +57,11 @@ def routed(trace: BlockTrace, config: FleetConfig) -> tuple[list[int], list[int]
     return replicas, hits
 
 
+# the cost as the tests below compute it: a device block worth only the prefill it saves
+# (device_affinity is tested in tests/core/test_routing.py)
+NO_AFFINITY = RoutingConfig(device_affinity=0.0)
+
+
 def fleet(
     replicas: int,
     route: str,
@@ -70,7 +75,7 @@ def fleet(
         "lru",
         replicas,
         route,
-        routing or RoutingConfig(),
+        routing or NO_AFFINITY,
         service or ServiceModel(),
     )
 
@@ -162,7 +167,8 @@ def test_a_busy_replica_loses_to_an_idle_one_once_its_queue_outweighs_the_overla
     # Replica 0 costs 5 + 5 * queued + decode_weight * 13 against 17 on the idle replica 1:
     # 6.3, 11.3, 16.3, then 21.3 with the default weights; 11.5, 16.5, then 21.5 with 0.5
     trace = from_chains([[0, 1, 2], *[[0, 1, 2, i] for i in range(3, 7)]], block_tokens=4)
-    config = fleet(2, "kv", service=ONE_MS, routing=RoutingConfig(1.0, decode_weight))
+    routing = RoutingConfig(1.0, decode_weight, device_affinity=0.0)
+    config = fleet(2, "kv", service=ONE_MS, routing=routing)
     replicas, _ = routed(trace, config)
     assert replicas == [0] * moves_at + [1] * (5 - moves_at)
 
@@ -419,6 +425,7 @@ def test_planning_json_has_the_documented_fields_and_files(tmp_path, capsys):
         assert r["service_model"] == {"prefill_ms_per_token": 0.5, "decode_ms_per_token": 0.25}
         kv = {"prefill_weight": 1.0, "decode_weight": 0.3, "key_load_slack": 4096.0}
         kv |= {"host_block_cost": 0.05, "disk_block_cost": 0.2, "redis_block_cost": 0.5}
+        kv |= {"device_affinity": 1.0}
         assert r["routing"] == (kv if r["route"] == "kv" else None)
         assert r["est_queue_wait_s"] >= 0
         assert r["est_ttft_nocache_s"] == pytest.approx(0.5 * tokens / 156 / 1000, abs=1e-4)

@@ -56,3 +56,21 @@ def test_every_session_has_a_document_of_its_own():
 def test_bad_arguments_are_refused_before_anything_starts(argv, message, capsys):
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_host_tier_scenario_compares_the_kv_router_with_one_fed_device_events_only():
+    runs = []
+    for route, ttft, cached in [("kv", 0.3, 80.0), ("kv-device", 1.2, 20.0)]:
+        run = summarize([outcome(True, "x", ttft)], 1.0, {"device": 10.0, "memory": cached}, [1])
+        runs.append(run | {"scenario": "host-tiers", "route": route, "killed": []})
+    assert "host-tiers: kv / kv-device: TTFT p50 0.25x" in print_report({"runs": runs})
+
+
+def test_the_device_only_route_is_the_kv_router_with_spill_tier_events_ignored(tmp_path):
+    from bench.fleet.cluster import FleetSpec, replica_command, router_command
+
+    spec = FleetSpec(tmp_path, 3, 48, False, "kv-device", tmp_path, memory_cache_gb=0.5)
+    router = router_command(spec, 9000, ["http://127.0.0.1:1"])
+    assert router[router.index("--policy") + 1] == "kv" and "--device-events-only" in router
+    replica = replica_command(spec, 9001, 9002, ["--memory-cache-gb", "0.5"])
+    assert replica[replica.index("--device-blocks") + 1] == "48"

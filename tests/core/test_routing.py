@@ -101,22 +101,24 @@ def test_the_replica_holding_the_prefix_wins_at_equal_load():
         keys, 4 * BS + 1, BS, [held(0), held(0, 1, 2)], [ReplicaLoad()] * 2, RoutingConfig()
     )
     assert (choice.replica, choice.num_cached_tokens) == (1, 3 * BS)
-    assert choice.costs == [4 * BS + 1 - BS, 4 * BS + 1 - 3 * BS]
+    # each device block saves its prefill, and is worth device_affinity (1) of one more
+    assert choice.costs == [4 * BS + 1 - 2 * BS, 4 * BS + 1 - 6 * BS]
     assert not choice.fallback
 
 
 def test_a_shared_first_block_does_not_pile_requests_onto_one_replica():
-    """Replica 0 holds every prompt's first block; its queue outweighs that overlap."""
+    """Replica 0 holds every prompt's first block; its queue outweighs that overlap (the
+    block's prefill and its affinity)."""
     keys = [key(0), key(5)]
-    loads = [ReplicaLoad(queued_tokens=BS + 1), ReplicaLoad()]
+    loads = [ReplicaLoad(queued_tokens=2 * BS + 1), ReplicaLoad()]
     choice = choose_replica(keys, 3 * BS, BS, [held(0), BlockSet()], loads, RoutingConfig())
     assert choice.replica == 1
-    assert choice.costs == [2 * BS + BS + 1, 3 * BS]
+    assert choice.costs == [2 * BS + 2 * BS + 1 - BS, 3 * BS]
 
 
 def test_running_tokens_weigh_by_the_decode_weight():
     loads = [ReplicaLoad(running_tokens=1000), ReplicaLoad(running_tokens=0)]
-    config = RoutingConfig(prefill_weight=1.0, decode_weight=0.1)
+    config = RoutingConfig(prefill_weight=1.0, decode_weight=0.1, device_affinity=0.0)
     choice = choose_replica([key(0)], 2 * BS, BS, [held(0), BlockSet()], loads, config)
     assert choice.costs == [BS + 100.0, 2 * BS]
     assert choice.replica == 1
@@ -165,6 +167,7 @@ FOUR = [key(i) for i in range(4)]  # a prompt of 4 whole blocks and one more tok
 N = 4 * BS + 1
 DEFAULTS = RoutingConfig()
 HOST, DISK, REDIS = DEFAULTS.host_block_cost, DEFAULTS.disk_block_cost, DEFAULTS.redis_block_cost
+AFFINITY = DEFAULTS.device_affinity
 
 
 def test_a_replica_whose_host_tier_holds_the_prefix_beats_a_cold_one():
@@ -179,7 +182,7 @@ def test_a_device_hit_beats_the_same_prefix_in_host_memory():
     blocks = [media(host=(0, 1, 2)), media(device=(0, 1, 2))]
     choice = choose_replica(FOUR, N, BS, blocks, loads, RoutingConfig())
     assert choice.replica == 1
-    assert choice.costs == [N - 3 * BS + 3 * HOST * BS, N - 3 * BS]
+    assert choice.costs == [N - 3 * BS + 3 * HOST * BS, N - 3 * BS - 3 * AFFINITY * BS]
 
 
 def test_each_block_counts_at_its_cheapest_medium_and_the_walk_stops_at_the_first_gap():
@@ -190,7 +193,7 @@ def test_each_block_counts_at_its_cheapest_medium_and_the_walk_stops_at_the_firs
     keys = [*FOUR, key(4)]
     choice = choose_replica(keys, 5 * BS + 1, BS, blocks, [ReplicaLoad()], RoutingConfig())
     assert choice.num_cached_tokens == 3 * BS
-    assert choice.costs == [5 * BS + 1 - 3 * BS + (HOST + DISK) * BS]
+    assert choice.costs == [5 * BS + 1 - 3 * BS + (HOST + DISK - AFFINITY) * BS]
 
 
 def test_a_shared_redis_counts_for_every_replica_that_reads_it():
@@ -219,7 +222,19 @@ def test_with_device_blocks_only_the_cost_is_the_device_only_cost():
     plain = choose_replica(FOUR, N, BS, [held(0), held(0, 1)], loads, RoutingConfig())
     tiered = [MediaBlocks(held(0)), MediaBlocks(held(0, 1))]
     assert choose_replica(FOUR, N, BS, tiered, loads, RoutingConfig()) == plain
-    assert plain.costs == [N - BS + 7, N - 2 * BS + 3.0]
+    assert plain.costs == [N - BS + 7 - AFFINITY * BS, N - 2 * BS + 3.0 - 2 * AFFINITY * BS]
+
+
+def test_device_affinity_keeps_a_conversation_on_its_device_against_a_shared_tier_copy():
+    """Both replicas read the prefix (one on its device, one from a shared Redis); the device
+    holder is busier by more than Redis saves over the device, less than the affinity adds."""
+    shared = held(0, 1, 2)
+    blocks = [media(device=(0, 1, 2), redis=shared), media(redis=shared)]
+    busy = (1 - REDIS) * 3 * BS + 1  # more than the Redis copy costs over the device one
+    loads = [ReplicaLoad(queued_tokens=int(busy)), ReplicaLoad()]
+    assert choose_replica(FOUR, N, BS, blocks, loads, RoutingConfig()).replica == 0
+    no_affinity = RoutingConfig(device_affinity=0.0)
+    assert choose_replica(FOUR, N, BS, blocks, loads, no_affinity).replica == 1
 
 
 def test_a_tier_priced_as_recomputing_its_blocks_is_as_good_as_cold():

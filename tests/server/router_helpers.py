@@ -16,12 +16,13 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 REPLICA = "x-kvstore-replica"
 
 
-def start_replica(model_dir: Path, log_dir: Path, name: str) -> ServerProcess:
+def start_replica(model_dir: Path, log_dir: Path, name: str, *extra: str) -> ServerProcess:
+    """`extra`: more `kvstore serve` flags (a later flag wins over the defaults here)."""
     port = free_port()
     args = [kvstore_script(), "serve", "--model", str(model_dir), "--port", str(port),
             "--block-size", str(BLOCK), "--device-blocks", "512", "--device", "cpu",
             "--log-level", "warning", "--kv-events-port", str(free_port()),
-            "--kv-events-replay-port", str(free_port())]  # fmt: skip
+            "--kv-events-replay-port", str(free_port()), *extra]  # fmt: skip
     env = clean_env(KVSTORE_API_KEY=KEY, OMP_NUM_THREADS="1")
     return ServerProcess(args, port, log_dir / f"{name}.log", env)
 
@@ -37,11 +38,16 @@ def start_router(model_dir: Path, log_dir: Path, urls: list[str], *extra: str) -
 
 @contextlib.contextmanager
 def running_fleet(
-    model_dir: Path, log_dir: Path, replicas: int = 2, router_args: tuple[str, ...] = ()
+    model_dir: Path,
+    log_dir: Path,
+    replicas: int = 2,
+    router_args: tuple[str, ...] = (),
+    replica_args: tuple[str, ...] = (),
 ) -> Iterator[tuple[ServerProcess, list[ServerProcess]]]:
-    """Replicas with events behind a kv router (with `router_args`), the router's view of
-    their events fresh: (router, [replica 0, replica 1, ...]); all stopped on leaving."""
-    procs = [start_replica(model_dir, log_dir, f"r{i}") for i in range(replicas)]
+    """Replicas with events (and `replica_args`) behind a kv router (with `router_args`),
+    the router's view of their events fresh: (router, [replica 0, ...]); all stopped on
+    leaving."""
+    procs = [start_replica(model_dir, log_dir, f"r{i}", *replica_args) for i in range(replicas)]
     router = None
     try:
         for r in procs:

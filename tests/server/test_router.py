@@ -279,10 +279,10 @@ def test_a_prompt_just_routed_counts_as_held_before_its_events_arrive():
     the replica it went to is still the cheapest for it."""
     from engine.router.config import RouterConfig
     from engine.router.fleet import Fleet
-    from kvstore.fleet.events import BlockSet
+    from kvstore.fleet.events import BlockSet, MediaBlocks
 
     class Quiet:  # a subscriber whose events have not come yet
-        blocks = BlockSet()
+        media = MediaBlocks(BlockSet())
 
         def stale(self, now: float, after: float) -> bool:
             return False
