@@ -164,8 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--small-device-blocks",
         type=int,
-        default=48,
-        help="per replica in the host-tier scenarios: a few chats' worth",
+        default=160,
+        help="per replica in the host-tier scenarios: a little over one chat's prompt",
     )
     parser.add_argument(
         "--memory-cache-gb",
