@@ -64,6 +64,8 @@ class RouterConfig:
             raise ConfigError("port", f"must be 0..65535, got {self.port}")
         for name in ("health_interval_s", "stale_after_s", "connect_timeout_s"):
             _check_positive(name, getattr(self, name))
+        if not isinstance(self.tier_events, bool):
+            raise ConfigError("tier_events", f"must be True or False, got {self.tier_events!r}")
         for key in self.api_keys:
             check_api_key(key)
 
