@@ -53,7 +53,7 @@ class PrefixCache:
     ):
         """`stores` overrides the spill tiers the config names (fastest first); `events` gets
         the device index's block events (kvstore/fleet/events.py) under the cache's lock, and
-        the spill tiers' (each of its medium) from the tier writer's thread.
+        the spill tiers' (each of its medium) from the threads that change them.
 
         `window`: the sliding window (in tokens) of every attention layer of the model, None
         when some layer attends to the whole prefix. A window cache lets a running request

@@ -140,7 +140,7 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
         "--device-events-only",
         action="store_true",
         help="route by the replicas' device pools alone, ignoring their spill tiers' events "
-        "(the baseline `bench fleet --scenario host-tiers` compares against)",
+        "(the baseline `bench fleet --scenarios host-tiers` compares against)",
     )
     parser.add_argument("--api-key", default=None, help=f"API key (default: ${API_KEY_ENV})")
     parser.add_argument("--api-keys-file", default=None, help='JSON {"key": "tenant", ...}')

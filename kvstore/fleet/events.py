@@ -95,14 +95,21 @@ class BlockSet(EventSink):
 
     def __init__(self) -> None:
         self.blocks: set[BlockHash] = set()
+        # a spill entry of several blocks, by its last block: removing that key removes all
+        self.entries: dict[BlockHash, list[BlockHash]] = {}
 
     def apply(self, event: KVEvent) -> None:
         if isinstance(event, BlockStored):
             self.blocks.update(event.block_hashes)
+            if event.medium is not None and len(event.block_hashes) > 1:
+                self.entries[event.block_hashes[-1]] = event.block_hashes
         elif isinstance(event, BlockRemoved):
             self.blocks.difference_update(event.block_hashes)
+            for key in event.block_hashes if self.entries else ():
+                self.blocks.difference_update(self.entries.pop(key, ()))
         elif isinstance(event, AllBlocksCleared):
             self.blocks.clear()
+            self.entries.clear()
         else:
             raise TypeError(f"not a KV event: {type(event).__name__}")
 
@@ -195,5 +202,5 @@ def _check_spill(medium: str) -> None:
 
 def _copied(blocks: BlockSet) -> BlockSet:
     copy = BlockSet()
-    copy.blocks = set(blocks.blocks)
+    copy.blocks, copy.entries = set(blocks.blocks), dict(blocks.entries)
     return copy

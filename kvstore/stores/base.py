@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from kvstore.stores.breaker import describe as describe_error
@@ -102,6 +102,27 @@ class Counters:
 
 # listener(removed, stored): entry keys one call of this process removed, then stored
 StoreListener = Callable[[list[bytes], list[bytes]], None]
+
+
+class Changes:
+    """The entry keys one call changed, in the order it changed them: `net()` splits them by
+    each key's last change (an old entry evicted and then written again is stored; one
+    written and then evicted is removed)."""
+
+    def __init__(self) -> None:
+        self._last: dict[bytes, bool] = {}  # key -> stored (True) or removed (False) last
+
+    def removed(self, keys: Iterable[bytes]) -> None:
+        for key in keys:
+            self._last[bytes(key)] = False
+
+    def stored(self, keys: Iterable[bytes]) -> None:
+        for key in keys:
+            self._last[bytes(key)] = True
+
+    def net(self) -> tuple[list[bytes], list[bytes]]:
+        last = self._last.items()
+        return [k for k, s in last if not s], [k for k, s in last if s]
 
 
 class SpillStore(ABC):
@@ -210,17 +231,20 @@ class SpillStore(ABC):
     _counters: Counters
 
     def watch(self, listener: StoreListener) -> None:
-        """Have `listener(removed, stored)` called after each call of this process that
-        changed the store (put_many, its evictions, delete, reject, clear), with the entry
-        keys it removed and then those it stored, net of the call: a key it stored and then
-        evicted is in `removed` only. A change made by another process (a shared LMDB's
-        writer, Redis's own eviction or expiry) is not seen. One listener per store."""
+        """Have `listener(removed, stored)` called for each call of this process that
+        changed the store (put_many and its evictions, delete, reject; host memory's clear
+        too), with the entry keys it removed and those it stored, each key by its last
+        change in the call (`Changes`). Calls are reported in the order their changes took
+        effect (under the store's lock), so the listener must be quick and must not call the
+        store. A change made by another process (a shared LMDB's writer, `kvstore admin
+        clear`, Redis's own eviction or expiry) is not seen. One listener per store."""
         self._listener = listener
 
-    def _changed(self, removed: list[bytes], stored: list[bytes]) -> None:
-        if self._listener is not None and (removed or stored):
-            gone = set(removed)
-            self._listener(removed, [k for k in stored if k not in gone] if gone else stored)
+    def _changed(self, changes: Changes) -> None:
+        if self._listener is not None:
+            removed, stored = changes.net()
+            if removed or stored:
+                self._listener(removed, stored)
 
     def __enter__(self) -> SpillStore:
         return self

@@ -28,13 +28,14 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TypeVar
 
 import lmdb
 
-from kvstore.stores.base import Counters, SpillStore, StoreStats
+from kvstore.stores.base import Changes, Counters, SpillStore, StoreStats
 from kvstore.stores.lmdb_env import SharedEnv, acquire, release
 from kvstore.stores.lmdb_pages import batches as _batches
 from kvstore.stores.lmdb_pages import data_pages as _data_pages
@@ -70,6 +71,7 @@ class LmdbStore(SpillStore):
         if not isinstance(map_size_bytes, int) or map_size_bytes < 64 * 4096:
             raise ValueError(f"map_size_bytes must be an int >= 256 KiB, got {map_size_bytes!r}")
         self.path = os.path.realpath(path)
+        self._order = threading.Lock()
         self._prefix = namespace_id
         self.high_water, self.low_water = high_water, low_water
         self._requested_map_size = map_size_bytes
@@ -201,30 +203,26 @@ class LmdbStore(SpillStore):
         budget = (self.high_water - self.low_water) * map_pages  # pages one batch may cost
         sized = [((k, v), _data_pages(len(k), len(v), psize)) for k, v in items]
         fits = [(item, c) for item, c in sized if int(c) <= budget]
-        removed: list[bytes] = []
-        stored: list[bytes] = []
-        written = sum(
-            self._put_batch(b, data, removed, stored) for b, data in _batches(fits, budget, tree)
-        )
+        changes = Changes()
+        with self._order:  # this process's changes reach the listener in commit order
+            written = sum(self._put_batch(b, c, changes) for b, c in _batches(fits, budget, tree))
+            self._changed(changes)
         self._counters.add(writes=written, dropped_writes=len(sized) - len(fits))
-        n = len(self._prefix)
-        self._changed([k[n:] for k in removed if k.startswith(self._prefix)], stored)
         return written
 
     def _put_batch(
         self,
         batch: list[tuple[bytes, bytes]],
         data_pages: float,
-        removed: list[bytes],
-        stored: list[bytes],
+        changes: Changes,
     ) -> int:
-        """Write `batch`: the full keys it evicted go to `removed`, its keys to `stored`."""
+        """Write `batch` (what it evicted and stored goes to `changes`, in that order)."""
         for force in (False, True):
             try:
                 written = self._run(
-                    lambda sh, f=force: self._write(sh, batch, data_pages, f, removed)
+                    lambda sh, f=force: self._write(sh, batch, data_pages, f, changes)
                 )
-                stored.extend(key[len(self._prefix) :] for key, _ in batch)
+                changes.stored(self._own(key for key, _ in batch))
                 return written
             except lmdb.MapFullError:
                 continue
@@ -240,7 +238,7 @@ class LmdbStore(SpillStore):
         batch: list[tuple[bytes, bytes]],
         data_pages: float,
         force: bool,
-        removed: list[bytes],
+        changes: Changes,
     ) -> int:
         _, map_pages = self._pages(shared)
         with shared.env.begin() as txn:
@@ -248,16 +246,16 @@ class LmdbStore(SpillStore):
         need = data_pages + _reserve(len(batch), tree)
         if force or live + need > self.high_water * map_pages:
             target = max(0, int(self.low_water * map_pages - need))
-            self._evict(shared, min(target, live // 2) if force else target, map_pages, removed)
+            self._evict(shared, min(target, live // 2) if force else target, map_pages, changes)
         with shared.env.begin(write=True) as txn:  # commits unless an exception escapes
             return _insert(txn, shared, batch)
 
     def _evict(
-        self, shared: SharedEnv, target_pages: int, map_pages: int, removed: list[bytes]
+        self, shared: SharedEnv, target_pages: int, map_pages: int, changes: Changes
     ) -> None:
         """Delete the oldest entries (FIFO) until live pages <= target_pages, a chunk per
-        transaction (its full keys go to `removed` once committed); a chunk that hits
-        MapFull is retried at half the size."""
+        transaction (this namespace's keys go to `changes` once committed); a chunk that
+        hits MapFull is retried at half the size."""
         chunk = max(1, int((1.0 - self.high_water) * map_pages) // 4)
         while True:
             try:
@@ -265,7 +263,7 @@ class LmdbStore(SpillStore):
                 with shared.env.begin(write=True) as txn:
                     evicted = self._evict_chunk(txn, shared, target_pages, chunk, keys)
                 self._counters.add(evictions=evicted)  # committed
-                removed.extend(keys)
+                changes.removed(self._own(keys))
                 _advance(shared)
             except lmdb.MapFullError:
                 if chunk == 1:
@@ -325,14 +323,21 @@ class LmdbStore(SpillStore):
                 return [k for k in keys if _remove(txn, shared, self._prefix + k)]
 
         try:
-            removed = self._run(remove) if keys else []
-            self._changed([bytes(k) for k in removed], [])
+            with self._order:
+                removed, changes = self._run(remove) if keys else [], Changes()
+                changes.removed(removed)
+                self._changed(changes)
             return len(removed)
         except lmdb.Error as e:
             self._counters.error(e)
             return 0
 
     # --------------------------------------------------------------- admin
+
+    def _own(self, full_keys: Iterable[bytes]) -> list[bytes]:
+        """This namespace's keys among `full_keys`, without the namespace id."""
+        n = len(self._prefix)
+        return [key[n:] for key in full_keys if key.startswith(self._prefix)]
 
     def identity(self) -> str | None:
         return f"lmdb://{socket.gethostname()}{self.path}"  # processes of one host share it

@@ -8,7 +8,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from kvstore.stores.base import Counters, SpillStore, StoreStats
+from kvstore.stores.base import Changes, Counters, SpillStore, StoreStats
 
 MEMORY_POLICIES = ("lru", "fifo")
 
@@ -58,29 +58,29 @@ class MemoryStore(SpillStore):
         return values
 
     def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> int:
-        written = dropped = 0
-        removed: list[bytes] = []
-        stored: list[bytes] = []
+        written = dropped = evicted = 0
+        changes = Changes()
         with self._lock:
             for key, value in items:
                 if key in self._entries:
-                    stored.append(bytes(key))
+                    changes.stored([key])
                     continue
                 if len(value) > self.capacity_bytes:
                     dropped += 1
                     continue
-                self._make_room(len(value), removed)
+                evicted += self._make_room(len(value), changes)
                 self._entries[bytes(key)] = bytes(value)
                 self._bytes += len(value)
-                stored.append(bytes(key))
+                changes.stored([key])
                 written += 1
-        self._counters.add(writes=written, dropped_writes=dropped, evictions=len(removed))
-        self._changed(removed, stored)
+            self._changed(changes)  # under the lock: reported in the order they happened
+        self._counters.add(writes=written, dropped_writes=dropped, evictions=evicted)
         return written
 
-    def _make_room(self, nbytes: int, removed: list[bytes]) -> None:
-        """Evict (into `removed`) until nbytes more fit."""
-        passed, now = 0, self.clock()
+    def _make_room(self, nbytes: int, changes: Changes) -> int:
+        """Evict (into `changes`) until nbytes more fit; returns how many."""
+        evicted = passed = 0
+        now = self.clock()
         while self._bytes + nbytes > self.capacity_bytes:
             key, old = self._entries.popitem(last=False)
             if self._until.get(key, now) > now and passed < len(self._entries):
@@ -89,7 +89,9 @@ class MemoryStore(SpillStore):
                 continue
             self._until.pop(key, None)
             self._bytes -= len(old)
-            removed.append(key)
+            changes.removed([key])
+            evicted += 1
+        return evicted
 
     def retain(self, keys: Sequence[bytes], ttl_s: float) -> int:
         retained = 0
@@ -102,16 +104,17 @@ class MemoryStore(SpillStore):
         return retained
 
     def delete(self, keys: Sequence[bytes]) -> int:
-        removed: list[bytes] = []
+        changes, removed = Changes(), 0
         with self._lock:
             for key in keys:
                 value = self._entries.pop(key, None)
                 self._until.pop(key, None)
                 if value is not None:
                     self._bytes -= len(value)
-                    removed.append(bytes(key))
-        self._changed(removed, [])
-        return len(removed)
+                    changes.removed([key])
+                    removed += 1
+            self._changed(changes)
+        return removed
 
     def stats(self) -> StoreStats:
         with self._lock:
@@ -121,13 +124,15 @@ class MemoryStore(SpillStore):
         return self._stats(entries, nbytes, self.capacity_bytes, retained=retained)
 
     def clear(self) -> int:
+        changes = Changes()
         with self._lock:
-            removed = list(self._entries)
+            changes.removed(self._entries)
+            removed = len(self._entries)
             self._entries.clear()
             self._until.clear()
             self._bytes = 0
-        self._changed(removed, [])
-        return len(removed)
+            self._changed(changes)
+        return removed
 
     def close(self) -> None:
         self.clear()

@@ -21,7 +21,7 @@ from redis.cluster import RedisCluster
 from redis.exceptions import RedisClusterException, RedisError
 from redis.retry import Retry
 
-from kvstore.stores.base import Counters, SpillStore, StoreStats
+from kvstore.stores.base import Changes, Counters, SpillStore, StoreStats
 from kvstore.stores.breaker import CircuitBreaker, describe
 
 T = TypeVar("T")
@@ -205,8 +205,9 @@ class RedisStore(SpillStore):
         written = sum(r is True for r in results)
         failed = sum(isinstance(r, Exception) for r in results)  # e.g. OOM under maxmemory
         self._counters.add(writes=written, dropped_writes=failed, errors=min(failed, 1))
-        stored = [key for (key, _), r in zip(items, results, strict=True) if _stored(r)]
-        self._changed([], stored)  # NX: a key already there (None) is held too
+        changes = Changes()  # NX: a key already there (None) is held too
+        changes.stored(key for (key, _), r in zip(items, results, strict=True) if _stored(r))
+        self._changed(changes)
         return written
 
     def retain(self, keys: Sequence[bytes], ttl_s: float) -> int:
@@ -234,7 +235,9 @@ class RedisStore(SpillStore):
             results = self._pipeline(lambda pipe: [pipe.delete(self._rkey(k)) for k in keys])
         except _Failed:
             return 0
-        self._changed([k for k, r in zip(keys, results, strict=True) if r == 1], [])
+        changes = Changes()
+        changes.removed(k for k, r in zip(keys, results, strict=True) if r == 1)
+        self._changed(changes)
         return sum(r for r in results if isinstance(r, int))
 
     # --------------------------------------------------------------- admin

@@ -1,13 +1,14 @@
 """A spill store's changes as block events of its medium (kvstore/fleet/events.py), so a
 router sees what each tier of a replica holds, not only its device pool.
 
-The store reports each change this process makes, as entry keys (`SpillStore.watch`); the
-writer says which write is being put (`writing`), for the blocks, parent and tokens of
-each entry it stores. One `BlockStored` per entry: its blocks are fetched together or not
-at all. An entry of N > 1 blocks is removed by its last block's key: the blocks of the
-entries this process stored are kept (16 bytes a block) so that its `BlockRemoved` lists
-them all; an entry it never stored (another process's, an earlier run's) is removed by
-its key alone, which no consumer holds.
+The store reports each change this process makes, as entry keys, in the order they took
+effect (`SpillStore.watch`); the writer says which write is being put (`writing`), for the
+blocks, parent and tokens of each entry it stores. One `BlockStored` per entry: its blocks
+are fetched together or not at all. An entry of N > 1 blocks is removed by its last
+block's key: the blocks of the last `MAX_CHUNKS` entries this process stored are kept (16
+bytes a block) so that its `BlockRemoved` lists them all; another entry (another
+process's, an earlier run's, an older one) is removed by its last key alone, and a
+consumer that kept the entry's blocks by that key (`BlockSet` does) removes them all.
 
 Not seen, so not reported: a shared LMDB's entries written or evicted by another process,
 and Redis's own evictions and expiries (docs/DEPLOY.md, "KV events").
@@ -21,6 +22,8 @@ from collections.abc import Sequence
 from kvstore.fleet.events import TIER_MEDIUM, BlockRemoved, BlockStored, EventSink
 from kvstore.stores import SpillStore
 from kvstore.tiers.writer import PendingWrite
+
+MAX_CHUNKS = 1 << 20  # entries whose blocks are kept for their removal (N > 1 only)
 
 
 class TierEvents:
@@ -71,4 +74,6 @@ class TierEvents:
         if n > 1:
             with self._lock:
                 self._chunks.update((e.block_hashes[-1], e.block_hashes) for e in events)
+                while len(self._chunks) > MAX_CHUNKS:  # the oldest go (Redis expires unseen)
+                    self._chunks.pop(next(iter(self._chunks)))
         return events

@@ -208,5 +208,9 @@ class TierWriter:
             watcher = self._events[target]
             if watcher is not None:
                 watcher.writing(write)
-            written = self._stores[target].put_many(items) * per
+            try:
+                written = self._stores[target].put_many(items) * per
+            finally:
+                if watcher is not None:
+                    watcher.writing(None)  # the write's copy of the blocks is not kept
             self._metrics.inc("tier_writes_blocks_total", written, tier=self._stores[target].name)

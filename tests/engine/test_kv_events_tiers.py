@@ -18,7 +18,6 @@ from kvstore.cache import PrefixCache
 from kvstore.fleet.events import (
     MEDIUM_HOST,
     MEDIUM_REDIS,
-    AllBlocksCleared,
     EventSink,
     KVEvent,
     MediaBlocks,
@@ -165,9 +164,16 @@ def test_a_block_one_replica_wrote_to_a_shared_redis_counts_for_every_reader(
         for replica in fleet.replicas:
             assert fleet.cached_tokens(replica, full + 1, keys) == full
         assert fleet.tier_blocks(fleet.replicas[1]) == {MEDIUM_REDIS: len(set().union(*chains))}
-        # a reader's restart (its AllBlocksCleared) leaves the shared set alone
-        fleet.replicas[1].events.media.apply(AllBlocksCleared())
-        assert fleet.shared[writer.store.identity()].blocks == set().union(*chains)
+        # the reader restarts (a new publisher on its ports: the subscriber drops what it
+        # knew of it and replays from 0); the shared set is kept, and still its set
+        shared = fleet.shared[writer.store.identity()]
+        sub = fleet.replicas[1].events
+        endpoints = (reader.pub.endpoint, reader.pub.replay_endpoint)
+        reader.pub.close()
+        reader.pub = ZmqEventPublisher(EventsConfig(*endpoints, heartbeat_s=0.1))
+        wait_until(lambda: sub.restarts == 1 and sub.synced)
+        assert sub.media.tiers[MEDIUM_REDIS] is shared
+        assert shared.blocks == set().union(*chains)
     finally:
         close(fleet)
 

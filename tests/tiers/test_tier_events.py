@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from engine.events.wire import decode_batch, encode_batch
@@ -22,7 +23,7 @@ from kvstore.fleet.events import (
     KVEvent,
     MediaBlocks,
 )
-from kvstore.stores import LmdbStore, RedisStore
+from kvstore.stores import LmdbStore, MemoryStore, RedisStore, SpillStore
 from tests.tiers.tier_events_helpers import (
     BS,
     device_blocks,
@@ -137,3 +138,64 @@ def test_a_replicas_restart_clears_its_own_sets_never_a_shared_one():
     assert copy.tiers[MEDIUM_REDIS] is shared and copy.device is not view.device
     with pytest.raises(ValueError, match="unknown spill medium"):
         view.apply(BlockRemoved([b"x" * 16], "TAPE"))
+
+
+def store_under_churn(
+    store: SpillStore, value_bytes: int, seed: int = 0
+) -> tuple[set[bytes], list[bytes]]:
+    """Random puts (old keys again among new ones) and deletes on `store`, its listener's
+    changes applied in order to a set. Returns (that set, every key used)."""
+    view: set[bytes] = set()
+
+    def listener(removed: list[bytes], stored: list[bytes]) -> None:
+        view.difference_update(removed)
+        view.update(stored)
+
+    store.watch(listener)
+    rng = np.random.default_rng(seed)
+    keys = [bytes([i % 256, i // 256]) * 8 for i in range(60)]
+    for _ in range(80):
+        batch = [keys[i] for i in rng.choice(len(keys), size=6, replace=False)]
+        if rng.random() < 0.2:
+            store.delete(batch[:2])
+        else:
+            values = [bytes(rng.integers(0, 255, value_bytes, dtype=np.uint8)) for _ in batch]
+            store.put_many(list(zip(batch, values, strict=True)))
+    return view, keys
+
+
+@pytest.mark.parametrize("policy", ["lru", "fifo"])
+def test_an_evicted_entry_written_again_in_the_same_call_is_reported_held(policy):
+    # the store holds k2, x, y (FIFO order); one call evicts all three to fit k1, k2, k3
+    store = MemoryStore(3 * 1600, policy=policy)
+    k1, k2, k3, x, y = (bytes([i]) * 16 for i in range(5))
+    store.put_many([(k2, b"v" * 1500), (x, b"v" * 1500), (y, b"v" * 1500)])
+    calls = []
+    store.watch(lambda removed, stored: calls.append((set(removed), set(stored))))
+    store.put_many([(k1, b"w" * 1500), (k2, b"w" * 1500), (k3, b"w" * 1500)])
+    removed, stored = calls[-1]
+    held = {k for k in (k1, k2, k3, x, y) if store.contains_many([k])[0]}
+    assert stored == held and not removed & held
+
+
+@pytest.mark.parametrize("kind", ["memory-lru", "memory-fifo", "lmdb"])
+def test_a_listener_applying_a_churning_stores_changes_in_order_holds_what_it_holds(kind, tmp_path):
+    if kind == "lmdb":
+        store: SpillStore = LmdbStore(str(tmp_path / "lmdb"), map_size_bytes=1 << 18)
+        value_bytes = 6000  # 60 keys of 6 kB: over the 256 kB map
+    else:
+        store, value_bytes = MemoryStore(30 * 1600, policy=kind.split("-")[1]), 1500
+    view, keys = store_under_churn(store, value_bytes)
+    assert store.stats().evictions > 0
+    assert view == {k for k, held in zip(keys, store.contains_many(keys), strict=True) if held}
+    store.close()
+
+
+def test_a_consumer_removes_a_whole_entry_by_its_last_block():
+    # a publisher that no longer knows an entry's blocks (restarted, another process) removes
+    # it by its key alone: the consumer's set drops every block of it
+    blocks = BlockSet()
+    entry = [bytes([i]) * 16 for i in range(3)]
+    blocks.apply(BlockStored(entry, None, [0] * 3 * BS, BS, MEDIUM_DISK))
+    blocks.apply(BlockRemoved([entry[-1]], MEDIUM_DISK))
+    assert len(blocks) == 0 and not blocks.entries
