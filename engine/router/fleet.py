@@ -46,6 +46,7 @@ class Replica:
     reported: ReplicaLoad = field(default_factory=ReplicaLoad)
     sent: list[tuple[float, int]] = field(default_factory=list)  # (monotonic, tokens) unseen
     asked_at: float = 0.0  # when the last /health read that answered was sent (monotonic)
+    answered_at: float = 0.0  # when its answer came
     # (prefilled_at, sent entry) of requests prefilled since that read was sent
     prefilled: list[tuple[float, tuple[float, int]]] = field(default_factory=list)
     routed: int = 0
@@ -60,8 +61,11 @@ class Replica:
 
     def load(self) -> ReplicaLoad:
         """The last report, less what was prefilled since it was asked, plus what was sent
-        since (a chat's next turn, sent at once, must not see its own last turn as load)."""
-        done = sum(n for _, (sent_at, n) in self.prefilled if sent_at < self.asked_at)
+        since (a chat's next turn, sent at once, must not see its own last turn as load).
+        A request sent while the read was in flight may be in the report (the replica
+        counts when it answers): once prefilled it is taken off too, or a slow read would
+        show a replica's finished requests as its queue."""
+        done = sum(n for _, (sent_at, n) in self.prefilled if sent_at < self.answered_at)
         queued = max(0, self.reported.queued_tokens - done)
         queued += sum(tokens for _, tokens in self.sent)
         return ReplicaLoad(queued, self.reported.running_tokens, self.routed)
@@ -75,7 +79,7 @@ class Replica:
         self.reported = ReplicaLoad(int(queued), int(running))
         self.sent = [(t, n) for t, n in self.sent if t >= asked_at]
         self.prefilled = [(t, e) for t, e in self.prefilled if t >= asked_at]
-        self.asked_at = asked_at
+        self.asked_at, self.answered_at = asked_at, time.monotonic()
         self.status = str(body.get("status"))
         self.alive, self.failures = self.status in SERVING, 0
 
