@@ -60,12 +60,15 @@ class BlockTables:
         whole_prompt: bool = True,
         keys: Sequence[BlockHash] = (),
         lent: LentTail | None = None,
+        layered: bool = False,
     ) -> SeqBlocks:
         """Look up the longest cached prefix of token_ids (of token_ids[:-1] unless
         `whole_prompt`; `keys`: their block keys, when hashed already); its blocks enter
         the table. The partly filled block after them is copied from `lent` (a running
-        request's, `lend_tail`) when the hit ends where it starts, else from a kept tail."""
-        hit = self.cache.lookup(token_ids, cache_salt, tenant, whole_prompt, keys)
+        request's, `lend_tail`) when the hit ends where it starts, else from a kept tail.
+        `layered`: tier blocks may still be loading (`seq.pending`, `PrefixCache.lookup`):
+        a forward waits for each layer, and its output counts only if `settle` is True."""
+        hit = self.cache.lookup(token_ids, cache_salt, tenant, whole_prompt, keys, layered)
         self.held.hold(hit)  # the hit's lock and a reference to its blocks are the table's
         n = len(hit.block_ids)
         dropped = next((i for i, b in enumerate(hit.block_ids) if b is not None), n)
@@ -77,12 +80,13 @@ class BlockTables:
             num_cached_tokens=hit.num_cached_tokens,
             tier_tokens=dict(hit.tier_tokens),
             keys=list(hit.keys),
-            num_committed=n,
+            num_committed=n if hit.pending is None else hit.pending.start,
             node=hit.node,
             num_dropped=dropped,
             num_prompt_tokens=len(token_ids),
             num_window_dropped=hit.window_from,
             num_window_end=n,
+            pending=hit.pending,
         )
         looked_up = token_ids if whole_prompt else token_ids[:-1]
         try:
@@ -192,6 +196,8 @@ class BlockTables:
         n = min(num_tokens // self.block_size, len(seq.block_table))
         if n <= seq.num_committed or seq.num_committed < seq.num_dropped:
             return 0  # (a path cannot go on past a block the request dropped uncommitted)
+        if seq.pending is not None:
+            return 0  # blocks still loading come first, once they verify (`settle`)
         tokens = as_token_array(token_ids[: n * self.block_size])
         seq.keys = self.cache.scopes.get(seq.cache_salt).keys(tokens, seq.keys)
         done = self.held.commit(
@@ -256,9 +262,23 @@ class BlockTables:
         """Return blocks taken with `reserve`."""
         self.held.unreserve(block_ids)
 
+    def settle(self, seq: SeqBlocks) -> bool:
+        """Wait for the table's layer-by-layer load (`open(layered=True)`) and commit the
+        blocks that verified. False if some did not: what a forward computed on them must
+        be dropped and computed again (close the table and open a new one)."""
+        pending, seq.pending = seq.pending, None
+        if pending is None:
+            return True
+        done, got = self.cache.promoter.settle(  # type: ignore[union-attr]
+            pending, seq.keys, seq.block_table, seq.node, self.held.commit
+        )
+        seq.node, seq.num_committed = done.node, done.num_blocks
+        return got == pending.load.num_blocks
+
     def close(self, seq: SeqBlocks) -> None:
-        """Drop the request's references and lock. Idempotent."""
+        """Drop the request's references and lock (after its load ends). Idempotent."""
         if not seq.closed:
+            self.settle(seq)
             ids = [b for b in seq.block_table if b is not None]
             self.held.drop(seq.node, ids, self.kind.windows_held(seq))
         seq.closed, seq.node, seq.block_table = True, None, []

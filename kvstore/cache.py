@@ -22,6 +22,7 @@ from kvstore.config import CacheConfig
 from kvstore.device.device_index import DeviceIndex
 from kvstore.device.held import HeldBlocks
 from kvstore.device.hybrid_pool import make_pool
+from kvstore.device.promotion import Promoter
 from kvstore.device.tails import TailCache, tail_capacity
 from kvstore.fleet.events import BlockStored, EventSink
 from kvstore.hits import CacheHit, KVPrefix
@@ -31,7 +32,7 @@ from kvstore.index.policies.retaining import RetainingPolicy
 from kvstore.layout import LayerKV
 from kvstore.metrics import DEVICE_TIER, CacheMetrics
 from kvstore.retention import DeviceRetention, RetainResult, check_ttl
-from kvstore.scopes import Scope, Scopes
+from kvstore.scopes import Scopes
 from kvstore.stores import SpillStore, make_stores
 from kvstore.tenants import TenantBlocks
 from kvstore.tiers import Tiers
@@ -103,6 +104,11 @@ class PrefixCache:
             release_tails=lambda n: self.tails.release(n),  # the tails are made below
         )
         self._lock = self.device_index.lock
+        self.promoter = (
+            Promoter(self.device_index, self.pool, self.kind, self.tenants, self.tiers,
+                     self.metrics, self._lock)
+            if self.tiers else None
+        )  # fmt: skip
         self.held = HeldBlocks(self.device_index, num_tails=lambda: len(self.tails))
         capacity = tail_capacity(config.tail_blocks, self.pool.num_blocks, self.kind.keeps_tails)
         self.tails = TailCache(  # partial last blocks (tails.py)
@@ -136,6 +142,7 @@ class PrefixCache:
         tenant: str = "",
         whole_prompt: bool = False,
         keys: Sequence[BlockHash] = (),
+        layered: bool = False,
     ) -> CacheHit:
         """Find and lock the longest cached whole-block prefix of token_ids[:-1] (of all of
         token_ids with `whole_prompt`: the caller then re-runs the last token for its logits).
@@ -144,7 +151,10 @@ class PrefixCache:
         and promoted into the pool; `num_cached_tokens` counts only verified blocks. Only
         blocks stored with the same `cache_salt` can match. Blocks promoted from the tiers count
         against `tenant`'s quota (`tenant_quota_blocks`). `keys`: the prompt's keys when
-        already hashed (`block_keys`); only blocks past them are hashed.
+        already hashed (`block_keys`); only blocks past them are hashed. With `layered`, the
+        tier blocks may still be loading when it returns (`hit.pending`, full attention
+        only): a forward may read them layer by layer (`hit.pending.load.wait(layer)`) but
+        uses its output only after `settle(hit)` says they all verified.
         """
         tokens = as_token_array(token_ids)
         usable = len(tokens) if whole_prompt else max(len(tokens) - 1, 0)
@@ -160,8 +170,10 @@ class PrefixCache:
         if self.tiers:
             self.tiers.on_hit(scope, keys, tokens, self.kind.readable(hit.block_ids, windows))
             start = self.kind.promote_from(hit.block_ids, windows)
-            if start < len(keys):
-                windows = self._promote(scope, hit, tokens, tenant, start, windows)
+            if start < len(keys) and layered and self.promoter.can_layer(scope):
+                self.promoter.start_layered(scope, hit, tokens, tenant, start)
+            elif start < len(keys):
+                windows = self.promoter.promote(scope, hit, tokens, tenant, start, windows)
         with self._lock:  # to what the attention kind can use
             self.kind.cut(hit, windows, tokens, self.device_index.relock)
         self.metrics.record_lookup(len(tokens), hit.tier_tokens)
@@ -182,66 +194,36 @@ class PrefixCache:
             ids = self.index.peek_prefix(keys, tokens).block_ids
             return self.kind.usable_blocks(ids) * self.block_size
 
-    def _promote(
-        self,
-        scope: Scope,
-        hit: CacheHit,
-        tokens: np.ndarray,
-        tenant: str,
-        start: int,
-        windows: list[int],
-    ) -> list[int]:
-        """Copy verified tier blocks from block `start` on into fresh pool blocks, index them,
-        move the hit's lock (and its `windows`: returns those it holds now)."""
-        new_ids: list[int] = []
-        staged: list[torch.Tensor | memoryview] = []  # a hybrid pool's: written after
-
-        def allocate(n: int) -> list[torch.Tensor | memoryview]:
-            with self._lock:
-                n = min(n, self.tenants.quota_left(tenant) - len(new_ids))
-                ids = self.device_index.allocate(n) if n > 0 else []
-            new_ids.extend(ids)
-            staged.extend(self.pool.destinations(ids))
-            return staged[len(staged) - len(ids) :]
-
-        num_device = len(hit.block_ids)
-        try:
-            segments = self.tiers.reader.fetch_into(scope, hit.keys, tokens, start, allocate)
-        except BaseException:
-            self.held.free(new_ids)
-            raise
-        got = sum(segment.num_blocks for segment in segments)
-        if got:
-            self.pool.write_staged(new_ids[:got], staged[:got])
+    def settle(self, hit: CacheHit) -> bool:
+        """Wait for the hit's layer-by-layer load (`lookup(layered=True)`) and index the blocks
+        that verified; the hit is cut to them. False if some did not: K/V computed on the
+        hit must then be computed again."""
+        pending, hit.pending = hit.pending, None
+        if pending is None:
+            return True
+        done, got = self.promoter.settle(  # type: ignore[union-attr]
+            pending, hit.keys, hit.block_ids, hit.node, self.held.commit
+        )
+        hit.node = done.node
         with self._lock:
-            self.pool.free(new_ids[got:])  # allocated for blocks that did not verify
-            ids = hit.block_ids[:start] + new_ids[:got]
-            device = self.device_index
-            device.insert(hit.keys[: start + got], tokens, ids, start, scope.cache_salt, tenant)
-            self.pool.free(new_ids[:got])  # the index holds them now
-            match = device.relock(hit.keys[: max(start + got, num_device)], tokens, hit.node)
-            taken = device.take(match.block_ids)
-            device.give_back(hit.block_ids, windows)
-        hit.node, hit.block_ids = match.last_node, match.block_ids
-        hit.num_cached_tokens = match.num_blocks * self.block_size
-        promoted = {seg.tier: seg.num_blocks * self.block_size for seg in segments}
-        device = hit.num_cached_tokens - sum(promoted.values())
-        hit.tier_tokens = ({DEVICE_TIER: device} if device > 0 else {}) | promoted
-        readable = self.kind.readable(hit.block_ids, taken)
-        self.tiers.on_promote(scope, segments, hit.keys, tokens, start, readable)
-        self.metrics.inc("promoted_blocks_total", got)
-        return taken
+            self.pool.free(hit.block_ids[pending.start + got :])  # did not verify
+        hit.block_ids = hit.block_ids[: pending.start + got]
+        hit.num_cached_tokens = len(hit.block_ids) * self.block_size
+        return got == pending.load.num_blocks
 
     def load(self, hit: CacheHit) -> KVPrefix:
         """Per-layer K/V of the hit, gathered from the device pool into contiguous tensors."""
         if hit.released:
             raise ValueError("load() of a released CacheHit")
+        self.settle(hit)
         if not hit.block_ids:
             return KVPrefix(0, [])
         return KVPrefix(hit.num_cached_tokens, self.kind.gather(hit))
 
     def release(self, hit: CacheHit) -> None:
         """Unlock the hit's blocks. Idempotent."""
+        if not hit.released:
+            self.settle(hit)
         with self._lock:
             if not hit.released:
                 if hit.node is not None:
@@ -390,6 +372,8 @@ class PrefixCache:
 
     def close(self) -> None:
         """Flush pending tier writes (bounded by flush_timeout_s) and close the stores."""
+        if self.promoter is not None:
+            self.promoter.close()
         if self.tiers is not None:
             self.tiers.close()
 

@@ -3,16 +3,33 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
 
 from hashing import BlockHash
 from kvstore.index import TreeNode
 from kvstore.layout import LayerKV
 
+if TYPE_CHECKING:
+    from kvstore.tiers.layered import LayerLoad
+
 
 class KVPrefix(NamedTuple):
     num_tokens: int
     layers: list[LayerKV]  # per layer (K, V): [1, kv_heads, num_tokens, head_dim]
+
+
+class PendingLoad(NamedTuple):
+    """Blocks [start, start + load.num_blocks) of a hit, promised by the tiers and still on
+    their way layer by layer (kvstore/tiers/layered.py): held by the hit, not indexed until
+    they verify (`BlockTables.settle`)."""
+
+    load: LayerLoad
+    start: int
+    cache_salt: str
+    tenant: str
+    tokens: np.ndarray  # the looked-up tokens (uint32)
 
 
 @dataclass
@@ -27,3 +44,4 @@ class CacheHit:
     keys: list[BlockHash] = field(default_factory=list)  # lookup keys of the prompt's blocks
     released: bool = False
     window_from: int = 0  # a hybrid model's hit holds window parts of block_ids[window_from:]
+    pending: PendingLoad | None = None  # a layer-by-layer load of its last blocks

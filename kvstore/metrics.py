@@ -59,6 +59,13 @@ CACHE_FAMILIES = (
     Family("dropped_writes_blocks_total", "tier writes dropped (queue full)"),
     Family("tier_retained_entries_total", "spill-tier entries given a client's retention",
            ("tier",), SPILL_TIERS),
+    Family("layer_load_seconds_total",
+           "seconds the loader spent on layer-by-layer tier loads (reads, copies, checksums)"),
+    Family("layer_wait_seconds_total",
+           "seconds forwards waited for layers still loading from a tier"),
+    Family("layer_load_retries_total",
+           "layer-by-layer loads with blocks that did not verify (their requests computed "
+           "again)"),
     Family("verify_failures_total", "tier entries that failed verification",
            ("reason", "tier")),
     Family("foreign_entries_total",
@@ -95,7 +102,7 @@ class CacheMetrics:
         self._lock = threading.Lock()
         self._counts: Counter[SeriesKey] = Counter()
 
-    def inc(self, name: str, value: int = 1, **labels: str) -> None:
+    def inc(self, name: str, value: float = 1, **labels: str) -> None:
         key = series_key(name, labels)
         with self._lock:
             self._counts[key] += value

@@ -33,7 +33,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench ttft", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="tiny", help="tiny (the pinned yardstick), smollm2, "
                    "a .gguf file or a model directory; float32 on the CPU")  # fmt: skip
-    p.add_argument("--tier", default=None, help="comma-separated: device,memory,lmdb,redis")
+    p.add_argument("--tier", default=None, help="comma-separated: device,memory,lmdb,redis; "
+                   "a spill tier as memory:layers loads layer by layer during the forward, "
+                   "memory:whole reads whole entries before it (layer_loads on, off; "
+                   "plain: the default, on for a GPU pool only)")  # fmt: skip
     p.add_argument("--prompt-tokens", type=int, default=2048)
     p.add_argument("--cached", default="1792,2032", help="comma-separated cached-token points")
     p.add_argument("--block-size", type=int, default=16)
@@ -55,8 +58,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.tiers = [t.strip() for t in (args.tier or "device").split(",") if t.strip()]
     args.points = [int(c) for c in args.cached.split(",") if c.strip()]
     for tier in args.tiers:
-        if tier not in TIERS:
-            p.error(f"--tier: unknown tier {tier!r}; choose from {','.join(TIERS)}")
+        name, _, how = tier.partition(":")
+        if name not in TIERS or how not in ("", "layers", "whole") or (how and name == "device"):
+            choices = ",".join(TIERS)
+            p.error(f"--tier: unknown tier {tier!r}; choose from {choices}; a spill tier may "
+                    "end in ':layers' or ':whole' (layer_loads on or off)")  # fmt: skip
     for cached in args.points:
         if cached % args.block_size or not 0 < cached < args.prompt_tokens:
             p.error(f"--cached {cached}: must be a multiple of --block-size below --prompt-tokens")

@@ -16,7 +16,7 @@ from transformers import DynamicCache
 from engine.loop.sequential import forward_on
 from engine.model.loading import with_cache
 
-TIERS = ("device", "memory", "lmdb", "redis")
+TIERS = ("device", "memory", "lmdb", "redis")  # a spill tier as "memory:layers" or ":whole"
 
 
 def full_kv(model, ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -47,6 +47,8 @@ def cache_config_for(tier: str, args: argparse.Namespace, num_blocks: int, tmp: 
     from kvstore.config import CacheConfig
 
     base = {"block_size": args.block_size, "device": "cpu", "device_blocks": num_blocks + 8}
+    tier, _, how = tier.partition(":")  # "memory:layers" / "memory:whole": layer_loads
+    base["layer_loads"] = {"layers": True, "whole": False}.get(how)  # on / off ("": unset)
     if tier == "memory":
         base.update(memory_cache_gb=1.0, memory_write_policy="write-through")
     elif tier == "lmdb":
@@ -114,6 +116,7 @@ def measure_variants(engine, ids: list[int], kv: list, tier: str, cached: int, a
         return int(torch.argmax(pre.logits))
 
     times: dict[str, list[float]] = {"nocache": [], "ideal": [], "kvstore": []}
+    spent: dict[str, list[float]] = {"load": [], "wait": []}  # layer-by-layer loads' seconds
     tokens = set()
     with torch.inference_mode():
         for round_ in range(args.runs + 1):  # round 0 is the warm-up
@@ -124,11 +127,24 @@ def measure_variants(engine, ids: list[int], kv: list, tier: str, cached: int, a
                     past = engine.on_loop(lambda: clone_prefix(model, kv, cached))
                     elapsed, token = timed(lambda p=past: ideal(p))
                 else:
+                    before = layer_seconds(engine.cache)
                     elapsed, token = timed(nocache if name == "nocache" else kvstore)
+                    after = layer_seconds(engine.cache)
+                    if round_ and name == "kvstore":
+                        for key in spent:
+                            spent[key].append(after[key] - before[key])
                 tokens.add(token)
                 if round_:
                     times[name].append(elapsed)
-    return summarize(times, tier, len(ids), cached, len(tokens) == 1)
+    point = summarize(times, tier, len(ids), cached, len(tokens) == 1)
+    return point | {f"{key}_s": statistics.median(v) for key, v in spent.items()}
+
+
+def layer_seconds(cache) -> dict[str, float]:
+    """Seconds the cache's layer-by-layer loads took on the loader (`load`) and kept
+    forwards waiting (`wait`), so far."""
+    get = cache.metrics.get
+    return {"load": get("layer_load_seconds_total"), "wait": get("layer_wait_seconds_total")}
 
 
 def summarize(times: dict, tier: str, prompt_tokens: int, cached: int, same: bool) -> dict:
@@ -155,7 +171,8 @@ def print_table(
 
     title = f"TTFT, {args.model} model fp32, {args.threads} threads, median of {args.runs}"
     table = Table(title=title)
-    cols = ("tier", "prompt", "cached", "no cache ms", "ideal ms", "kvstore ms", "ratio")
+    cols = ("tier", "prompt", "cached", "no cache ms", "ideal ms", "kvstore ms", "ratio",
+            "load ms", "waited ms")  # fmt: skip
     for col in cols + tuple(name for name, _ in extra):
         table.add_column(col, justify="right")
     for p in points:
@@ -167,6 +184,8 @@ def print_table(
             f"{p['ttft_ideal_s'] * 1e3:.1f}",
             f"{p['ttft_kvstore_s'] * 1e3:.1f}",
             f"{p['ratio_to_ideal']:.3f}",
+            f"{p['load_s'] * 1e3:.1f}",
+            f"{p['wait_s'] * 1e3:.1f}",
             *(cell(p) for _, cell in extra),
         )
     Console().print(table)

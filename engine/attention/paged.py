@@ -157,6 +157,8 @@ class PagedAttention:
         layer_idx = self.layer_of(module)
         layer, plane = self.layers[layer_idx]  # [num_blocks or slots, 2, Hkv, bs, D]
         batch, window, extras = self._check(query, kwargs, plane)
+        if batch.layer_wait is not None:
+            batch.layer_wait(layer_idx)
         new = torch.stack((key[0], value[0]), dim=0).permute(2, 0, 1, 3)  # [T, 2, Hkv, D]
         writes = batch.plane_writes() if plane else batch.write_blocks
         layer[writes, :, :, batch.write_offsets] = new.to(layer.dtype)

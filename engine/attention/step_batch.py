@@ -10,7 +10,7 @@ blocks they all share read once; prefill chunks are read one by one under a caus
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -66,6 +66,9 @@ class StepBatch:
     mirror: DecodeMirror | None = None  # the one decode row's contiguous K/V (decode_mirror.py)
     # a hybrid model's window plane: block id -> slot ([num_blocks] long), the widest window
     # its rows' window parts still cover
+    # waits until a layer's K/V of blocks still loading from a tier is in the pool
+    # (kvstore/tiers/layered.py); None: nothing is loading
+    layer_wait: Callable[[int], None] | None = None
     slot_map: torch.Tensor | None = None
     max_plane_window: int | None = None
     _plane_writes: torch.Tensor | None = None

@@ -78,6 +78,8 @@ class StepCache(DynamicCache):
         """key/value [1, H, T, D] -> every row's keys and values [1, H, S, D]."""
         if key_states.shape[0] != 1 or key_states.shape[2] != self.batch.num_tokens:
             raise PagedAttentionError(f"keys {tuple(key_states.shape)} are not the step's")
+        if self.batch.layer_wait is not None:
+            self.batch.layer_wait(layer_idx)
         layer = self.kv[:, layer_idx]  # [num_blocks, 2, H, bs, D]
         new = torch.stack((key_states[0], value_states[0]), dim=0).permute(2, 0, 1, 3)
         layer[self.batch.write_blocks, :, :, self.batch.write_offsets] = new.to(layer.dtype)

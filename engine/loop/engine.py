@@ -38,6 +38,7 @@ from engine.loop.retain import retain_prompt
 from engine.loop.runner import PagedRunner, start_paged
 from engine.loop.scheduler import QueueStats, Scheduled, Scheduler, SchedulerConfig
 from engine.loop.sequential import SequentialPath
+from engine.loop.step_rows import StepRows, settle_early
 from engine.loop.sync_paths import PrefillResult, SyncPaths
 from engine.loop.threads import LoopCalls, ThreadConfig, ThreadGovernor
 from engine.model.linear import LinearConfig
@@ -332,18 +333,16 @@ class Engine:
                 self.outcomes.fail(request, RequestCancelled("the client went away"))
         scheduled = self.scheduler.schedule(self.outcomes.fail)
         rows = [row for row in scheduled if self.outcomes.started(row.request)]
+        rows = settle_early(rows, self.tables, self.scheduler.retry, self.runner.isolates_rows)
         if not rows:
             time.sleep(0.001)  # nothing could be admitted now (all waiting on blocks)
             return
-        fed = [row.request.token_slice(row.start, row.start + row.num_new) for row in rows]
-        sample = [
-            i for i, row in enumerate(rows) if row.start + row.num_new == row.request.num_tokens
-        ]
-        wants = self.prompt_logprobs.wants
-        full = [i for i, row in enumerate(rows) if wants(row.request, row.start)]
+        step = StepRows.of(rows, self.prompt_logprobs.wants)
         with self._forward_lock:
-            logits = self.runner.forward([self._row(row) for row in rows], fed, sample, full)
-        self.prompt_logprobs.record_rows([rows[i] for i in full], logits[len(sample) :])
+            logits = self.runner.forward(*step.forward_args(self._row))
+        step, logits = step.settle(self.tables, logits, self.scheduler.retry)
+        sample, rows = step.sample, step.rows
+        self.prompt_logprobs.record_rows([rows[i] for i in step.full], logits[len(sample) :])
         for row in rows:
             self._computed(row)
         self.outcomes.sample([rows[i].request for i in sample], logits[: len(sample)])

@@ -202,6 +202,7 @@ class Request:
     expected_cached_tokens: int = 0  # the device pool's prefix when queued (the load it reports)
     cached_by_tier: dict[str, int] = field(default_factory=dict)
     num_preemptions: int = 0
+    num_load_retries: int = 0  # admissions whose tier blocks did not verify (then: whole loads)
     sampler: Sampler | None = None
     state: Any = None  # the engine's per-request state while admitted
     # lookup keys of the full blocks of its tokens (prompt, then output once preempted):

@@ -133,6 +133,8 @@ class PagedRunner:
     interface."""
 
     how = "attention interface"
+    isolates_rows = True  # a row's K/V reach another row's attention only through the
+    # scratch block (engine/loop/step_rows.py, `settle_early`)
 
     def __init__(
         self, model: LoadedModel, pool: BlockPool, scratch_block: int, kernel: str = "dense"
@@ -190,10 +192,13 @@ class PagedRunner:
         token_ids: Sequence[Sequence[int]],
         logit_rows: Sequence[int],
         full_rows: Sequence[int] = (),
+        layer_wait: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """Feed each row its tokens; logits float32 of the last fed token of each row listed
         in `logit_rows`, then of every fed token of each row in `full_rows` (a request
-        gathering prompt logprobs): [len(logit_rows) + their num_new, vocab]."""
+        gathering prompt logprobs): [len(logit_rows) + their num_new, vocab]. `layer_wait`:
+        called with each layer's index before its attention reads the pool (blocks still
+        loading from a tier, kvstore/tiers/layered.py)."""
         device = self.model.device
         ids = torch.tensor([t for row_ids in token_ids for t in row_ids], device=device)
         positions = torch.cat([torch.arange(r.start, r.end) for r in rows]).to(device)
@@ -207,10 +212,11 @@ class PagedRunner:
         inputs = {"input_ids": ids.unsqueeze(0), "position_ids": positions.unsqueeze(0), **extra}
         with torch.inference_mode():
             batch = build_step(rows, self.block_size, self.scratch_block, device)
+            batch.layer_wait = layer_wait
             if self.pool.window is not None:  # a hybrid model: its window layers' slots
                 _check_window_parts(rows, self.pool, self.block_size)
                 batch.slot_map = self.pool.window.slot_map(self.scratch_block)
-            batch.mirror = None if self.mirror is None else self.mirror.for_step(rows)
+            batch.mirror = self._mirror(rows, layer_wait is not None)
             try:
                 with self.linear_step():
                     logits = self._run(rows, batch, inputs).logits[0]
@@ -221,6 +227,16 @@ class PagedRunner:
             if batch.mirror is not None:
                 batch.mirror.advance(rows[0])
         return (logits if extra else logits[keep]).float()
+
+    def _mirror(self, rows: Sequence[Row], loading: bool) -> DecodeMirror | None:
+        """The decode mirror for the step, if it can have one: not while blocks are still
+        loading (a one-token prefill on a tier hit would build it from the pool too early)."""
+        if self.mirror is None:
+            return None
+        if loading:
+            self.mirror.invalidate()
+            return None
+        return self.mirror.for_step(rows)
 
     def _run(self, rows: Sequence[Row], batch: StepBatch, inputs: dict) -> object:
         with self.dispatch.step(self.attention):
@@ -247,6 +263,7 @@ class StepCacheRunner(PagedRunner):
     is reached through `StepCache` and a block-diagonal mask (engine/attention/step_cache.py)."""
 
     how = "step cache"
+    isolates_rows = False  # every row's keys are in every row's attention, under a mask
 
     def _open(self) -> None:
         self.mirror = None  # attention here is the model's own code: nothing writes one

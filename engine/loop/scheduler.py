@@ -216,13 +216,19 @@ class Scheduler:
                 return None
         return Scheduled(request, start, fitted)
 
-    def preempt(self, request: Request) -> None:
-        """Release a running request's blocks; it resumes from the cache later."""
+    def preempt(self, request: Request, retry: bool = False) -> None:
+        """Release a running request's blocks; it resumes from the cache later. `retry`:
+        nothing it computed counts (tier blocks it read did not verify): it is admitted
+        again as if for the first time, its cached tokens counted anew."""
         self.running.remove(request)
         self.tables.close(request.state.blocks)
         request.state = None
-        request.num_preemptions += 1
+        request.num_preemptions += 0 if retry else 1
         self.waiting.push(request, front=True)
+
+    def retry(self, request: Request) -> None:
+        request.num_load_retries += 1  # its next lookup loads whole: it cannot fail twice
+        self.preempt(request, retry=True)
 
     def _admit(
         self,
@@ -351,7 +357,8 @@ class Scheduler:
         salt, tenant = request.cache_salt, request.tenant or ""
         plan = self.prompt_logprobs.plan(request, keys)
         if plan is None:
-            blocks = self.tables.open(tokens, salt, tenant, keys=keys)
+            layered = request.num_load_retries == 0
+            blocks = self.tables.open(tokens, salt, tenant, keys=keys, layered=layered)
             return blocks, min(blocks.num_cached_tokens, len(tokens) - 1)
         n = plan.limit // self.tables.block_size
         blocks = self.tables.open(tokens[: plan.limit], salt, tenant, keys=keys[:n])

@@ -14,6 +14,7 @@ import torch
 from engine.attention.step_row import blocks_row
 from engine.loop.request import GenerateResult, Prompt, SamplingParams, TokenCallback
 from kvstore.block_tables import SeqBlocks
+from kvstore.tiers.layered import waits
 
 if TYPE_CHECKING:
     from engine.loop.runner import PagedRunner
@@ -118,19 +119,23 @@ class SyncPaths:
                 cached_tokens=pre.cached_tokens,
                 cached_by_tier=pre.cached_by_tier,
             )
-        seq = self.tables.open(ids, salt, "", whole_prompt=False)
-        if not store:
-            seq.commit_end = 0  # (nothing is committed: slides need not wait for a chunk)
-        try:
-            start = seq.num_cached_tokens
-            logits = self._forward_here(seq, ids, start, store)
-            if store:
-                self.tables.commit(seq, ids, len(ids))
-            return PrefillResult(
-                logits=logits, cached_tokens=start, cached_by_tier=dict(seq.tier_tokens)
-            )
-        finally:
-            self.tables.close(seq)
+        for layered in (True, False):  # the second: tier blocks of the first did not verify
+            seq = self.tables.open(ids, salt, "", whole_prompt=False, layered=layered)
+            if not store:
+                seq.commit_end = 0  # (nothing is committed: slides need not wait for a chunk)
+            try:
+                start = seq.num_cached_tokens
+                logits = self._forward_here(seq, ids, start, store)
+                if not self.tables.settle(seq):
+                    continue
+                if store:
+                    self.tables.commit(seq, ids, len(ids))
+                return PrefillResult(
+                    logits=logits, cached_tokens=start, cached_by_tier=dict(seq.tier_tokens)
+                )
+            finally:
+                self.tables.close(seq)
+        raise RuntimeError("a lookup that loads whole left blocks unsettled")
 
     def _forward_here(
         self, seq: SeqBlocks, ids: list[int], start: int, store: bool
@@ -144,8 +149,9 @@ class SyncPaths:
             if num_new is None:
                 raise PoolExhaustedError(f"the device pool cannot hold {len(ids)} tokens now")
             row = blocks_row(seq, pos, num_new, self.runner.scratch_block, identified=False)
+            wait = waits([seq.pending.load] if seq.pending is not None else [])
             with self._forward_lock:
-                logits = self.runner.forward([row], [ids[pos : pos + num_new]], [0])[0]
+                logits = self.runner.forward([row], [ids[pos : pos + num_new]], [0], (), wait)[0]
             pos += num_new
             if pos == len(ids):
                 return logits

@@ -14,6 +14,7 @@ from hashing import BlockHash
 from kvstore.device.device_index import DeviceIndex
 from kvstore.hits import CacheHit
 from kvstore.index import TreeNode
+from kvstore.tiers.layered import Segment
 
 
 class Commit(NamedTuple):
@@ -114,11 +115,13 @@ class HeldBlocks:
         cache_salt: str,
         tenant: str,
         node: TreeNode | None,
+        promoted: Sequence[Segment] = (),
     ) -> Commit:
         """Give the index the caller's blocks keys[start:] (written, full; block_ids[i] holds
         keys[i], the leading `start` are the caller's committed path, locked at `node`).
         The caller keeps its references; the lock moves to the new path's last node. Fewer
-        blocks are committed when `tenant` is at its quota."""
+        blocks are committed when `tenant` is at its quota. `promoted`: the blocks came from
+        these tiers (a layer-by-layer load that verified), not from a forward."""
         with self._lock:
             n = min(len(keys), start + max(self.device.tenants.quota_left(tenant), 0))
             if n <= start:
@@ -127,11 +130,17 @@ class HeldBlocks:
                 keys[:n], token_ids, block_ids[:n], start, cache_salt, tenant
             )
             match = self.device.relock(keys[:n], token_ids, node)
-            if self.device.tiers:  # write-through: an independent copy of whole chunks, taken now
-                scope = self.device.scopes.get(cache_salt)
-                self.device.tiers.on_store(scope, keys[:n], token_ids, start, block_ids[:n])
+            tiers = self.device.tiers
+            if tiers:  # write-through: an independent copy of whole chunks, taken now
+                scope, ids = self.device.scopes.get(cache_salt), block_ids[:n]
+                if promoted:
+                    segments = _clip(promoted, n - start)  # a tenant's quota may cut them
+                    tiers.on_promote(scope, segments, keys[:n], token_ids, start, ids)
+                else:
+                    tiers.on_store(scope, keys[:n], token_ids, start, ids)
         kept = n - start - len(unkept)
-        self.device.metrics.inc("stored_blocks_total", kept)
+        metric = "promoted_blocks_total" if promoted else "stored_blocks_total"
+        self.device.metrics.inc(metric, n - start if promoted else kept)
         return Commit(match.last_node, n, kept)
 
     def drop(
@@ -166,3 +175,14 @@ class HeldBlocks:
         _, tenant = self.device.tenants.path(self.device.first_key(node))
         self.device.tenants.blocks[tenant] -= len(block_ids)
         self.pool.free(block_ids)
+
+
+def _clip(segments: Sequence[Segment], num_blocks: int) -> list[Segment]:
+    """The leading `num_blocks` blocks of consecutive segments."""
+    out = []
+    for segment in segments:
+        take = min(segment.num_blocks, num_blocks)
+        if take > 0:
+            out.append(segment._replace(num_blocks=take))
+        num_blocks -= take
+    return out

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hashing import BlockHash
+from kvstore.hits import PendingLoad
 from kvstore.index import TreeNode
 
 
@@ -28,6 +29,7 @@ class SeqBlocks:
     num_window_end: int = 0  # a hybrid model's: blocks from here on have none yet
     commit_end: int | None = None  # tokens past which nothing is committed (None: no end)
     closed: bool = False
+    pending: PendingLoad | None = None  # blocks still loading from a tier (`settle` them)
 
     def readable_table(self, filler: int) -> list[int]:
         """The table with `filler` (a block nobody reads) where the request holds none."""

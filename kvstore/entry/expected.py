@@ -151,16 +151,25 @@ class ExpectedEntry:
             return None
         return memoryview(tensor_bytes(dst))
 
+    def has_header(self, data: bytes | memoryview, header: bytes) -> bool:
+        """Whether `data` is an entry of this template's size that starts with `header`
+        (`header()` of the entry the reader expects). Its payload is not checked."""
+        data = _as_bytes(data)
+        return len(data) == self.total_bytes and _starts_with(data, header)
+
+    def checksum_ok(self, data: bytes | memoryview) -> bool:
+        """Whether the entry's checksum matches its header and payload (of this size)."""
+        mv = memoryview(_as_bytes(data))
+        checksum = int.from_bytes(mv[-CHECKSUM_BYTES:], "little")
+        return xxhash.xxh3_64_intdigest(mv[:-CHECKSUM_BYTES]) == checksum
+
     def kv(
         self, data: bytes | memoryview, key: bytes, digest: bytes, parent: bytes, tokens: bytes
     ) -> torch.Tensor | None:
         """The zero-copy KV view of `data` if it is exactly the expected entry, else None."""
         mv = memoryview(_as_bytes(data))
         n, header = self.header_bytes, self.header(key, digest, parent, tokens)
-        if len(mv) != self.total_bytes or not _starts_with(mv, header):
-            return None
-        checksum = int.from_bytes(mv[-CHECKSUM_BYTES:], "little")
-        if xxhash.xxh3_64_intdigest(mv[:-CHECKSUM_BYTES]) != checksum:
+        if not self.has_header(mv, header) or not self.checksum_ok(mv):
             return None
         if self._np_dtype is None:
             return frombuffer_le(mv[n:-CHECKSUM_BYTES], self.dtype, self.numel).view(self.shape)

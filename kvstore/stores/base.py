@@ -133,6 +133,10 @@ class SpillStore(ABC):
     # True: put_many copies the values during the call, so a caller may pass views of a buffer
     # it reuses afterwards. False (the safe default): it may keep them, so pass immutable bytes.
     copies_values: bool = False
+    # `read_prefix` hands out values without I/O on the caller's thread (process memory, or
+    # a map whose pages fault in where they are read): a layer-by-layer load reads them at
+    # lookup time and compares headers there, instead of on its loader thread
+    reads_in_place: bool = False
 
     @abstractmethod
     def count_prefix(self, keys: Sequence[bytes]) -> int:

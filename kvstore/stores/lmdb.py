@@ -53,6 +53,7 @@ class LmdbStore(SpillStore):
     """Spill tier in an LMDB environment at `path` (a directory), bounded by its map size."""
 
     name = "lmdb"
+    reads_in_place = True
     copies_values = True
 
     def __init__(

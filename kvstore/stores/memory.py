@@ -20,6 +20,7 @@ class MemoryStore(SpillStore):
     """
 
     name = "memory"
+    reads_in_place = True
 
     def __init__(
         self, capacity_bytes: int, policy: str = "lru", clock: Callable[[], float] = time.monotonic

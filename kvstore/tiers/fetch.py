@@ -26,18 +26,23 @@ from kvstore.layout import KVLayout, as_block, entry_to_blocks, token_bytes
 from kvstore.metrics import CacheMetrics
 from kvstore.scopes import Scope
 from kvstore.stores import SpillStore
+from kvstore.tiers.layered import (
+    LayerLoad,
+    LayerLoader,
+    LoadEntry,
+    LoadPart,
+    Segment,
+    leading_headers,
+)
 from kvstore.tiers.rejects import Rejections
 from kvstore.units import cdiv
 
-
-class Segment(NamedTuple):
-    """Verified blocks fetched from one tier, consecutive in the prompt."""
-
-    tier: str
-    num_blocks: int
-
-
 Allocate = Callable[[int], list[torch.Tensor | memoryview]]  # up to n destination blocks
+
+
+def _cut(entries: list[LoadEntry], stop: int) -> list[LoadEntry]:
+    """The entries with blocks before `stop`, their copies ending there."""
+    return [e._replace(hi=min(e.hi, stop)) for e in entries if e.lo < stop]
 
 
 class _Read(NamedTuple):
@@ -102,6 +107,102 @@ class TierReader:
                 segments.append(Segment(store.name, got))
                 pos, dst = pos + got, dst[got:]
         return segments
+
+    def start_layered(
+        self,
+        scope: Scope,
+        keys: Sequence[bytes],
+        token_ids: np.ndarray,
+        start: int,
+        allocate: Allocate,
+        loader: LayerLoader,
+    ) -> LayerLoad:
+        """`fetch_into`, layer by layer (kvstore/tiers/layered.py): promise blocks keys[start:]
+        tier by tier, allocate their destinations and start the loader on them. The load's
+        `num_blocks` is the promise; its `result()` what verified. Needs `scope.expected`."""
+        expected, n = scope.expected, self.chunk_blocks
+        if expected is None:
+            raise ValueError("layer-by-layer loads need entries of codec 'none'")
+        limit = len(keys)
+        keys = self._through_chunk_end(scope.hasher, keys, token_ids)
+        ends = range((start // n + 1) * n, len(keys) + 1, n)  # end block of each chunk
+        load = LayerLoad(self.layout.num_layers)
+        try:
+            self._promise(load, scope, keys, token_ids, start, limit, ends, allocate)
+        except BaseException:
+            load.close()  # the reads it opened (an LMDB read transaction)
+            raise
+        loader.start(load, expected)
+        return load
+
+    def _promise(
+        self,
+        load: LayerLoad,
+        scope: Scope,
+        keys: Sequence[bytes],
+        token_ids: np.ndarray,
+        start: int,
+        limit: int,
+        ends: range,
+        allocate: Allocate,
+    ) -> None:
+        """The parts of `load`: tier by tier, what each promises of blocks [start, limit)."""
+        pos = start
+        digests = scope.hasher.digest_blocks(token_ids, num_blocks=len(keys))
+        tokens = token_bytes(token_ids)
+        for store in self.stores:
+            todo = [end for end in ends if end > pos]
+            if pos >= limit or not todo:
+                break
+            read = _Read(scope, store, keys, digests, token_ids, tokens)
+            part = self._part(read, todo, load, pos)
+            if part is None:
+                continue
+            part.dst = allocate(min(limit, part.entries[-1].hi) - pos)
+            if not part.dst:
+                break
+            part.entries = _cut(part.entries, pos + len(part.dst))
+            part.num_ok = min(part.num_ok, len(part.entries))
+            load.parts.append(part)
+            pos += len(part.dst)
+
+    def _part(self, read: _Read, ends: list[int], load: LayerLoad, pos: int) -> LoadPart | None:
+        """The entries of `ends` the store promises (None: none); a store that reads in place
+        is read now and its headers compared, another is counted (one round trip)."""
+        store, n = read.store, self.chunk_blocks
+        wanted = [read.keys[end - 1] for end in ends]
+        values = load.enter(store.read_prefix(wanted)) if store.reads_in_place else None
+        count = len(values) if values is not None else store.count_prefix(wanted)
+        entries = []
+        for end in ends[:count]:
+            args = self._entry_args(read, end - n, end)
+            header = read.scope.expected.header(*args)  # type: ignore[union-attr]
+            entries.append(LoadEntry(args[0], header, end - n, max(end - n, pos), end))
+
+        def why(value: bytes | memoryview, i: int) -> EntryError | None:
+            first, end = entries[i].first, entries[i].first + n
+            args = self._entry_args(read, first, end)
+            ids = read.token_ids[first * self.layout.block_size : end * self.layout.block_size]
+            try:
+                decode_entry(
+                    value,
+                    namespace=read.scope.root,
+                    key=args[0],
+                    digest=args[1],
+                    dtype=self.layout.dtype,
+                    token_ids=ids,
+                    shape=self.layout.entry_shape(n),
+                    key_id=read.scope.hasher.key_id,
+                )
+            except EntryError as e:
+                return e
+            return None  # valid, but not as the template expects: a miss here all the same
+
+        part = LoadPart(store, entries, [], pos, values, why)
+        if values is not None:
+            part.num_ok = leading_headers(part, read.scope.expected, load.failures)  # type: ignore[arg-type]
+            part.entries = entries[: part.num_ok]
+        return part if part.entries else None
 
     def _through_chunk_end(
         self, hasher: BlockHasher, keys: Sequence[bytes], token_ids: np.ndarray

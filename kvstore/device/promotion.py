@@ -1,0 +1,180 @@
+"""Promotion: the blocks of a hit the device pool missed, brought from the spill tiers into
+fresh pool blocks. Whole (`promote`: verified, copied and indexed before the lookup returns)
+or layer by layer (`start_layered`: promised now, copied by the loader while the caller's
+forward runs, indexed when the caller settles them, kvstore/tiers/layered.py)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from kvstore.attention.base import AttentionKind, FullAttention
+from kvstore.device.device_index import DeviceIndex
+from kvstore.device.held import Commit
+from kvstore.device.pool import BlockPool
+from kvstore.hits import CacheHit, PendingLoad
+from kvstore.index import TreeNode
+from kvstore.metrics import DEVICE_TIER, CacheMetrics
+from kvstore.scopes import Scope
+from kvstore.tenants import TenantBlocks
+from kvstore.tiers import Tiers
+from kvstore.tiers.layered import LayerLoader
+
+
+class Promoter:
+    """Brings a hit's missing blocks from the tiers, under the cache's lock."""
+
+    def __init__(
+        self,
+        device: DeviceIndex,
+        pool: BlockPool,
+        kind: AttentionKind,
+        tenants: TenantBlocks,
+        tiers: Tiers,
+        metrics: CacheMetrics,
+        lock: threading.RLock,  # the cache's
+    ):
+        self.device, self.pool, self.kind, self.tenants = device, pool, kind, tenants
+        self.tiers, self.metrics, self._lock = tiers, metrics, lock
+        # only full attention: a window kind cuts hits by what its window holds, which
+        # blocks still loading cannot say yet
+        wanted = tiers.config.layer_loads
+        if wanted is None:
+            wanted = pool.device.type == "cuda"
+        layered = wanted and type(kind) is FullAttention
+        self.loader = LayerLoader(pool.layout, pool.device) if layered else None
+
+    def can_layer(self, scope: Scope) -> bool:
+        """Whether a lookup under `scope` may load layer by layer."""
+        return self.loader is not None and scope.expected is not None
+
+    def promote(
+        self,
+        scope: Scope,
+        hit: CacheHit,
+        tokens: np.ndarray,
+        tenant: str,
+        start: int,
+        windows: list[int],
+    ) -> list[int]:
+        """Copy verified tier blocks from block `start` on into fresh pool blocks, index them,
+        move the hit's lock (and its `windows`: returns those it holds now)."""
+        new_ids: list[int] = []
+        staged: list[torch.Tensor | memoryview] = []  # a hybrid pool's: written after
+        allocate = self._allocator(tenant, new_ids, staged)
+        num_device = len(hit.block_ids)
+        try:
+            segments = self.tiers.reader.fetch_into(scope, hit.keys, tokens, start, allocate)
+        except BaseException:
+            with self._lock:
+                self.pool.free(new_ids)
+            raise
+        got = sum(segment.num_blocks for segment in segments)
+        if got:
+            self.pool.write_staged(new_ids[:got], staged[:got])
+        with self._lock:
+            self.pool.free(new_ids[got:])  # allocated for blocks that did not verify
+            ids = hit.block_ids[:start] + new_ids[:got]
+            device = self.device
+            device.insert(hit.keys[: start + got], tokens, ids, start, scope.cache_salt, tenant)
+            self.pool.free(new_ids[:got])  # the index holds them now
+            match = device.relock(hit.keys[: max(start + got, num_device)], tokens, hit.node)
+            taken = device.take(match.block_ids)
+            device.give_back(hit.block_ids, windows)
+        hit.node, hit.block_ids = match.last_node, match.block_ids
+        hit.num_cached_tokens = match.num_blocks * self.pool.block_size
+        promoted = {seg.tier: seg.num_blocks * self.pool.block_size for seg in segments}
+        _count(hit, promoted)
+        readable = self.kind.readable(hit.block_ids, taken)
+        self.tiers.on_promote(scope, segments, hit.keys, tokens, start, readable)
+        self.metrics.inc("promoted_blocks_total", got)
+        return taken
+
+    def start_layered(
+        self, scope: Scope, hit: CacheHit, tokens: np.ndarray, tenant: str, start: int
+    ) -> None:
+        """Promise the tier blocks from block `start` on (fresh pool blocks the hit holds,
+        not indexed) and start their layer-by-layer load (`hit.pending`)."""
+        new_ids: list[int] = []
+        staged: list[torch.Tensor | memoryview] = []
+        allocate = self._allocator(tenant, new_ids, staged)
+        assert self.loader is not None
+        try:
+            load = self.tiers.reader.start_layered(
+                scope, hit.keys, tokens, start, allocate, self.loader
+            )
+        except BaseException:
+            with self._lock:
+                self.pool.free(new_ids)
+            raise
+        if not load.num_blocks:
+            load.close()
+            return
+        hit.block_ids = [*hit.block_ids, *new_ids]  # the allocation's references: the hit's
+        hit.pending = PendingLoad(load, start, scope.cache_salt, tenant, tokens)
+        hit.num_cached_tokens = len(hit.block_ids) * self.pool.block_size
+        bs = self.pool.block_size
+        promised: dict[str, int] = {}
+        for part in load.parts:
+            promised[part.store.name] = promised.get(part.store.name, 0) + len(part.dst) * bs
+        _count(hit, promised)
+
+    def settle(
+        self,
+        pending: PendingLoad,
+        keys: Sequence[bytes],
+        block_ids: Sequence[int | None],
+        node: TreeNode | None,
+        commit: Callable[..., Commit],
+    ) -> tuple[Commit, int]:
+        """Wait for a layer-by-layer load to end; give the index its blocks that verified
+        (`commit`: `HeldBlocks.commit`, with their tiers) and record the entries that failed.
+        `block_ids` (the holder's) and `node` (its locked path) cover blocks [0, start) and
+        the promised ones. Returns the commit and how many promised blocks verified."""
+        load = pending.load
+        got = load.result()
+        load.close()  # on the thread that opened its reads
+        for store, key, error in load.failures:
+            self.tiers.reader.rejections.record(store, [(key, error)])
+        self.metrics.inc("layer_load_seconds_total", load.load_s)
+        self.metrics.inc("layer_wait_seconds_total", load.wait_s)
+        if got < load.num_blocks:
+            self.metrics.inc("layer_load_retries_total")
+        if not got:
+            return Commit(node, pending.start, 0), 0
+        end, bs = pending.start + got, self.pool.block_size
+        done = commit(
+            keys=list(keys[:end]),
+            token_ids=pending.tokens[: end * bs],
+            block_ids=block_ids[:end],
+            start=pending.start,
+            cache_salt=pending.cache_salt,
+            tenant=pending.tenant,
+            node=node,
+            promoted=load.segments(),
+        )
+        return done, got
+
+    def _allocator(self, tenant: str, new_ids: list[int], staged: list):
+        def allocate(n: int) -> list[torch.Tensor | memoryview]:
+            with self._lock:
+                n = min(n, self.tenants.quota_left(tenant) - len(new_ids))
+                ids = self.device.allocate(n) if n > 0 else []
+            new_ids.extend(ids)
+            staged.extend(self.pool.destinations(ids))
+            return staged[len(staged) - len(ids) :]
+
+        return allocate
+
+    def close(self) -> None:
+        if self.loader is not None:
+            self.loader.close()
+
+
+def _count(hit: CacheHit, promoted: dict[str, int]) -> None:
+    """The hit's tokens by tier: the device's, then those `promoted` from each tier."""
+    device = hit.num_cached_tokens - sum(promoted.values())
+    hit.tier_tokens = ({DEVICE_TIER: device} if device > 0 else {}) | promoted
