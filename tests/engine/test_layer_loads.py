@@ -158,6 +158,16 @@ def test_a_redis_that_dies_during_the_load_is_a_miss_and_the_request_recomputes(
         engine.cache.check_integrity()
 
 
+def prefill_in_thread(engine: Engine) -> tuple[threading.Thread, list]:
+    """The prompt stored and held in the tier only, then its prefill started in a thread
+    (its result lands in the list)."""
+    only_in_tier(engine)
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(engine.prefill(PROMPT)))
+    thread.start()
+    return thread, result
+
+
 def on_loader() -> bool:
     return threading.current_thread().name.startswith("kvstore-layers")
 
@@ -171,10 +181,10 @@ def test_the_forward_computes_early_layers_while_later_ones_load(model, tmp_path
     def loader_claims(self, up_to=None):
         return claim(self, up_to) if on_loader() else None
 
-    def held_copy(self, layer):
+    def held_copy(self, layer, *stream):
         if layer == 1:
             release.wait(timeout=30)
-        copy(self, layer)
+        copy(self, layer, *stream)
 
     def noted_wait(self, layer):
         if layer == 1:
@@ -185,15 +195,13 @@ def test_the_forward_computes_early_layers_while_later_ones_load(model, tmp_path
     monkeypatch.setattr(layered.LayerLoad, "copy", held_copy)
     monkeypatch.setattr(layered.LayerLoad, "wait", noted_wait)
     with Engine(model, tier_config("memory", tmp_path, None)) as engine:
-        only_in_tier(engine)
-        result: list = []
-        thread = threading.Thread(target=lambda: result.append(engine.prefill(PROMPT)))
-        thread.start()
+        thread, result = prefill_in_thread(engine)
         assert reached.wait(timeout=30)  # layer 0 computed, layer 1 still loading
         assert not result
         release.set()
         thread.join(timeout=30)
         assert result[0].cached_by_tier == {"memory": CACHED}
+        assert engine.cache.metrics.get("layer_load_retries_total") == 0
 
 
 def test_the_forward_copies_the_layers_the_loader_has_not_claimed(
@@ -208,17 +216,14 @@ def test_the_forward_copies_the_layers_the_loader_has_not_claimed(
         prepare(self, layout, header_bytes)
         release.wait(timeout=30)  # the layers are claimable, the loader claims none yet
 
-    def noted_copy(self, layer):
+    def noted_copy(self, layer, *stream):
         copiers.append(on_loader())
-        copy(self, layer)
+        copy(self, layer, *stream)
 
     monkeypatch.setattr(layered.LayerLoad, "prepare", held_prepare)
     monkeypatch.setattr(layered.LayerLoad, "copy", noted_copy)
     with Engine(model, tier_config("memory", tmp_path, None)) as engine:
-        only_in_tier(engine)
-        result: list = []
-        thread = threading.Thread(target=lambda: result.append(engine.prefill(PROMPT)))
-        thread.start()
+        thread, result = prefill_in_thread(engine)
         thread.join(timeout=5)
         assert thread.is_alive()  # the forward ran; settling waits for the checksums
         assert copiers == [False, False]  # both layers, copied by the forward's thread
@@ -226,6 +231,7 @@ def test_the_forward_copies_the_layers_the_loader_has_not_claimed(
         thread.join(timeout=30)
         assert result[0].cached_by_tier == {"memory": CACHED}
         assert close_to_reference(result[0].logits, reference)
+        assert engine.cache.metrics.get("layer_load_retries_total") == 0
 
 
 def test_batched_requests_over_a_tier_hit_match_the_reference_and_a_damaged_one_recomputes(
@@ -251,10 +257,10 @@ def hold_loads_until_the_forward_waits(monkeypatch) -> None:
     asked = threading.Event()
     copy, wait = layered.LayerLoad.copy, layered.LayerLoad.wait
 
-    def held_copy(self, layer):
+    def held_copy(self, layer, *stream):
         if on_loader():
             asked.wait(timeout=30)
-        copy(self, layer)
+        copy(self, layer, *stream)
 
     def noted_wait(self, layer):
         asked.set()
@@ -276,6 +282,7 @@ def test_a_one_token_step_over_a_tier_hit_reads_the_loaded_layers(model, monkeyp
         engine.on_loop(lambda: engine.cache.pool.kv.fill_(7.0))  # no stale K/V to read
         hold_loads_until_the_forward_waits(monkeypatch)
         (again,) = engine.generate([PROMPT], params)
+        assert engine.cache.metrics.get("layer_load_retries_total") == 0
     assert again.cached_by_tier == {"memory": CACHED}
     assert again.output_token_ids == first.output_token_ids
 
