@@ -21,7 +21,7 @@ from kvstore.metrics import DEVICE_TIER, CacheMetrics
 from kvstore.scopes import Scope
 from kvstore.tenants import TenantBlocks
 from kvstore.tiers import Tiers
-from kvstore.tiers.layered import LayerLoader
+from kvstore.tiers.layered import LayerLoad, LayerLoader
 
 
 class Promoter:
@@ -110,7 +110,8 @@ class Promoter:
             with self._lock:
                 self.pool.free(new_ids)
             raise
-        if not load.num_blocks:
+        if not load.num_blocks:  # nothing promised: the loader has nothing to do
+            self._record(load)
             load.close()
             return
         hit.block_ids = [*hit.block_ids, *new_ids]  # the allocation's references: the hit's
@@ -137,8 +138,7 @@ class Promoter:
         load = pending.load
         got = load.result()
         load.close()  # on the thread that opened its reads
-        for store, key, error in load.failures:
-            self.tiers.reader.rejections.record(store, [(key, error)])
+        self._record(load)
         self.metrics.inc("layer_load_seconds_total", load.load_s)
         self.metrics.inc("layer_wait_seconds_total", load.wait_s)
         if got < load.num_blocks:
@@ -157,6 +157,11 @@ class Promoter:
             promoted=load.segments(),
         )
         return done, got
+
+    def _record(self, load: LayerLoad) -> None:
+        """The entries the load found failing: deleted if damaged, counted (`Rejections`)."""
+        for store, key, error in load.failures:
+            self.tiers.reader.rejections.record(store, [(key, error)])
 
     def _allocator(self, tenant: str, new_ids: list[int], staged: list):
         def allocate(n: int) -> list[torch.Tensor | memoryview]:

@@ -317,3 +317,43 @@ def test_unset_layer_loads_read_whole_entries_on_a_cpu_pool(model, reference, tm
 def test_layer_loads_refuses_what_is_not_a_bool_or_unset():
     with pytest.raises(ConfigError, match="layer_loads"):
         micro_cache_config(layer_loads="yes")
+
+
+@pytest.mark.parametrize("shared", ["lmdb", "redis"])  # host memory is one process's
+def test_a_layered_reader_with_another_secret_deletes_nothing_and_counts_it_once(
+    model, reference, shared, request, tmp_path
+):
+    """Entries written under one secret are foreign to a reader with another: a miss, kept,
+    and recorded once, whether the load compared headers at lookup time (LMDB) or on the
+    loader (Redis: promised by its key count, then the retry's whole read records it)."""
+    url = request.getfixturevalue("redis_server").url if shared == "redis" else None
+    config = tier_config(shared, tmp_path, url)
+    with Engine(model, config) as writer:
+        only_in_tier(writer)
+        keys = writer.cache.block_keys(PROMPT)
+    with Engine(model, dataclasses.replace(config, secret="another")) as reader:
+        pre = reader.prefill(PROMPT)
+        metrics = reader.cache.metrics
+        assert metrics.get("verify_failures_total", reason="secret", tier=shared) == 1
+        assert metrics.get("layer_load_retries_total") == (1 if shared == "redis" else 0)
+        assert reader.cache.tiers.stores[0].count_prefix(keys) == 10  # nothing deleted
+    assert pre.cached_tokens == 0
+    assert close_to_reference(pre.logits, reference)
+
+
+def test_a_truncated_entry_is_deleted_by_a_layered_reader(
+    model, reference, tier, redis_url, tmp_path
+):
+    with Engine(model, tier_config(tier, tmp_path, redis_url)) as engine:
+        only_in_tier(engine)
+        store, keys = engine.cache.tiers.stores[0], engine.cache.block_keys(PROMPT)
+        value = store.get_many([keys[4]])[0]
+        store.delete([keys[4]])
+        store.put_many([(keys[4], value[:-100])])
+        pre = engine.prefill(PROMPT)
+        metrics = engine.cache.metrics
+        assert metrics.get("verify_failures_total", reason="truncated", tier=tier) == 1
+        assert store.count_prefix(keys) == 4  # the damaged entry deleted
+    # Redis promised all 10 by key count: the 4 that verified are on the device for the retry
+    assert pre.cached_by_tier == ({"device": 16} if tier == "redis" else {tier: 16})
+    assert close_to_reference(pre.logits, reference)
