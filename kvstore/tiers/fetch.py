@@ -179,28 +179,12 @@ class TierReader:
             header = read.scope.expected.header(*args)  # type: ignore[union-attr]
             entries.append(LoadEntry(args[0], header, end - n, max(end - n, pos), end))
 
-        def why(value: bytes | memoryview, i: int) -> EntryError | None:
-            first, end = entries[i].first, entries[i].first + n
-            args = self._entry_args(read, first, end)
-            ids = read.token_ids[first * self.layout.block_size : end * self.layout.block_size]
-            try:
-                decode_entry(
-                    value,
-                    namespace=read.scope.root,
-                    key=args[0],
-                    digest=args[1],
-                    dtype=self.layout.dtype,
-                    token_ids=ids,
-                    shape=self.layout.entry_shape(n),
-                    key_id=read.scope.hasher.key_id,
-                )
-            except EntryError as e:
-                return e
-            return None  # valid, but not as the template expects: a miss here all the same
-
-        part = LoadPart(store, entries, [], pos, values, why)
+        part = LoadPart(store, entries, [], pos, values)
         if values is not None:
-            part.num_ok = leading_headers(part, read.scope.expected, load.failures)  # type: ignore[arg-type]
+            part.num_ok = leading_headers(part, read.scope.expected)  # type: ignore[arg-type]
+            if part.num_ok < len(values):  # the full decode records why it is a miss
+                entry = entries[part.num_ok]
+                self._verified_kv(read, values[part.num_ok], entry.first, entry.first + n)
             part.entries = entries[: part.num_ok]
         return part if part.entries else None
 

@@ -36,8 +36,6 @@ from kvstore.stores import SpillStore
 
 log = logging.getLogger("kvstore.tiers")
 
-Decode = Callable[[bytes | memoryview, int], EntryError | None]  # why entry i fails, or None
-
 
 class Segment(NamedTuple):
     """Verified blocks fetched from one tier, consecutive in the prompt."""
@@ -68,7 +66,6 @@ class LoadPart:
     dst: list[torch.Tensor | memoryview]
     pos: int
     values: list[bytes | memoryview] | None
-    why: Decode  # the reason an entry whose header differs fails (`decode_entry`)
     num_ok: int = 0  # leading entries whose header matched
     num_verified: int = 0  # leading entries whose checksum matched too
 
@@ -262,22 +259,14 @@ def _read(part: LoadPart, expected: ExpectedEntry) -> None:
     request computes again, and that lookup's whole read records it (once)."""
     with part.store.read_prefix([e.key for e in part.entries]) as values:
         part.values = list(values)
-    part.num_ok = leading_headers(part, expected, None)
+    part.num_ok = leading_headers(part, expected)
 
 
-def leading_headers(
-    part: LoadPart,
-    expected: ExpectedEntry,
-    failures: list[tuple[SpillStore, bytes, EntryError]] | None,
-) -> int:
-    """How many leading values of the part have the expected header; the first that does
-    not stops the count (and with `failures`, is decoded to say why, to be recorded)."""
+def leading_headers(part: LoadPart, expected: ExpectedEntry) -> int:
+    """How many leading values of the part have the header its entry expects."""
     values = part.values or []
     for i, (entry, value) in enumerate(zip(part.entries, values, strict=False)):
         if not expected.has_header(value, entry.header):
-            error = None if failures is None else part.why(value, i)
-            if error is not None:
-                failures.append((part.store, entry.key, error))
             return i
     return min(len(values), len(part.entries))
 
