@@ -357,3 +357,41 @@ def test_a_truncated_entry_is_deleted_by_a_layered_reader(
     # Redis promised all 10 by key count: the 4 that verified are on the device for the retry
     assert pre.cached_by_tier == ({"device": 16} if tier == "redis" else {tier: 16})
     assert close_to_reference(pre.logits, reference)
+
+
+@pytest.mark.parametrize("deployment", ["redis_cluster", "redis_tls"])
+def test_a_layered_load_from_redis_cluster_or_tls_gives_the_whole_loads_output(
+    model, reference, deployment, request, tmp_path
+):
+    url = request.getfixturevalue(deployment).url
+    layered_logits, by_tier, counts = tier_logits(model, tier_config("redis", tmp_path, url))
+    assert by_tier == {"redis": CACHED}
+    assert counts == {"layer_load_retries_total": 0, "promoted_blocks_total": CACHED // 4}
+    whole = tier_config("redis", tmp_path, url, layer_loads=False)
+    whole_logits, _, _ = tier_logits(model, whole)
+    assert torch.equal(layered_logits, whole_logits)
+    assert close_to_reference(layered_logits, reference)
+
+
+def test_an_embedders_layered_lookup_loads_the_same_kv_once_settled(model, tmp_path):
+    """`PrefixCache.lookup(layered=True)`: `load` settles first, then gathers exactly what a
+    whole lookup gathers; `release` leaves the accounting whole."""
+    with Engine(model, tier_config("lmdb", tmp_path, None)) as engine:
+        only_in_tier(engine)
+        cache = engine.cache
+
+        def lookup_and_load(layered: bool):
+            hit = cache.lookup(PROMPT, layered=layered)
+            pending = hit.pending is not None
+            kv = cache.load(hit)
+            cache.release(hit)
+            cache.check_integrity()
+            cache.evict_device()
+            return pending, kv
+
+        layered_pending, layered_kv = engine.on_loop(lambda: lookup_and_load(True))
+        whole_pending, whole_kv = engine.on_loop(lambda: lookup_and_load(False))
+    assert (layered_pending, whole_pending) == (True, False)
+    assert layered_kv.num_tokens == whole_kv.num_tokens == CACHED
+    for (k1, v1), (k2, v2) in zip(layered_kv.layers, whole_kv.layers, strict=True):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
