@@ -104,11 +104,7 @@ class PrefixCache:
             release_tails=lambda n: self.tails.release(n),  # the tails are made below
         )
         self._lock = self.device_index.lock
-        self.promoter = (
-            Promoter(self.device_index, self.pool, self.kind, self.tenants, self.tiers,
-                     self.metrics, self._lock)
-            if self.tiers else None
-        )  # fmt: skip
+        self.promoter = Promoter(self.device_index, self.tiers) if self.tiers else None
         self.held = HeldBlocks(self.device_index, num_tails=lambda: len(self.tails))
         capacity = tail_capacity(config.tail_blocks, self.pool.num_blocks, self.kind.keeps_tails)
         self.tails = TailCache(  # partial last blocks (tails.py)

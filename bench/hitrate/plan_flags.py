@@ -8,21 +8,6 @@ import argparse
 from bench.hitrate.fleet import ROUTES, ServiceModel
 from kvstore.fleet.routing import RoutingConfig
 
-FLAGS = (
-    "tiers",
-    "write_policy",
-    "replicas",
-    "route",
-    "prefill_ms_per_token",
-    "load_ms_per_block",
-    "decode_ms_per_token",
-    "prefill_weight",
-    "decode_weight",
-    "host_block_cost",
-    "disk_block_cost",
-    "redis_block_cost",
-    "device_affinity",
-)
 # weights of the kv route only
 KV_FLAGS = (
     "prefill_weight",
@@ -31,6 +16,16 @@ KV_FLAGS = (
     "disk_block_cost",
     "redis_block_cost",
     "device_affinity",
+)
+FLAGS = (
+    "tiers",
+    "write_policy",
+    "replicas",
+    "route",
+    "prefill_ms_per_token",
+    "load_ms_per_block",
+    "decode_ms_per_token",
+    *KV_FLAGS,
 )
 SERVICE = ServiceModel()
 ROUTING = RoutingConfig()

@@ -5,21 +5,18 @@ forward runs, indexed when the caller settles them, kvstore/tiers/layered.py).""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
-from kvstore.attention.base import AttentionKind, FullAttention
+from kvstore.attention.base import FullAttention
 from kvstore.device.device_index import DeviceIndex
 from kvstore.device.held import Commit
-from kvstore.device.pool import BlockPool
 from kvstore.hits import CacheHit, PendingLoad
 from kvstore.index import TreeNode
-from kvstore.metrics import DEVICE_TIER, CacheMetrics
+from kvstore.metrics import DEVICE_TIER
 from kvstore.scopes import Scope
-from kvstore.tenants import TenantBlocks
 from kvstore.tiers import Tiers
 from kvstore.tiers.layered import LayerLoad, LayerLoader
 
@@ -27,25 +24,19 @@ from kvstore.tiers.layered import LayerLoad, LayerLoader
 class Promoter:
     """Brings a hit's missing blocks from the tiers, under the cache's lock."""
 
-    def __init__(
-        self,
-        device: DeviceIndex,
-        pool: BlockPool,
-        kind: AttentionKind,
-        tenants: TenantBlocks,
-        tiers: Tiers,
-        metrics: CacheMetrics,
-        lock: threading.RLock,  # the cache's
-    ):
-        self.device, self.pool, self.kind, self.tenants = device, pool, kind, tenants
-        self.tiers, self.metrics, self._lock = tiers, metrics, lock
+    def __init__(self, device: DeviceIndex, tiers: Tiers):
+        """`device`: the cache's device index (its pool, attention kind, tenants, metrics and
+        lock); `tiers`: the spill tiers it promotes from."""
+        self.device, self.tiers, self._lock = device, tiers, device.lock
+        self.pool, self.kind, self.tenants = device.pool, device.kind, device.tenants
+        self.metrics = device.metrics
         # only full attention: a window kind cuts hits by what its window holds, which
         # blocks still loading cannot say yet
         wanted = tiers.config.layer_loads
         if wanted is None:
-            wanted = pool.device.type == "cuda"
-        layered = wanted and type(kind) is FullAttention
-        self.loader = LayerLoader(pool.layout, pool.device) if layered else None
+            wanted = self.pool.device.type == "cuda"
+        layered = wanted and type(self.kind) is FullAttention
+        self.loader = LayerLoader(self.pool.layout, self.pool.device) if layered else None
 
     def can_layer(self, scope: Scope) -> bool:
         """Whether a lookup under `scope` may load layer by layer."""

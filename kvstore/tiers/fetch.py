@@ -147,15 +147,20 @@ class TierReader:
         allocate: Allocate,
     ) -> None:
         """The parts of `load`: tier by tier, what each promises of blocks [start, limit)."""
-        pos = start
-        digests = scope.hasher.digest_blocks(token_ids, num_blocks=len(keys))
-        tokens = token_bytes(token_ids)
+        pos, digests, tokens = start, None, token_bytes(token_ids)
         for store in self.stores:
             todo = [end for end in ends if end > pos]
             if pos >= limit or not todo:
                 break
+            wanted = [keys[end - 1] for end in todo]
+            values = load.enter(store.read_prefix(wanted)) if store.reads_in_place else None
+            count = len(values) if values is not None else store.count_prefix(wanted)
+            if not count:
+                continue
+            if digests is None:  # only once some tier has blocks (as `fetch_into`)
+                digests = scope.hasher.digest_blocks(token_ids, num_blocks=len(keys))
             read = _Read(scope, store, keys, digests, token_ids, tokens)
-            part = self._part(read, todo, load, pos)
+            part = self._part(read, todo[:count], values, pos)
             if part is None:
                 continue
             part.dst = allocate(min(limit, part.entries[-1].hi) - pos)
@@ -166,23 +171,19 @@ class TierReader:
             load.parts.append(part)
             pos += len(part.dst)
 
-    def _part(self, read: _Read, ends: list[int], load: LayerLoad, pos: int) -> LoadPart | None:
-        """The entries of `ends` the store promises (None: none); a store that reads in place
-        is read now and its headers compared, another is counted (one round trip)."""
-        store, n = read.store, self.chunk_blocks
-        wanted = [read.keys[end - 1] for end in ends]
-        values = load.enter(store.read_prefix(wanted)) if store.reads_in_place else None
-        count = len(values) if values is not None else store.count_prefix(wanted)
-        entries = []
-        for end in ends[:count]:
+    def _part(self, read: _Read, ends: list[int], values: list | None, pos: int) -> LoadPart | None:
+        """The entries of `ends` (chunk ends) the store promises, None if none: all of them
+        (a key count), or with `values` (read in place) the leading ones whose headers are
+        the expected ones; the first that is not is decoded, which records why."""
+        n, entries = self.chunk_blocks, []
+        for end in ends:
             args = self._entry_args(read, end - n, end)
             header = read.scope.expected.header(*args)  # type: ignore[union-attr]
             entries.append(LoadEntry(args[0], header, end - n, max(end - n, pos), end))
-
-        part = LoadPart(store, entries, [], pos, values)
+        part = LoadPart(read.store, entries, [], pos, values)
         if values is not None:
             part.num_ok = leading_headers(part, read.scope.expected)  # type: ignore[arg-type]
-            if part.num_ok < len(values):  # the full decode records why it is a miss
+            if part.num_ok < len(values):
                 entry = entries[part.num_ok]
                 self._verified_kv(read, values[part.num_ok], entry.first, entry.first + n)
             part.entries = entries[: part.num_ok]
