@@ -122,7 +122,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--workload", default=",".join(SCALES["default"]))
     p.add_argument("--scale", default="default", choices=sorted(SCALES))
     p.add_argument("--model", default="tiny", help="tiny, smollm2, a .gguf file or a model "
-                   "directory; float32 on the CPU")  # fmt: skip
+                   "directory; float32")  # fmt: skip
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="the model's and the KV pool's device")  # fmt: skip
     p.add_argument("--new-tokens", type=int, default=4, help="generated tokens per request")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
@@ -134,6 +136,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for name in args.workloads:
         if name not in SCALES["default"]:
             p.error(f"--workload: unknown {name!r}; choose from {','.join(SCALES['default'])}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: CUDA is not available (no GPU visible, or a CPU build of torch)")
     if args.new_tokens < 1:
         p.error("--new-tokens must be >= 1")
     if args.repeats < 1:
@@ -274,7 +278,7 @@ def run_workload(lm, name: str, args: argparse.Namespace) -> dict:
 
     prompts = workload_prompts(name, args.scale, 256)
     blocks = sum(len(p) + args.new_tokens for p in prompts) // args.block_size + 8
-    config = CacheConfig(block_size=args.block_size, device="cpu", device_blocks=blocks)
+    config = CacheConfig(block_size=args.block_size, device=args.device, device_blocks=blocks)
     with Engine(lm, config) as engine, torch.inference_mode():
         warm_up(lm, engine, args.new_tokens, tqdm)
         with tqdm(total=5 * args.repeats * len(prompts), desc=name, leave=False) as bar:
@@ -297,7 +301,7 @@ def print_table(rows: list[dict]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="End-to-end, tiny model fp32, device tier vs HF generate (no cache)")
+    table = Table(title="End-to-end, fp32, device tier vs HF generate (no cache)")
     cols = ("workload", "reqs", "contract ok", "prompt tok", "cached", "reusable", "no cache s",
             "kvstore s",
             "speedup", "ideal", "ratio", "prop. ideal", "/ free prefix", "CB batch s (matched)",
@@ -330,7 +334,7 @@ def main(argv: list[str], model=None) -> int:
     torch.set_num_threads(args.threads)
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
-    lm = model or load_model(args.model, "float32", "cpu")
+    lm = model or load_model(args.model, "float32", args.device)
     rows = [run_workload(lm, name, args) for name in args.workloads]
     if args.json:
         print(json.dumps({"workloads": rows}))

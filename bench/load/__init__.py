@@ -1,15 +1,17 @@
 """Serving under concurrent load: `kvstore serve` and `transformers serve --continuous-batching`.
 
     python -m bench load [--levels 1,2,4,8,16] [--sessions 8] [--turns 3] [--max-tokens 32]
-        [--system-prompt-bytes 1024] [--seed 0] [--model tiny|smollm2|DIR] [--no-peer] [--url URL]
+        [--system-prompt-bytes 1024] [--seed 0] [--model tiny|smollm2|DIR] [--device cpu|cuda]
+        [--no-peer] [--url URL]
         [--pool-blocks N] [--keep-servers] [--timeout S] [--json] [--out DIR]
 
 Both servers serve one saved model directory (`tiny` is saved, model and tokenizer, to a
 temporary directory), so their weights are identical; each runs on 127.0.0.1 in its own
-process group, on the CPU in float32, with 16-token blocks (pages) and the same KV pool in
-blocks, sized to hold the largest level's sessions whole (--pool-blocks), and is stopped at
-the end whatever happens (SIGTERM included). With `--url` the kvstore server is an existing
-one (then it is neither started, restarted nor stopped; the peer still serves `--model`).
+process group, in float32 on the CPU (--device cuda: the GPU), with 16-token blocks (pages)
+and the same KV pool in blocks, sized to hold the largest level's sessions whole
+(--pool-blocks), and is stopped at the end whatever happens (SIGTERM included). With `--url`
+the kvstore server is an existing one (then it is neither started, restarted nor stopped; the
+peer still serves `--model`).
 With --out, the servers' logs are kept there too.
 
 Workload: closed-loop multi-turn chat. At concurrency level c, c workers each take whole
@@ -80,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="tiny",
         help="tiny, smollm2, a .gguf file or a local model directory (both servers)",
     )
+    add("--device", choices=("cpu", "cuda"), default="cpu", help="both servers' device")
     add("--no-peer", action="store_true", help="kvstore only")
     add("--url", default=None, help="an existing kvstore server (not started nor restarted)")
     add("--api-key", default=None, help="Bearer key for --url")
@@ -115,7 +118,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def config(args: argparse.Namespace, model_dir: Path | None) -> dict:
     return {"levels": args.levels, "sessions": args.sessions, "turns": args.turns,
             "max_tokens": args.max_tokens, "system_prompt_bytes": args.system_prompt_bytes,
-            "seed": args.seed, "model": args.model,
+            "seed": args.seed, "model": args.model, "device": args.device,
             "model_dir": None if model_dir is None else str(model_dir),
             "block_tokens": BLOCK_TOKENS, "pool_blocks": args.pool_blocks, "url": args.url,
             "keep_servers": args.keep_servers, "timeout_s": args.timeout}  # fmt: skip

@@ -55,17 +55,17 @@ def pool_blocks(sessions: int, turns: int, max_tokens: int, system_bytes: int) -
     return (sessions + 1) * cdiv(per_session, BLOCK_TOKENS)
 
 
-def kvstore_command(model_dir: Path, port: int, blocks: int) -> list[str]:
+def kvstore_command(model_dir: Path, port: int, blocks: int, device: str = "cpu") -> list[str]:
     return [sys.executable, "-m", "engine.cli", "serve", "--model", str(model_dir),
-            "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", "--dtype", "float32",
+            "--host", "127.0.0.1", "--port", str(port), "--device", device, "--dtype", "float32",
             "--block-size", str(BLOCK_TOKENS), "--device-blocks", str(blocks),
             "--log-level", "warning"]  # fmt: skip
 
 
-def peer_command(model_dir: Path, port: int, blocks: int) -> list[str]:
+def peer_command(model_dir: Path, port: int, blocks: int, device: str = "cpu") -> list[str]:
     return [sys.executable, "-m", "transformers.cli.transformers", "serve", str(model_dir),
             "--continuous-batching", "--host", "127.0.0.1", "--port", str(port),
-            "--device", "cpu", "--dtype", "float32", "--cb-block-size", str(BLOCK_TOKENS),
+            "--device", device, "--dtype", "float32", "--cb-block-size", str(BLOCK_TOKENS),
             "--cb-num-blocks", str(blocks), "--log-level", "warning"]  # fmt: skip
 
 
@@ -108,6 +108,7 @@ class Target:
     blocks: int  # KV pool, in blocks of BLOCK_TOKENS
     url: str | None = None  # an existing kvstore server
     api_key: str | None = None
+    device: str = "cpu"  # both servers' model and KV pool
     command: list[str] = field(default_factory=list)
 
     @property
@@ -124,7 +125,7 @@ class Target:
             return self._external()
         make_command, make_env, label = LAUNCHERS[self.name]
         port = free_port()
-        self.command = make_command(self.model_dir, port, self.blocks)
+        self.command = make_command(self.model_dir, port, self.blocks, self.device)
         log = self.log_dir / f"{self.name}.log"
         process = ServerProcess(self.command, port, log, make_env(), label, READY_TIMEOUT_S)
         try:  # BaseException too: a SIGTERM (SystemExit) while waiting must not orphan it

@@ -32,7 +32,9 @@ from engine.loop.threads import on_own_thread
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench ttft", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="tiny", help="tiny (the pinned yardstick), smollm2, "
-                   "a .gguf file or a model directory; float32 on the CPU")  # fmt: skip
+                   "a .gguf file or a model directory; float32")  # fmt: skip
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="the model's and the KV pool's device")  # fmt: skip
     p.add_argument("--tier", default=None, help="comma-separated: device,memory,lmdb,redis; "
                    "a spill tier as memory:layers loads layer by layer during the forward, "
                    "memory:whole reads whole entries before it (layer_loads on, off; "
@@ -50,6 +52,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--fractions", default="0.25,0.5,0.75,0.9", help="sweep cached fractions")
     p.add_argument("--out", default=None, help="sweep: directory for ttft_sweep.png")
     args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: CUDA is not available (no GPU visible, or a CPU build of torch)")
     if args.sweep:
         from bench.ttft.sweep import sweep_args
 
@@ -80,7 +84,7 @@ def main(argv: list[str], model=None) -> int:
         require("matplotlib", needed_by="--out")
     torch.set_num_threads(args.threads)
     hf_logging.disable_progress_bar()
-    lm = model or load_model(args.model, "float32", "cpu")
+    lm = model or load_model(args.model, "float32", args.device)
     if args.sweep:
         from bench.ttft.sweep import run_sweep
 

@@ -23,7 +23,7 @@ def full_kv(model, ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per-layer (K, V) of a full prefill: [1, kv_heads, len(ids), head_dim]."""
     past = DynamicCache(config=model.config)
     with torch.inference_mode():
-        model(input_ids=torch.tensor([ids]), **with_cache(model, past))
+        model(input_ids=torch.tensor([ids], device=model.device), **with_cache(model, past))
     return [(layer.keys, layer.values) for layer in past.layers]
 
 
@@ -46,7 +46,7 @@ def cache_config_for(tier: str, args: argparse.Namespace, num_blocks: int, tmp: 
     prefill writes in place); write-through so a store reaches it at once."""
     from kvstore.config import CacheConfig
 
-    base = {"block_size": args.block_size, "device": "cpu", "device_blocks": num_blocks + 8}
+    base = {"block_size": args.block_size, "device": args.device, "device_blocks": num_blocks + 8}
     tier, _, how = tier.partition(":")  # "memory:layers" / "memory:whole": layer_loads
     base["layer_loads"] = {"layers": True, "whole": False}.get(how)  # on / off ("": unset)
     if tier == "memory":
@@ -169,7 +169,8 @@ def print_table(
     from rich.console import Console
     from rich.table import Table
 
-    title = f"TTFT, {args.model} model fp32, {args.threads} threads, median of {args.runs}"
+    on = "GPU" if args.device == "cuda" else f"{args.threads} threads"
+    title = f"TTFT, {args.model} model fp32, {on}, median of {args.runs}"
     table = Table(title=title)
     cols = ("tier", "prompt", "cached", "no cache ms", "ideal ms", "kvstore ms", "ratio",
             "load ms", "waited ms")  # fmt: skip

@@ -92,8 +92,8 @@ def hf_generate_ttft(model, ids: list[int], runs: int) -> float:
             gc.collect()
             start = time.perf_counter()
             model.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                torch.tensor([ids], device=model.device),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=model.device),
                 max_new_tokens=1,
                 do_sample=False,
                 streamer=clock,

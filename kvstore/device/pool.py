@@ -24,18 +24,22 @@ class PoolExhausted(RuntimeError):
 
 
 def resolve_device(name: str) -> torch.device:
-    """The torch device of a `CacheConfig.device`; `ConfigError` for a CUDA device this
-    machine does not have."""
+    """The torch device of a `CacheConfig.device`, a GPU's with its index (`cuda` is
+    `cuda:0` on most machines, as a model's parameters say); `ConfigError` for a CUDA device
+    this machine does not have."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            why = "CUDA is not available (no GPU visible, or a CPU build of torch)"
-            raise ConfigError("device", f"{name!r} requested but {why}; use cpu or auto")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            count = torch.cuda.device_count()
-            raise ConfigError("device", f"{name!r} requested but there are {count} CUDA devices")
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
+        why = "CUDA is not available (no GPU visible, or a CPU build of torch)"
+        raise ConfigError("device", f"{name!r} requested but {why}; use cpu or auto")
+    if device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    if device.index >= torch.cuda.device_count():
+        count = torch.cuda.device_count()
+        raise ConfigError("device", f"{name!r} requested but there are {count} CUDA devices")
     return device
 
 

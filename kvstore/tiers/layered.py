@@ -217,14 +217,22 @@ class LayerLoader:
         if not load.parts:
             load.finish()
             return
-        self._pool.submit(self._run, load, expected)
+        after = None
+        if self._stream is not None:  # the pool blocks' earlier kernels end before the copies
+            after = torch.cuda.Event()
+            after.record()
+        self._pool.submit(self._run, load, expected, after)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
-    def _run(self, load: LayerLoad, expected: ExpectedEntry) -> None:
+    def _run(
+        self, load: LayerLoad, expected: ExpectedEntry, after: torch.cuda.Event | None
+    ) -> None:
         start = time.perf_counter()
         try:
+            if after is not None and self._stream is not None:
+                self._stream.wait_event(after)
             for part in load.parts:
                 if part.values is None:
                     _read(part, expected)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from engine.contract import FP32_TOL, greedy_matches_reference  # noqa: F401 (re-exported)
@@ -16,14 +18,17 @@ from kvstore.config import CacheConfig
 
 BLOCK_SIZE = 4
 TOL = FP32_TOL
+# The micro model's and its pool's device: cpu (CI), or cuda to run these tests on a GPU
+TEST_DEVICE = os.environ.get("KVSTORE_TEST_DEVICE", "cpu")
 
 
 def micro_model(seed: int = 1) -> LoadedModel:
-    return wrap_model(random_model(micro_config(), seed), byte_tokenizer(), f"micro-{seed}")
+    model = random_model(micro_config(), seed).to(TEST_DEVICE)
+    return wrap_model(model, byte_tokenizer(), f"micro-{seed}")
 
 
 def micro_cache_config(**overrides: object) -> CacheConfig:
-    values = {"block_size": BLOCK_SIZE, "device": "cpu", "device_blocks": 256, **overrides}
+    values = {"block_size": BLOCK_SIZE, "device": TEST_DEVICE, "device_blocks": 256, **overrides}
     return CacheConfig(**values)
 
 

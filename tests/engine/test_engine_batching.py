@@ -172,9 +172,13 @@ def test_sampling_is_per_request_and_reproducible_by_seed(micro: LoadedModel) ->
 def test_the_model_stays_plain_sdpa_for_other_callers(micro: LoadedModel) -> None:
     prompt = tokens(10, seed=70)
     with torch.inference_mode():
-        before = micro.model(input_ids=torch.tensor([prompt]), use_cache=False).logits
+        before = micro.model(
+            input_ids=torch.tensor([prompt], device=micro.device), use_cache=False
+        ).logits
     with Engine(micro, micro_cache_config()) as engine:
         engine.generate([prompt], GREEDY)
         with torch.inference_mode():
-            after = micro.model(input_ids=torch.tensor([prompt]), use_cache=False).logits
+            after = micro.model(
+                input_ids=torch.tensor([prompt], device=micro.device), use_cache=False
+            ).logits
     assert torch.equal(before, after)

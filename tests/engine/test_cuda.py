@@ -1,0 +1,39 @@
+"""On a GPU only (CI has none: run with KVSTORE_TEST_DEVICE=cuda on a machine with one, as
+docs/BENCHMARKS.md's GPU figures were): the pool and the model meet on one device however it
+was named, so the engine batches on paged attention and loads tier hits layer by layer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_helpers import greedy_matches_reference, micro_cache_config, micro_model
+
+from engine.loop.engine import Engine
+from engine.loop.request import SamplingParams
+from kvstore.device.pool import resolve_device
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture(scope="module")
+def model():
+    loaded = micro_model()
+    loaded.model.to("cuda")
+    return loaded
+
+
+def test_cuda_without_an_index_names_the_device_a_model_reports():
+    assert resolve_device("cuda") == torch.zeros(1, device="cuda").device
+    assert resolve_device("auto") == resolve_device("cuda")
+
+
+@pytest.mark.parametrize("name", ["cuda", "cuda:0", "auto"])
+def test_a_pool_named_any_way_serves_a_cuda_model_batched(model, name):
+    prompts = [list(range(3, 30)), list(range(40, 61))]
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    with Engine(model, micro_cache_config(device=name, memory_cache_gb=0.01)) as engine:
+        assert engine.runner is not None  # paged attention, not one request at a time
+        assert engine.cache.promoter.loader is not None  # unset layer_loads: on, on a GPU
+        outputs = engine.generate(prompts, params)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert greedy_matches_reference(model, prompt, out.output_token_ids)
