@@ -38,7 +38,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tier", default=None, help="comma-separated: device,memory,lmdb,redis; "
                    "a spill tier as memory:layers loads layer by layer during the forward, "
                    "memory:whole reads whole entries before it (layer_loads on, off; "
-                   "plain: the default, on for a GPU pool only)")  # fmt: skip
+                   "plain: the default, off)")  # fmt: skip
     p.add_argument("--prompt-tokens", type=int, default=2048)
     p.add_argument("--cached", default="1792,2032", help="comma-separated cached-token points")
     p.add_argument("--block-size", type=int, default=16)

@@ -48,7 +48,8 @@ def cache_config_for(tier: str, args: argparse.Namespace, num_blocks: int, tmp: 
 
     base = {"block_size": args.block_size, "device": args.device, "device_blocks": num_blocks + 8}
     tier, _, how = tier.partition(":")  # "memory:layers" / "memory:whole": layer_loads
-    base["layer_loads"] = {"layers": True, "whole": False}.get(how)  # on / off ("": unset)
+    if how:  # on / off; plain: the default
+        base["layer_loads"] = how == "layers"
     if tier == "memory":
         base.update(memory_cache_gb=1.0, memory_write_policy="write-through")
     elif tier == "lmdb":

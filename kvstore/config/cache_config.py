@@ -65,8 +65,7 @@ class CacheConfig:
     breaker_cooldown_s: float = 5.0
     codec: str = "none"
     chunk_blocks: int = 1  # blocks per stored entry
-    layer_loads: bool | None = None  # tier hits reach the pool layer by layer during the
-    # forward; None: where the pool is on a GPU (a copy engine of its own)
+    layer_loads: bool = False  # tier hits reach the pool layer by layer during the forward
     redis_write_policy: str = "write-through"
     lmdb_write_policy: str = "write-through"
     memory_write_policy: str = "write-back"
@@ -140,8 +139,8 @@ class CacheConfig:
         if self.redis_ttl_s is not None and self.redis_ttl_s < 1:
             raise ConfigError("redis_ttl_s", "must be >= 1 second or None")
         _positive("write_queue_blocks", self.write_queue_blocks, allow_none=False)
-        if self.layer_loads is not None and not isinstance(self.layer_loads, bool):
-            raise ConfigError("layer_loads", f"must be a bool or None, got {self.layer_loads!r}")
+        if not isinstance(self.layer_loads, bool):
+            raise ConfigError("layer_loads", f"must be true or false, got {self.layer_loads!r}")
         _positive("flush_timeout_s", self.flush_timeout_s, allow_none=False)
 
     def _check_retention(self) -> None:

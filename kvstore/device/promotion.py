@@ -32,10 +32,7 @@ class Promoter:
         self.metrics = device.metrics
         # only full attention: a window kind cuts hits by what its window holds, which
         # blocks still loading cannot say yet
-        wanted = tiers.config.layer_loads
-        if wanted is None:
-            wanted = self.pool.device.type == "cuda"
-        layered = wanted and type(self.kind) is FullAttention
+        layered = tiers.config.layer_loads and type(self.kind) is FullAttention
         self.loader = LayerLoader(self.pool.layout, self.pool.device) if layered else None
 
     def can_layer(self, scope: Scope) -> bool:

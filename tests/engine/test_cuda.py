@@ -31,9 +31,10 @@ def test_cuda_without_an_index_names_the_device_a_model_reports():
 def test_a_pool_named_any_way_serves_a_cuda_model_batched(model, name):
     prompts = [list(range(3, 30)), list(range(40, 61))]
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
-    with Engine(model, micro_cache_config(device=name, memory_cache_gb=0.01)) as engine:
+    config = micro_cache_config(device=name, memory_cache_gb=0.01, layer_loads=True)
+    with Engine(model, config) as engine:
         assert engine.runner is not None  # paged attention, not one request at a time
-        assert engine.cache.promoter.loader is not None  # unset layer_loads: on, on a GPU
+        assert engine.cache.promoter.loader is not None  # with its loader's copy stream
         outputs = engine.generate(prompts, params)
     for prompt, out in zip(prompts, outputs, strict=True):
         assert greedy_matches_reference(model, prompt, out.output_token_ids)

@@ -304,20 +304,17 @@ def test_a_whole_prompt_tier_hit_with_a_damaged_layer_is_settled_before_its_step
     assert again.output_token_ids == first.output_token_ids
 
 
-def test_unset_layer_loads_read_whole_entries_on_a_cpu_pool_and_layers_on_a_gpu(
-    model, reference, tmp_path
-):
-    config = tier_config("memory", tmp_path, None, layer_loads=None)
+def test_by_default_tier_hits_are_read_whole_on_any_device(model, reference, tmp_path):
+    config = micro_cache_config(memory_cache_gb=0.05, memory_write_policy="write-through")
     logits, by_tier, counts = tier_logits(model, config)
     assert by_tier == {"memory": CACHED}
     assert counts["promoted_blocks_total"] == CACHED // 4
     assert close_to_reference(logits, reference)
     with Engine(model, config) as engine:
-        on_gpu = engine.cache.pool.device.type == "cuda"
-        assert (engine.cache.promoter.loader is not None) == on_gpu
+        assert engine.cache.promoter.loader is None
 
 
-def test_layer_loads_refuses_what_is_not_a_bool_or_unset():
+def test_layer_loads_refuses_what_is_not_a_bool():
     with pytest.raises(ConfigError, match="layer_loads"):
         micro_cache_config(layer_loads="yes")
 
