@@ -141,7 +141,9 @@ class HybridPool(BlockPool):
         if block_ids:
             self.window.kv[self.window.slots(block_ids)] = 0
 
-    def destinations(self, block_ids: Sequence[int]) -> list[torch.Tensor | memoryview]:
+    def destinations(
+        self, block_ids: Sequence[int], in_place: bool = False
+    ) -> list[torch.Tensor | memoryview]:
         """Staging blocks: a block's layers are in two planes (`write_staged` writes them)."""
         return [torch.empty(self.layout.block_shape, dtype=self.dtype) for _ in block_ids]
 

@@ -89,6 +89,9 @@ class BlockPool:
         # flat and writable, in the entry payload's byte order (a big-endian host has none)
         little_cpu = device.type == "cpu" and sys.byteorder == "little"
         self._raw = tensor_bytes(self.kv) if little_cpu else None
+        # a GPU pool: tier reads land in host memory, verified there in one pass, and reach
+        # the pool in one transfer (block by block, each a copy of its own, cost 10+ ms)
+        self.stages_on_host = device.type != "cpu" and sys.byteorder == "little"
         self.ref_cnt = np.zeros(num_blocks, dtype=np.int32)
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # stack: pops 0, 1, 2...
         self.num_allocated = 0  # blocks `allocate` handed out since the pool was made
@@ -142,10 +145,18 @@ class BlockPool:
         """Zero the window parts of blocks (a hybrid pool's)."""
         return None
 
-    def destinations(self, block_ids: Sequence[int]) -> list[torch.Tensor | memoryview]:
-        """Where tier reads land: each block's raw bytes (a CPU pool: no tensor per block)
-        or its tensor [layers, 2, kv_heads, block_size, head_dim]."""
+    def destinations(
+        self, block_ids: Sequence[int], in_place: bool = False
+    ) -> list[torch.Tensor | memoryview]:
+        """Where tier reads land: each block's raw bytes (a CPU pool: no tensor per block),
+        host bytes `write_staged` moves to a GPU pool in one copy, or (`in_place`, or a
+        big-endian host) the block's tensor [layers, 2, kv_heads, block_size, head_dim]."""
         raw, size = self._raw, self.bytes_per_block
+        if self.stages_on_host and not in_place:
+            raw = tensor_bytes(
+                torch.empty((len(block_ids), *self.layout.block_shape), dtype=self.dtype)
+            )
+            return [raw[i * size : (i + 1) * size] for i in range(len(block_ids))]
         if raw is None:
             return [self.kv[i] for i in block_ids]
         return [raw[i * size : (i + 1) * size] for i in block_ids]
@@ -153,8 +164,19 @@ class BlockPool:
     def write_staged(
         self, block_ids: Sequence[int], staged: Sequence[torch.Tensor | memoryview]
     ) -> None:
-        """Write what `destinations` staged for `block_ids` (here: their own memory, written)."""
-        return None
+        """Write what `destinations` staged for `block_ids`: a GPU pool's host bytes, gathered
+        into one pinned buffer and copied in at once (a CPU pool's are its own memory)."""
+        if not self.stages_on_host or not block_ids:
+            return
+        host = torch.empty(
+            (len(block_ids), *self.layout.block_shape),
+            dtype=self.dtype,
+            pin_memory=self.device.type == "cuda",
+        )
+        flat, size = tensor_bytes(host), self.bytes_per_block
+        for i, view in enumerate(staged):
+            flat[i * size : (i + 1) * size] = view
+        self.kv.index_copy_(0, self._ids(block_ids), host.to(self.device))
 
     def incref(self, block_ids: Sequence[int], window: bool = True) -> None:
         """One more owner of each block (with `window`, of its window part too: a hybrid

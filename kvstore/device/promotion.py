@@ -88,7 +88,7 @@ class Promoter:
         not indexed) and start their layer-by-layer load (`hit.pending`)."""
         new_ids: list[int] = []
         staged: list[torch.Tensor | memoryview] = []
-        allocate = self._allocator(tenant, new_ids, staged)
+        allocate = self._allocator(tenant, new_ids, staged, in_place=True)  # the pool's own
         assert self.loader is not None
         try:
             load = self.tiers.reader.start_layered(
@@ -151,13 +151,16 @@ class Promoter:
         for store, key, error in load.failures:
             self.tiers.reader.rejections.record(store, [(key, error)])
 
-    def _allocator(self, tenant: str, new_ids: list[int], staged: list):
+    def _allocator(self, tenant: str, new_ids: list[int], staged: list, in_place: bool = False):
+        """`allocate(n)` for `fetch_into`: up to n fresh blocks of the tenant's quota, and
+        where their reads land (`BlockPool.destinations`)."""
+
         def allocate(n: int) -> list[torch.Tensor | memoryview]:
             with self._lock:
                 n = min(n, self.tenants.quota_left(tenant) - len(new_ids))
                 ids = self.device.allocate(n) if n > 0 else []
             new_ids.extend(ids)
-            staged.extend(self.pool.destinations(ids))
+            staged.extend(self.pool.destinations(ids, in_place))
             return staged[len(staged) - len(ids) :]
 
         return allocate

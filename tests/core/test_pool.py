@@ -82,3 +82,20 @@ def test_pool_is_sized_in_blocks_or_bytes():
     assert pool_blocks(CacheConfig(block_size=BS, device_blocks=7), ns) == 7
     gb = 100 * per_block / 2**30
     assert pool_blocks(CacheConfig(block_size=BS, device_cache_gb=gb), ns) == 100
+
+
+def test_a_host_staged_pool_takes_tier_bytes_in_one_write_and_in_place_ones_at_once():
+    pool = make_pool("float32")
+    pool.stages_on_host = True  # as a GPU pool: reads land in host memory first
+    blocks = torch.randn(3, *pool.layout.block_shape)
+    raw = [memoryview(block.numpy()).cast("B") for block in blocks]
+    pool.zero([6, 2, 3])
+    staged = pool.destinations([6, 2])
+    for view, data in zip(staged, raw[:2], strict=True):
+        view[:] = data
+    assert not pool.read_blocks([6, 2]).any()  # not in the pool yet
+    pool.write_staged([6, 2], staged)
+    assert torch.equal(pool.read_blocks([6, 2]), blocks[:2])
+    (own,) = pool.destinations([3], in_place=True)  # a layered load writes the pool itself
+    own[:] = raw[2]
+    assert torch.equal(pool.read_blocks([3])[0], blocks[2])

@@ -58,10 +58,15 @@ def assert_kv_equal(loaded, expected, num_tokens: int) -> None:
         assert torch.equal(k[:, :, :num_tokens], k2) and torch.equal(v[:, :, :num_tokens], v2)
 
 
-def test_blocks_only_in_a_tier_are_promoted_and_come_back_bit_exact(tier, redis_url, tmp_path):
+# staged: tier reads land in host memory and reach the pool in one copy, as a GPU pool's do
+@pytest.mark.parametrize("staged", [False, True], ids=["in-place", "host-staged"])
+def test_blocks_only_in_a_tier_are_promoted_and_come_back_bit_exact(
+    tier, redis_url, tmp_path, staged
+):
     prompt = tokens(6 * BS + 2)
     kv = kv_for(prompt)
     with PrefixCache(tier_config(tier, tmp_path, redis_url), NS) as cache:
+        cache.pool.stages_on_host = staged
         assert cache.store(prompt, kv) == 6
         assert cache.flush(10)
         assert cache.evict_device() == 6
@@ -77,9 +82,13 @@ def test_blocks_only_in_a_tier_are_promoted_and_come_back_bit_exact(tier, redis_
         cache.check_integrity()
 
 
-def test_a_corrupted_tier_entry_is_a_miss_that_is_deleted_and_counted(tier, redis_url, tmp_path):
+@pytest.mark.parametrize("staged", [False, True], ids=["in-place", "host-staged"])
+def test_a_corrupted_tier_entry_is_a_miss_that_is_deleted_and_counted(
+    tier, redis_url, tmp_path, staged
+):
     prompt = tokens(5 * BS + 1, seed=3)
     with PrefixCache(tier_config(tier, tmp_path, redis_url), NS) as cache:
+        cache.pool.stages_on_host = staged
         cache.store(prompt, kv_for(prompt))
         cache.flush(10)
         cache.evict_device()
