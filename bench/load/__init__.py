@@ -2,7 +2,7 @@
 
     python -m bench load [--levels 1,2,4,8,16] [--sessions 8] [--turns 3] [--max-tokens 32]
         [--system-prompt-bytes 1024] [--seed 0] [--model tiny|smollm2|DIR] [--device cpu|cuda]
-        [--no-peer] [--url URL]
+        [--kvstore-arg ARG ...] [--no-peer] [--url URL]
         [--pool-blocks N] [--keep-servers] [--timeout S] [--json] [--out DIR]
 
 Both servers serve one saved model directory (`tiny` is saved, model and tokenizer, to a
@@ -83,6 +83,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="tiny, smollm2, a .gguf file or a local model directory (both servers)",
     )
     add("--device", choices=("cpu", "cuda"), default="cpu", help="both servers' device")
+    add(
+        "--kvstore-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more argument for `kvstore serve` (repeat it; e.g. --kvstore-arg=--tail-blocks "
+        "--kvstore-arg=0): A/B pairs of engine settings",
+    )
     add("--no-peer", action="store_true", help="kvstore only")
     add("--url", default=None, help="an existing kvstore server (not started nor restarted)")
     add("--api-key", default=None, help="Bearer key for --url")
@@ -119,6 +127,7 @@ def config(args: argparse.Namespace, model_dir: Path | None) -> dict:
     return {"levels": args.levels, "sessions": args.sessions, "turns": args.turns,
             "max_tokens": args.max_tokens, "system_prompt_bytes": args.system_prompt_bytes,
             "seed": args.seed, "model": args.model, "device": args.device,
+            "kvstore_args": args.kvstore_arg,
             "model_dir": None if model_dir is None else str(model_dir),
             "block_tokens": BLOCK_TOKENS, "pool_blocks": args.pool_blocks, "url": args.url,
             "keep_servers": args.keep_servers, "timeout_s": args.timeout}  # fmt: skip

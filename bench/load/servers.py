@@ -109,6 +109,7 @@ class Target:
     url: str | None = None  # an existing kvstore server
     api_key: str | None = None
     device: str = "cpu"  # both servers' model and KV pool
+    extra_args: list[str] = field(default_factory=list)  # appended to the server's command
     command: list[str] = field(default_factory=list)
 
     @property
@@ -125,7 +126,10 @@ class Target:
             return self._external()
         make_command, make_env, label = LAUNCHERS[self.name]
         port = free_port()
-        self.command = make_command(self.model_dir, port, self.blocks, self.device)
+        self.command = [
+            *make_command(self.model_dir, port, self.blocks, self.device),
+            *self.extra_args,
+        ]
         log = self.log_dir / f"{self.name}.log"
         process = ServerProcess(self.command, port, log, make_env(), label, READY_TIMEOUT_S)
         try:  # BaseException too: a SIGTERM (SystemExit) while waiting must not orphan it

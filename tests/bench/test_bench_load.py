@@ -113,6 +113,17 @@ def test_kvstore_levels_count_every_request_and_hit_the_cache(model_dir, tmp_pat
     assert (tmp_path / "load.png").stat().st_size > 0
 
 
+def test_kvstore_args_reach_the_server_it_starts(model_dir, capsys):
+    argv = ["--levels", "1", *TINY_ARGS, "--no-peer", "--model", str(model_dir), "--json"]
+    flag = ["--kvstore-arg=--tail-blocks", "--kvstore-arg=0"]
+    code, report = run([*argv, *flag], capsys)
+    assert code == 0 and report["config"]["kvstore_args"] == ["--tail-blocks", "0"]
+    assert report["servers"]["kvstore"]["command"][-2:] == ["--tail-blocks", "0"]
+    code, report = run([*argv, "--kvstore-arg=--no-such-flag"], capsys)
+    assert code == 1  # the server refused it: the flag reached its command line
+    assert "--no-such-flag" in report["servers"]["kvstore"]["error"]
+
+
 def test_peer_serves_the_same_directory_and_is_compared_per_level(model_dir, capsys):
     argv = ["--levels", "1", "--sessions", "1", "--turns", "1", "--max-tokens", str(TOKENS),
             "--system-prompt-bytes", str(SYSTEM_BYTES), "--model", str(model_dir),
