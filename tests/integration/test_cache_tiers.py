@@ -353,8 +353,9 @@ def test_a_hit_in_a_slower_tier_fills_the_faster_write_through_tiers(tmp_path, r
         local.release(hit)
 
 
+@pytest.mark.parametrize("staged", [False, True], ids=["in-place", "host-staged"])
 def test_caches_with_two_secrets_share_a_tier_without_deleting_each_others_entries(
-    tier, redis_url, tmp_path, caplog
+    tier, redis_url, tmp_path, caplog, staged
 ):
     """A misconfigured process (another secret) must not empty a shared tier: each cache
     reads the other's entries as foreign misses, keeps them, and says why once."""
@@ -363,6 +364,7 @@ def test_caches_with_two_secrets_share_a_tier_without_deleting_each_others_entri
     (store,) = make_stores(config["a"], config["a"].bind(NS))  # one store both caches share
     caches = {s: PrefixCache(config[s], NS, [store]) for s in "ab"}
     for s, cache in caches.items():
+        cache.pool.stages_on_host = staged
         assert cache.store(prompts[s], kv_for(prompts[s])) == 4
         assert cache.flush(10)
         cache.evict_device()
