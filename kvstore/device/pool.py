@@ -18,6 +18,8 @@ from kvstore.config import CacheConfig, ConfigError
 from kvstore.device.window_plane import WindowPlane
 from kvstore.layout import KVLayout, LayerKV, layers_to_blocks, split_layers, tensor_bytes
 
+STAGED_BYTES = 64 << 20  # a GPU pool's tier reads move in transfers of at most this much
+
 
 class PoolExhausted(RuntimeError):
     """Not enough free blocks; the caller should evict first."""
@@ -152,6 +154,8 @@ class BlockPool:
         host bytes `write_staged` moves to a GPU pool in one copy, or (`in_place`, or a
         big-endian host) the block's tensor [layers, 2, kv_heads, block_size, head_dim]."""
         raw, size = self._raw, self.bytes_per_block
+        if not block_ids:
+            return []
         if self.stages_on_host and not in_place:
             raw = tensor_bytes(
                 torch.empty((len(block_ids), *self.layout.block_shape), dtype=self.dtype)
@@ -165,18 +169,23 @@ class BlockPool:
         self, block_ids: Sequence[int], staged: Sequence[torch.Tensor | memoryview]
     ) -> None:
         """Write what `destinations` staged for `block_ids`: a GPU pool's host bytes, gathered
-        into one pinned buffer and copied in at once (a CPU pool's are its own memory)."""
-        if not self.stages_on_host or not block_ids:
+        into a pinned buffer and copied in a transfer per `STAGED_BYTES` (a CPU pool's are
+        its own memory)."""
+        if not self.stages_on_host:
             return
-        host = torch.empty(
-            (len(block_ids), *self.layout.block_shape),
-            dtype=self.dtype,
-            pin_memory=self.device.type == "cuda",
-        )
-        flat, size = tensor_bytes(host), self.bytes_per_block
-        for i, view in enumerate(staged):
-            flat[i * size : (i + 1) * size] = view
-        self.kv.index_copy_(0, self._ids(block_ids), host.to(self.device))
+        size = self.bytes_per_block
+        step = max(1, STAGED_BYTES // size)  # bounds the device memory a transfer takes
+        for lo in range(0, len(block_ids), step):
+            ids, views = block_ids[lo : lo + step], staged[lo : lo + step]
+            host = torch.empty(
+                (len(ids), *self.layout.block_shape),
+                dtype=self.dtype,
+                pin_memory=self.device.type == "cuda",
+            )
+            flat = tensor_bytes(host)
+            for i, view in enumerate(views):
+                flat[i * size : (i + 1) * size] = view
+            self.kv.index_copy_(0, self._ids(ids), host.to(self.device))
 
     def incref(self, block_ids: Sequence[int], window: bool = True) -> None:
         """One more owner of each block (with `window`, of its window part too: a hybrid

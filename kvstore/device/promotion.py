@@ -56,13 +56,13 @@ class Promoter:
         num_device = len(hit.block_ids)
         try:
             segments = self.tiers.reader.fetch_into(scope, hit.keys, tokens, start, allocate)
+            got = sum(segment.num_blocks for segment in segments)
+            if got:
+                self.pool.write_staged(new_ids[:got], staged[:got])
         except BaseException:
             with self._lock:
                 self.pool.free(new_ids)
             raise
-        got = sum(segment.num_blocks for segment in segments)
-        if got:
-            self.pool.write_staged(new_ids[:got], staged[:got])
         with self._lock:
             self.pool.free(new_ids[got:])  # allocated for blocks that did not verify
             ids = hit.block_ids[:start] + new_ids[:got]
@@ -159,6 +159,8 @@ class Promoter:
             with self._lock:
                 n = min(n, self.tenants.quota_left(tenant) - len(new_ids))
                 ids = self.device.allocate(n) if n > 0 else []
+            if not ids:
+                return []
             new_ids.extend(ids)
             staged.extend(self.pool.destinations(ids, in_place))
             return staged[len(staged) - len(ids) :]

@@ -212,6 +212,7 @@ class LayerLoader:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-layers")
         # copies to a GPU run beside the forward's kernels, on a stream of their own
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._device = device
 
     def start(self, load: LayerLoad, expected: ExpectedEntry) -> None:
         if not load.parts:
@@ -220,7 +221,7 @@ class LayerLoader:
         after = None
         if self._stream is not None:  # the pool blocks' earlier kernels end before the copies
             after = torch.cuda.Event()
-            after.record()
+            after.record(torch.cuda.current_stream(self._device))  # the pool's GPU
         self._pool.submit(self._run, load, expected, after)
 
     def close(self) -> None:

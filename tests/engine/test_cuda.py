@@ -6,7 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import greedy_matches_reference, micro_cache_config, micro_model
+from engine_helpers import (
+    close_to_reference,
+    greedy_matches_reference,
+    micro_cache_config,
+    micro_model,
+    reference_logits,
+)
 
 from engine.loop.engine import Engine
 from engine.loop.request import SamplingParams
@@ -38,3 +44,20 @@ def test_a_pool_named_any_way_serves_a_cuda_model_batched(model, name):
         outputs = engine.generate(prompts, params)
     for prompt, out in zip(prompts, outputs, strict=True):
         assert greedy_matches_reference(model, prompt, out.output_token_ids)
+
+
+@pytest.mark.parametrize("layer_loads", [False, True], ids=["whole", "layered"])
+def test_a_tier_hit_reaches_a_cuda_pool_and_gives_the_reference_output(model, layer_loads):
+    prompt = list(range(3, 44))  # 10 whole blocks of 4, then one token
+    config = micro_cache_config(
+        device="cuda", memory_cache_gb=0.01, memory_write_policy="write-through",
+        layer_loads=layer_loads,
+    )  # fmt: skip
+    reference = reference_logits(model, prompt)[-1]
+    with Engine(model, config) as engine:
+        engine.prefill_logits(prompt)
+        engine.on_loop(lambda: (engine.cache.flush(), engine.cache.evict_device()))
+        pre = engine.prefill(prompt)  # whole reads: one staged transfer; layered: the loader
+        engine.cache.check_integrity()
+    assert pre.cached_by_tier == {"memory": 40}
+    assert close_to_reference(pre.logits, reference)

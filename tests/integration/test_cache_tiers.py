@@ -389,3 +389,44 @@ def test_caches_with_two_secrets_share_a_tier_without_deleting_each_others_entri
     assert (store.stats().verify_failures, store.stats().foreign) == (2, 2)
     for cache in caches.values():
         cache.close()
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["in-place", "host-staged"])
+def test_a_damaged_memory_entry_is_read_from_lmdb_behind_it(tmp_path, staged):
+    prompt = tokens(5 * BS + 1, seed=20)
+    config = tier_config("memory", tmp_path, lmdb_dir=str(tmp_path / "lmdb"),
+                         lmdb_map_size_gb=0.05, lmdb_write_policy="write-through")  # fmt: skip
+    with PrefixCache(config, NS) as cache:
+        cache.pool.stages_on_host = staged
+        cache.store(prompt, kv_for(prompt))
+        cache.flush(10)
+        cache.evict_device()
+        memory = cache.tiers.stores[0]
+        key = cache.hasher.hash_blocks(prompt)[0]
+        value = bytearray(memory.get_many([key])[0])
+        value[len(value) // 2] ^= 0x10
+        memory.delete([key])
+        memory.put_many([(key, bytes(value))])
+        hit = cache.lookup(prompt)  # memory fails at its first block: all 5 come from LMDB
+        assert hit.tier_tokens == {"lmdb": 5 * BS}
+        assert_kv_equal(cache.load(hit), kv_for(prompt), 5 * BS)
+        cache.release(hit)
+        cache.check_integrity()
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["in-place", "host-staged"])
+def test_a_tenant_at_its_quota_gets_a_tier_miss_not_an_error(tmp_path, staged):
+    first, second = tokens(6 * BS + 2, seed=21), tokens(6 * BS + 2, seed=22)
+    with PrefixCache(tier_config("memory", tmp_path, tenant_quota_blocks=2), NS) as cache:
+        cache.pool.stages_on_host = staged
+        for prompt in (first, second):
+            cache.store(prompt, kv_for(prompt))
+        cache.flush(10)
+        cache.evict_device()
+        held = cache.lookup(first, tenant="t")
+        assert held.num_cached_tokens == 2 * BS  # the quota's 2 blocks
+        hit = cache.lookup(second, tenant="t")  # no block left to promote into
+        assert hit.num_cached_tokens == 0
+        cache.release(hit)
+        cache.release(held)
+        cache.check_integrity()
