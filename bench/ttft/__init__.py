@@ -24,7 +24,14 @@ import random
 
 import torch
 
-from bench.ttft.point import TIERS, full_kv, measure_point, print_table
+from bench.ttft.point import (
+    TIERS,
+    device_cell,
+    full_kv,
+    measure_point,
+    print_table,
+    with_device_ratio,
+)
 from engine.extras import require
 from engine.loop.threads import on_own_thread
 
@@ -94,13 +101,15 @@ def main(argv: list[str], model=None) -> int:
     kv = on_own_thread(full_kv, lm.model, ids)  # no OpenMP team left here (engine/loop/threads.py)
     gc.collect()
     gc.freeze()  # long-lived objects out of the collector, so timed() collects cheaply
-    points = [
-        measure_point(lm, ids, kv, tier, cached, args)
-        for tier in args.tiers
-        for cached in args.points
-    ]
+    points = with_device_ratio(
+        [
+            measure_point(lm, ids, kv, tier, cached, args)
+            for tier in args.tiers
+            for cached in args.points
+        ]
+    )
     if args.json:
         print(json.dumps({"points": points}))
     else:
-        print_table(points, args)
+        print_table(points, args, [("÷ device", device_cell)])
     return 0 if all(p["same_first_token"] for p in points) else 1

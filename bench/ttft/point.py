@@ -163,6 +163,25 @@ def summarize(times: dict, tier: str, prompt_tokens: int, cached: int, same: boo
     }
 
 
+def with_device_ratio(points: list[dict]) -> list[dict]:
+    """Each point with `ratio_to_device`: its ratio to the ideal over the device tier's at the
+    same prompt and cached tokens (a tier's own cost; None when the run has no device tier)."""
+    device = {
+        (p["prompt_tokens"], p["cached_tokens"]): p["ratio_to_ideal"]
+        for p in points
+        if p["tier"] == "device"
+    }
+    for p in points:
+        base = device.get((p["prompt_tokens"], p["cached_tokens"]))
+        p["ratio_to_device"] = None if base is None else p["ratio_to_ideal"] / base
+    return points
+
+
+def device_cell(point: dict) -> str:
+    ratio = point.get("ratio_to_device")
+    return "-" if ratio is None else f"{ratio:.3f}"
+
+
 def print_table(
     points: list[dict], args: argparse.Namespace, extra: Sequence[tuple[str, Callable]] = ()
 ) -> None:

@@ -24,6 +24,17 @@ def test_ttft_bench_reports_every_point_with_the_cached_prefix(capsys, tmp_path:
     assert all(p["same_first_token"] for p in points)
     keys = {"ttft_nocache_s", "ttft_ideal_s", "ttft_kvstore_s", "ratio_to_ideal"}
     assert all(keys <= set(p) for p in points)
+    for p, device in zip(points[2:], points[:2], strict=True):  # each over the device tier's
+        assert p["ratio_to_device"] == p["ratio_to_ideal"] / device["ratio_to_ideal"]
+    assert [p["ratio_to_device"] for p in points[:2]] == [1.0, 1.0]
+
+
+def test_ttft_bench_without_the_device_tier_has_no_device_ratio(capsys, tmp_path) -> None:
+    argv = ["--tier", "lmdb", "--lmdb-dir", str(tmp_path), "--prompt-tokens", "64",
+            "--cached", "48", "--runs", "1", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    (point,) = json.loads(capsys.readouterr().out)["points"]
+    assert point["ratio_to_device"] is None
 
 
 def test_ttft_bench_rejects_a_point_off_the_block_grid(capsys) -> None:
