@@ -92,7 +92,8 @@ class BlockPool:
         little_cpu = device.type == "cpu" and sys.byteorder == "little"
         self._raw = tensor_bytes(self.kv) if little_cpu else None
         # a GPU pool: tier reads land in host memory, verified there in one pass, and reach
-        # the pool in one transfer (block by block, each a copy of its own, cost 10+ ms)
+        # the pool in few transfers (with a copy per block, a 112-block hit took 13 ms over
+        # the ideal on an H100: docs/BENCHMARKS.md)
         self.stages_on_host = device.type != "cpu" and sys.byteorder == "little"
         self.ref_cnt = np.zeros(num_blocks, dtype=np.int32)
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # stack: pops 0, 1, 2...
@@ -151,8 +152,8 @@ class BlockPool:
         self, block_ids: Sequence[int], in_place: bool = False
     ) -> list[torch.Tensor | memoryview]:
         """Where tier reads land: each block's raw bytes (a CPU pool: no tensor per block),
-        host bytes `write_staged` moves to a GPU pool in one copy, or (`in_place`, or a
-        big-endian host) the block's tensor [layers, 2, kv_heads, block_size, head_dim]."""
+        host bytes that `write_staged` moves to a GPU pool, or (`in_place`, or a big-endian
+        host) the block's tensor [layers, 2, kv_heads, block_size, head_dim]."""
         raw, size = self._raw, self.bytes_per_block
         if not block_ids:
             return []
