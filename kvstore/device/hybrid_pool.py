@@ -205,7 +205,7 @@ class HybridPool(BlockPool):
         if not isinstance(blocks, torch.Tensor):
             if not blocks:
                 return
-            blocks = torch.stack([block.to(self.device) for block in blocks])
+            blocks = torch.stack(list(blocks))  # staged on the host: one transfer to a GPU
         blocks, ids = blocks.to(self.device, self.dtype), self._ids(block_ids)
         self.kv.index_copy_(0, ids, blocks[:, self.full_layers])
         self.window.kv.index_copy_(0, self.window.slots(block_ids), blocks[:, self.window_layers])
