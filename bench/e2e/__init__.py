@@ -92,6 +92,8 @@ from bench.e2e.paths import (
 )
 from bench.e2e.peer import PEER_NAME, peer_cells, peer_errors, run_peer
 from engine.contract import count_meeting_contract
+from kvstore.config import ConfigError
+from kvstore.device.pool import resolve_device
 
 # row name -> (bench/workloads.py generator, its parameters)
 SCALES = {
@@ -136,8 +138,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for name in args.workloads:
         if name not in SCALES["default"]:
             p.error(f"--workload: unknown {name!r}; choose from {','.join(SCALES['default'])}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: CUDA is not available (no GPU visible, or a CPU build of torch)")
+    try:  # the pool's own check: a GPU this machine has
+        resolve_device(args.device)
+    except ConfigError as e:
+        p.error(f"--{e}")
     if args.new_tokens < 1:
         p.error("--new-tokens must be >= 1")
     if args.repeats < 1:

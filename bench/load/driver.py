@@ -79,9 +79,18 @@ def run_all(args: argparse.Namespace, model_dir: Path | None, log_dir: Path) -> 
     """Every level on kvstore and the peer, one server up at a time: level by level when
     servers restart per level, else kvstore's levels then the peer's."""
     blocks = args.pool_blocks
-    kvstore = Target(KVSTORE, model_dir or Path(), log_dir, blocks, args.url, args.api_key)
-    kvstore.device, kvstore.extra_args = args.device, args.kvstore_arg
-    targets = [kvstore]
+    targets = [
+        Target(
+            KVSTORE,
+            model_dir or Path(),
+            log_dir,
+            blocks,
+            args.url,
+            args.api_key,
+            device=args.device,
+            extra_args=args.kvstore_arg,
+        )
+    ]
     if not args.no_peer and model_dir is not None:
         targets.append(Target(PEER, model_dir, log_dir, blocks, device=args.device))
     servers = {target.name: new_entry(target, args) for target in targets}

@@ -34,6 +34,8 @@ from bench.ttft.point import (
 )
 from engine.extras import require
 from engine.loop.threads import on_own_thread
+from kvstore.config import ConfigError
+from kvstore.device.pool import resolve_device
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -59,8 +61,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--fractions", default="0.25,0.5,0.75,0.9", help="sweep cached fractions")
     p.add_argument("--out", default=None, help="sweep: directory for ttft_sweep.png")
     args = p.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: CUDA is not available (no GPU visible, or a CPU build of torch)")
+    try:  # the pool's own check: a GPU this machine has
+        resolve_device(args.device)
+    except ConfigError as e:
+        p.error(f"--{e}")
     if args.sweep:
         from bench.ttft.sweep import sweep_args
 

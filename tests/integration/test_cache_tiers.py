@@ -53,6 +53,21 @@ def redis_url(tier, request):
     return request.getfixturevalue("redis_server").url if tier == "redis" else None
 
 
+def held_only_in_tiers(cache: PrefixCache, prompt: np.ndarray) -> None:
+    """Store the prompt's K/V, write it to the tiers, and drop it from the device."""
+    cache.store(prompt, kv_for(prompt))
+    cache.flush(10)
+    cache.evict_device()
+
+
+def flip_a_payload_bit(store, key: bytes) -> None:
+    """Rewrite the store's entry `key` with one bit flipped in its payload."""
+    value = bytearray(store.get_many([key])[0])
+    value[len(value) // 2] ^= 0x10
+    store.delete([key])
+    store.put_many([(key, bytes(value))])
+
+
 def assert_kv_equal(loaded, expected, num_tokens: int) -> None:
     for (k, v), (k2, v2) in zip(expected, loaded.layers, strict=True):
         assert torch.equal(k[:, :, :num_tokens], k2) and torch.equal(v[:, :, :num_tokens], v2)
@@ -89,15 +104,10 @@ def test_a_corrupted_tier_entry_is_a_miss_that_is_deleted_and_counted(
     prompt = tokens(5 * BS + 1, seed=3)
     with PrefixCache(tier_config(tier, tmp_path, redis_url), NS) as cache:
         cache.pool.stages_on_host = staged
-        cache.store(prompt, kv_for(prompt))
-        cache.flush(10)
-        cache.evict_device()
+        held_only_in_tiers(cache, prompt)
         store = cache.tiers.stores[0]
         key = cache.hasher.hash_blocks(prompt)[2]
-        value = bytearray(store.get_many([key])[0])
-        value[len(value) // 2] ^= 0x10  # one flipped bit in the payload
-        store.delete([key])
-        store.put_many([(key, bytes(value))])
+        flip_a_payload_bit(store, key)
         hit = cache.lookup(prompt)
         assert hit.num_cached_tokens == 2 * BS  # stops at the bad block
         cache.release(hit)
@@ -398,15 +408,8 @@ def test_a_damaged_memory_entry_is_read_from_lmdb_behind_it(tmp_path, staged):
                          lmdb_map_size_gb=0.05, lmdb_write_policy="write-through")  # fmt: skip
     with PrefixCache(config, NS) as cache:
         cache.pool.stages_on_host = staged
-        cache.store(prompt, kv_for(prompt))
-        cache.flush(10)
-        cache.evict_device()
-        memory = cache.tiers.stores[0]
-        key = cache.hasher.hash_blocks(prompt)[0]
-        value = bytearray(memory.get_many([key])[0])
-        value[len(value) // 2] ^= 0x10
-        memory.delete([key])
-        memory.put_many([(key, bytes(value))])
+        held_only_in_tiers(cache, prompt)
+        flip_a_payload_bit(cache.tiers.stores[0], cache.hasher.hash_blocks(prompt)[0])
         hit = cache.lookup(prompt)  # memory fails at its first block: all 5 come from LMDB
         assert hit.tier_tokens == {"lmdb": 5 * BS}
         assert_kv_equal(cache.load(hit), kv_for(prompt), 5 * BS)
