@@ -77,8 +77,9 @@ def add_model_flag(parser: argparse.ArgumentParser, default: str) -> None:
         "--model",
         default=default,
         help="smollm2 (SmolLM2-135M-Instruct, fetched and converted once), tiny (random "
-        f"weights: its text is noise), a .gguf file or a local model directory (default: "
-        f"{default})",
+        "weights: its text is noise), dummy:NAME (a real model's shape with seeded random "
+        "weights: smollm2-135m, llama-3.2-1b, llama-3.1-8b, qwen2.5-0.5b; docs/MODELS.md), a "
+        f".gguf file or a local model directory (default: {default})",
     )
 
 
@@ -115,19 +116,30 @@ def thread_config(args: argparse.Namespace):
 
 def check_model_flag(name: str, weights: bool = True) -> None:
     """`ModelLoadError` naming --model, before torch loads (seconds), unless `name` is one
-    a loader takes: tiny, a built-in, an existing .gguf file, or a directory with config.json,
-    tokenizer files and (`weights`; the router reads only the tokenizer) weights."""
-    from engine.model.files import check_model_path
+    a loader takes: tiny, a built-in, `dummy:NAME`, an existing .gguf file, or a directory with
+    config.json, tokenizer files and (`weights`; the router reads only the tokenizer) weights."""
+    from engine.model.dummy import dummy_shape
+    from engine.model.files import ModelLoadError, check_model_path
     from engine.model.gguf import BUILTINS
     from engine.model.tokenizer import TINY_NAME
 
-    check_model_path(name, "--model", (TINY_NAME, *BUILTINS), weights)
+    try:
+        if dummy_shape(name) is not None:
+            return
+    except ModelLoadError as e:
+        raise ModelLoadError(f"--model {e}") from None
+    check_model_path(name, "--model", (TINY_NAME, *BUILTINS, "dummy:NAME"), weights)
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, default: str = DEFAULT_MODEL) -> None:
     add_model_flag(parser, default)
     add_threads_flag(parser)
-    parser.add_argument("--dtype", default="float32", help="float32, float16 or bfloat16")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        help="float32, float16 or bfloat16; auto (default): float32, and a dummy:NAME model's "
+        "bfloat16 on a GPU",
+    )
     parser.add_argument(
         "--model-revision",
         default=None,
@@ -174,7 +186,7 @@ def check_cache_config(config: CacheConfig) -> torch.device:
 
 
 def quiet_load_model(
-    name: str, device: object, dtype: str = "float32", revision: str | None = None
+    name: str, device: object, dtype: str = "auto", revision: str | None = None
 ) -> LoadedModel:
     """`load_model` without transformers' progress bars (they would cut through ours)."""
     from transformers.utils import logging as hf_logging

@@ -19,6 +19,13 @@ from transformers import AutoModelForCausalLM, DynamicCache, PretrainedConfig, P
 from transformers.cache_utils import DynamicLayer
 
 from engine.loop.threads import on_own_thread
+from engine.model.dummy import (
+    build_dummy,
+    dummy_dtype,
+    dummy_revision,
+    dummy_shape,
+    dummy_tokenizer_dir,
+)
 from engine.model.files import ModelLoadError, attn_implementation, load_tokenizer, read_config
 from engine.model.fingerprint import fingerprint
 from engine.model.gguf import BUILTINS, gguf_model_dir
@@ -202,10 +209,13 @@ class LoadedModel:
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """A dtype by name; `auto` is float32 (a dummy model's is its own, `dummy_dtype`)."""
     if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype == "auto":
+        return torch.float32
     if dtype not in DTYPES:
-        raise ModelLoadError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        raise ModelLoadError(f"dtype must be auto or one of {sorted(DTYPES)}, got {dtype!r}")
     return DTYPES[dtype]
 
 
@@ -255,30 +265,16 @@ def _load_local(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, Any]:
     return model, tokenizer
 
 
-def load_tokenizer_of(name_or_path: str) -> Any:
-    """The tokenizer `load_model(name_or_path)` would load, without the weights (a router
-    renders prompts as its replicas do)."""
-    if name_or_path == TINY_NAME:
-        return byte_tokenizer()
-    if (converted := gguf_model_dir(name_or_path)) is not None:
-        return load_tokenizer(converted[0])
-    if Path(name_or_path).is_dir():
-        return load_tokenizer(Path(name_or_path))
-    names = ", ".join([TINY_NAME, *BUILTINS])
-    raise ModelLoadError(
-        f"{name_or_path!r} is not a model: use {names}, a .gguf file or a model directory"
-    )
-
-
 def load_model(
     name_or_path: str,
     dtype: str | torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     model_revision: str | None = None,
 ) -> LoadedModel:
-    """`tiny` builds the pinned model from a fixed seed; a built-in name (`smollm2`) or a
-    `.gguf` file is converted once into a cached directory (`engine.model.gguf`); anything
-    else is a local model directory.
+    """`tiny` builds the pinned model from a fixed seed; `dummy:NAME` a real model's shape
+    with seeded weights on `device` (`engine.model.dummy`; dtype `auto`: bfloat16 on an
+    accelerator); a built-in name (`smollm2`) or a `.gguf` file is converted once into a
+    cached directory (`engine.model.gguf`); anything else is a local model directory.
 
     Loads on a thread of its own that ends with the loading: the caller's thread keeps no
     OpenMP team to slow an engine's steps down (engine/loop/threads.py)."""
@@ -290,7 +286,13 @@ def _load_model(
 ) -> LoadedModel:
     model_revision = revision
     torch_dtype = resolve_dtype(dtype)
-    if name_or_path == TINY_NAME:
+    if (shape := dummy_shape(name_or_path)) is not None:
+        on = torch.device(device)
+        torch_dtype = dummy_dtype(on) if dtype == "auto" else torch_dtype
+        model = build_dummy(shape, torch_dtype, on)  # built where it runs
+        tokenizer = load_tokenizer(dummy_tokenizer_dir())
+        model_revision = model_revision or dummy_revision(shape, on)
+    elif name_or_path == TINY_NAME:
         model, tokenizer = random_model(tiny_config()), byte_tokenizer()
     elif (converted := gguf_model_dir(name_or_path)) is not None:
         directory, sha = converted
@@ -299,7 +301,7 @@ def _load_model(
     elif Path(name_or_path).is_dir():
         model, tokenizer = _load_local(Path(name_or_path), torch_dtype)
     else:
-        names = ", ".join([TINY_NAME, *BUILTINS])
+        names = ", ".join([TINY_NAME, *BUILTINS, "dummy:NAME"])
         raise ModelLoadError(
             f"{name_or_path!r} is not a model: use {names}, a .gguf file or a model directory"
         )

@@ -73,16 +73,20 @@ def named_tokenizer_class(path: Path) -> type | None:
 def load_tokenizer_of(name_or_path: str) -> Any:
     """The tokenizer `load_model(name_or_path)` would load, without the weights (a router
     renders prompts as its replicas do)."""
+    from engine.model.dummy import dummy_shape, dummy_tokenizer_dir
     from engine.model.files import ModelLoadError, load_tokenizer
     from engine.model.gguf import BUILTINS, gguf_model_dir
 
     if name_or_path == TINY_NAME:
         return byte_tokenizer()
+    if dummy_shape(name_or_path) is not None:
+        directory = dummy_tokenizer_dir()
+        return load_tokenizer(directory, named_tokenizer_class(directory))
     if (converted := gguf_model_dir(name_or_path)) is not None:
         return load_tokenizer(converted[0], named_tokenizer_class(converted[0]))
     if Path(name_or_path).is_dir():
         return load_tokenizer(Path(name_or_path), named_tokenizer_class(Path(name_or_path)))
-    names = ", ".join([TINY_NAME, *BUILTINS])
+    names = ", ".join([TINY_NAME, *BUILTINS, "dummy:NAME"])
     raise ModelLoadError(
         f"{name_or_path!r} is not a model: use {names}, a .gguf file or a model directory"
     )

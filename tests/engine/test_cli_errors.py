@@ -100,7 +100,7 @@ def test_a_bad_model_path_is_named_before_torch_is_imported(argv: list[str], tmp
     assert proc.stdout.split() == ["2", "False"], proc.stderr[-3000:]  # exit 2, no torch
     assert proc.stderr == (
         f"kvstore {argv[0]}: error: --model {missing}: no such file or directory; give tiny, "
-        "smollm2, a .gguf file or a model directory\n"
+        "smollm2, dummy:NAME, a .gguf file or a model directory\n"
     )
 
 

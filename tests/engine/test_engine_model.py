@@ -164,7 +164,8 @@ def test_an_unknown_model_type_is_named(tmp_path: Path) -> None:
 
 
 def test_unknown_model_name_is_a_load_error() -> None:
-    with pytest.raises(ModelLoadError, match=r"is not a model: use tiny, smollm2, a \.gguf file"):
+    names = r"is not a model: use tiny, smollm2, dummy:NAME, a \.gguf file"
+    with pytest.raises(ModelLoadError, match=names):
         load_model("no-such-model-dir")
     with pytest.raises(ModelLoadError, match="dtype"):
         load_model("tiny", dtype="float64")

@@ -171,3 +171,20 @@ def test_the_anthropic_client_writes_a_cached_system_block_then_reads_it(server,
     for answer in (first.content[0].text, second.content[0].text, streamed):
         assert len(re.findall(r"[A-Za-z]{2,}", answer)) >= 2, answer  # words, not noise
     assert "Paris" in first.content[0].text
+
+
+def test_dummy_models_take_smollm2s_tokenizer_from_the_cache(smollm2, cache_dir) -> None:
+    """`dummy:NAME` tokenizes with SmolLM2's tokenizer, kept in the cache's own small
+    directory (what a machine without the package index needs, docs/GPU.md)."""
+    from engine.model.dummy import dummy_tokenizer_dir
+    from engine.model.tokenizer import load_tokenizer_of
+
+    directory = dummy_tokenizer_dir()
+    assert directory == cache_dir / "tokenizers" / "smollm2"
+    assert sorted(p.name for p in directory.iterdir()) == [
+        "chat_template.jinja", "tokenizer.json", "tokenizer_config.json"
+    ]  # fmt: skip
+    tokenizer = load_tokenizer_of("dummy:llama-3.2-1b")  # what the router loads
+    text = "What is the capital of France?"
+    assert tokenizer.encode(text) == smollm2.tokenizer.encode(text)
+    assert tokenizer.chat_template == smollm2.tokenizer.chat_template
