@@ -170,7 +170,22 @@ def add_model_arguments(parser: argparse.ArgumentParser, default: str = DEFAULT_
         help="the model's linear layers in engine steps: onednn (weights packed once, every "
         "core on a product of few rows; a second copy of the weights in memory), dense "
         "(torch's own), auto (onednn on a CPU in float32, or bfloat16 where the CPU has its "
-        "instructions, else dense)",
+        "instructions, unless the linears are too small to pay its call; else dense)",
+    )
+    parser.add_argument(
+        "--cuda-graphs",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="decode steps replayed from graphs captured per batch size (CUDA graphs on a "
+        "GPU, TorchScript traces on a CPU with dense linears): auto uses them where the "
+        "model allows, on makes a model that cannot an error, off runs every step eager",
+    )
+    parser.add_argument(
+        "--async-scheduling",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="launch each step before the previous step's greedy tokens reach the host "
+        "(they are fed from the device and delivered a step late); auto: on a GPU",
     )
 
 
@@ -203,16 +218,19 @@ def load_engine(
     """(LoadedModel, Engine) from model and cache flags; the model goes on the cache device;
     `events` gets the cache's block events."""
     from engine.loop.engine import Engine
+    from engine.loop.graph import GraphConfig
     from engine.loop.scheduler import SchedulerConfig
     from engine.model.linear import LinearConfig
 
     config = config_from_args(args, **cache_defaults)
     device = check_cache_config(config)
     model = quiet_load_model(args.model, device, args.dtype, args.model_revision)
-    steps = SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs)
+    overlap = {"auto": None, "on": True, "off": False}[args.async_scheduling]
+    steps = SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, overlap)
     linears = LinearConfig(args.linear_kernel)
     engine = Engine(
         model, config, scheduler_config=steps, events=events, linear_config=linears,
         prompt_logprob_blocks=args.prompt_logprob_blocks, thread_config=thread_config(args),
+        graph_config=GraphConfig(args.cuda_graphs),
     )  # fmt: skip
     return model, engine

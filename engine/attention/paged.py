@@ -56,7 +56,7 @@ def _attend(
 ) -> torch.Tensor:
     """SDPA with grouped K/V heads; q [B, Hq, n, D], k/v [B, Hkv, S, D] -> [B, Hq, n, D].
     No mask: causal from position 0 (n == S)."""
-    gqa = q.shape[1] != k.shape[1]
+    gqa = bool(q.shape[1] != k.shape[1])  # (a traced shape compares to a tensor)
     return sdpa(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa)
 
 

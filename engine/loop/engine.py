@@ -12,17 +12,17 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import TypeVar
 
 import torch
 
-from engine.attention.step_row import Row, blocks_row
+from engine.loop.graph import GraphConfig
 from engine.loop.group import SequenceGroup
 from engine.loop.logprobs import PromptLogprobCache, check_logprobs
 from engine.loop.outcomes import Outcomes
+from engine.loop.overlap import DeviceTokens, Overlap
 from engine.loop.prompt import prompt_ids
 from engine.loop.request import (
     EngineClosedError,
@@ -30,15 +30,13 @@ from engine.loop.request import (
     InvalidRequestError,
     Prompt,
     Request,
-    RequestCancelled,
     SamplingParams,
     TokenCallback,
 )
-from engine.loop.retain import retain_prompt
 from engine.loop.runner import PagedRunner, start_paged
-from engine.loop.scheduler import QueueStats, Scheduled, Scheduler, SchedulerConfig
+from engine.loop.scheduler import QueueStats, Scheduler, SchedulerConfig
 from engine.loop.sequential import SequentialPath
-from engine.loop.step_rows import StepRows, settle_early
+from engine.loop.step import Stepper
 from engine.loop.sync_paths import PrefillResult, SyncPaths
 from engine.loop.threads import LoopCalls, ThreadConfig, ThreadGovernor
 from engine.model.linear import LinearConfig
@@ -76,12 +74,14 @@ class Engine:
         linear_config: LinearConfig | None = None,
         prompt_logprob_blocks: int | None = None,
         thread_config: ThreadConfig | None = None,
+        graph_config: GraphConfig | None = None,
     ):
         """`events` gets the device index's block events (kvstore/fleet/events.py);
         `linear_config` says how steps compute the model's linear layers
         (engine/model/linear.py); `prompt_logprob_blocks`: how many blocks' prompt
         logprobs are kept for requests that hit them (engine/loop/logprobs.py; None: its
-        default); `thread_config` how many threads they run (engine/loop/threads.py)."""
+        default); `thread_config` how many threads they run (engine/loop/threads.py);
+        `graph_config` whether decode steps replay captured graphs (engine/loop/graph.py)."""
         self.model = model
         self.cache_config = cache_config
         self.cache_generated = cache_generated
@@ -95,14 +95,18 @@ class Engine:
         self.scheduler = Scheduler(steps, self.tables, self.prompt_logprobs)
         self.sequential = SequentialPath(model, self.cache, cache_generated)
         self.outcomes = Outcomes(model, self.scheduler, self.tables, cache_generated)
+        self.device_tokens = DeviceTokens(self.scheduler.config.max_num_seqs, model.device)
+        self.overlap = Overlap(self.device_tokens, self.outcomes.deliver)
         self._forward_lock = threading.Lock()  # one forward pass at a time
         self._cond = threading.Condition()
         self._closed = False
         self._calls = LoopCalls(self._cond)  # synchronous paths, run on the loop thread
         self.thread_config = thread_config or ThreadConfig()
+        self.graph_config = graph_config or GraphConfig()
         self.governor: ThreadGovernor | None = None  # the loop thread's, once it started
         # the runner starts (packs, self-tests) on the loop thread, which then runs every
         # step: one thread does the model's parallel work (engine/loop/threads.py)
+        self.stepper: Stepper | None = None  # the loop's steps, once its runner started
         self.runner, self.fallback_reason = self._start_loop(kernel)
         self.sync = SyncPaths(
             runner=self.runner, tables=self.tables, sequential=self.sequential, calls=self._calls,
@@ -292,10 +296,21 @@ class Engine:
             torch.set_num_threads(threads)  # the creator's, not a new thread's default
             if self.model.device.type == "cpu":
                 self.governor = ThreadGovernor(self.thread_config, threads)
-            runner = start_paged(self.model, self.tables, kernel)
+            started_runner = start_paged(self.model, self.tables, kernel)
+            runner = started_runner[0]
+            if runner is not None and runner.graphable and self.graph_config.enabled:
+                required = self.graph_config.mode == "on"
+                runner.use_graphs(self.device_tokens.sampled, required)
+            if runner is not None:
+                self.stepper = Stepper(
+                    scheduler=self.scheduler, runner=runner, tables=self.tables,
+                    outcomes=self.outcomes, overlap=self.overlap, cache=self.cache,
+                    prompt_logprobs=self.prompt_logprobs, forward_lock=self._forward_lock,
+                    cache_generated=self.cache_generated,
+                )  # fmt: skip
             if self.governor is not None:  # sized by the load while the runner started
                 self.governor.start()
-            started.set_result(runner)
+            started.set_result(started_runner)
         except BaseException as e:
             started.set_exception(e)
             return
@@ -316,58 +331,22 @@ class Engine:
                     return
             if self.governor is not None:
                 self.governor.tick()
+            if calls:
+                self.overlap.drain()  # a synchronous path sees every token delivered
             self._calls.run(calls)
             if self._idle():
                 continue
             try:
-                self._step() if self.runner is not None else self._serve_one()
+                self.stepper.step() if self.stepper is not None else self._serve_one()
             except Exception:  # a bug must not kill the loop silently: fail what ran
                 log.exception("engine step failed")
                 released = [r for group in self.scheduler.released for r in group.waiting]
                 for request in [*self.scheduler.running, *released]:
                     self.outcomes.fail(request, RuntimeError("engine step failed"))
 
-    def _step(self) -> None:
-        for request in list(self.scheduler.running):
-            if request.cancelled:
-                self.outcomes.fail(request, RequestCancelled("the client went away"))
-        scheduled = self.scheduler.schedule(self.outcomes.fail)
-        rows = [row for row in scheduled if self.outcomes.started(row.request)]
-        rows = settle_early(rows, self.tables, self.scheduler.retry, self.runner.isolates_rows)
-        if not rows:
-            time.sleep(0.001)  # nothing could be admitted now (all waiting on blocks)
-            return
-        step = StepRows.of(rows, self.prompt_logprobs.wants)
-        with self._forward_lock:
-            logits = self.runner.forward(*step.forward_args(self._row))
-        step, logits = step.settle(self.tables, logits, self.scheduler.retry)
-        sample, rows = step.sample, step.rows
-        self.prompt_logprobs.record_rows([rows[i] for i in step.full], logits[len(sample) :])
-        for row in rows:
-            self._computed(row)
-        self.outcomes.sample([rows[i].request for i in sample], logits[: len(sample)])
-
     def _serve_one(self) -> None:
         """The fallback: the next fair request runs alone, start to finish."""
         self.sequential.serve(self.scheduler.waiting.pop(), self.outcomes, self._forward_lock)
-
-    def _row(self, row: Scheduled) -> Row:
-        assert self.runner is not None
-        blocks = row.request.state.blocks
-        return blocks_row(blocks, row.start, row.num_new, self.runner.scratch_block)
-
-    def _computed(self, row: Scheduled) -> None:
-        """K/V of the row's tokens is written: commit the blocks that became full."""
-        state = row.request.state
-        state.num_computed = row.start + row.num_new
-        limit = state.num_computed
-        if not self.cache_generated:
-            limit = min(limit, len(row.request.token_ids))
-            state.blocks.commit_end = len(row.request.token_ids)
-        if limit // self.tables.block_size > state.blocks.num_committed:  # a block filled
-            self.tables.commit(state.blocks, row.request.token_slice(0, limit), limit)
-        self.tables.slide(state.blocks, state.num_computed)  # a window model's old blocks
-        retain_prompt(self.cache, row.request, row.start, row.num_new)
 
     # --- lifecycle ----------------------------------------------------------------------------
 

@@ -76,14 +76,19 @@ class Outcomes:
                 record_output(request, logits[i], token)
             if request.cumulative_logprob is not None:  # best_of's ranking
                 request.cumulative_logprob += float(torch.log_softmax(logits[i], -1)[token])
-            try:
-                request.emit(token)
-            except BaseException as e:  # a cancelled request or a failing callback
-                self.fail(request, e)
-                continue
-            done = self._stop(request)
-            if done is not None:
-                self._finish(request, *done)
+            self.deliver(request, token)
+
+    def deliver(self, request: Request, token: int) -> None:
+        """A request's next token: emitted (a failing callback ends it), then its stop
+        rules; one it stops finishes."""
+        try:
+            request.emit(token)
+        except BaseException as e:  # a cancelled request or a failing callback
+            self.fail(request, e)
+            return
+        done = self._stop(request)
+        if done is not None:
+            self._finish(request, *done)
 
     def _with_branches(
         self, requests: list[Request], logits: torch.Tensor

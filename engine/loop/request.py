@@ -216,11 +216,15 @@ class Request:
     # sum of log_softmax(logits)[token] over its output tokens; None: not counted (best_of)
     cumulative_logprob: float | None = None
     retention: tuple[Retain, ...] = ()  # retained once its prompt is prefilled
+    # a token sampled on the device and not yet on the host (engine/loop/overlap.py): its
+    # slot in the device's sampled tokens
+    num_pending: int = 0
+    pending_slot: int | None = None
 
     @property
     def num_tokens(self) -> int:
-        """Tokens whose K/V the request needs: prompt and output so far."""
-        return len(self.token_ids) + len(self.output)
+        """Tokens whose K/V the request needs: prompt, output so far and a pending token."""
+        return len(self.token_ids) + len(self.output) + self.num_pending
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """(prompt + output)[start:end], without building the whole list."""

@@ -1,12 +1,11 @@
 """The model runner: one forward per step over a ragged batch whose K/V live in the pool.
 
 The batch is flattened into one sequence (input_ids [1, T]), each row's tokens carrying their
-own position ids. The model's attention becomes a per-model `AttentionDispatch`, registered
-with transformers' attention (and mask) interface: in a thread running a paged step it is
-that runner's `PagedAttention` (and no mask is built); anywhere else it is the model's own
-implementation (SDPA, or eager for models without SDPA such as Gemma 2) with HF's own masks,
-so other users of the same model object (a reference forward, the per-request path, another
-engine) are not affected, whatever thread they run in.
+own position ids. The model's attention is its `AttentionDispatch` (engine/attention/
+dispatch.py): in the runner's step, the runner's `PagedAttention`. A paged step hands the
+model a placeholder 4D mask, so HF's mask logic returns at once (given none, it scans the
+position ids for packed sequences, a host sync per step on a GPU). A decode step whose
+graph was captured is replayed instead (`DecodeGraphs`, engine/loop/graph.py).
 """
 
 from __future__ import annotations
@@ -14,22 +13,20 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import sys
-import threading
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
 from engine.attention.decode_mirror import DecodeMirror
+from engine.attention.dispatch import install_dispatch, uninstall_dispatch
 from engine.attention.paged import PagedAttention, PagedAttentionError
 from engine.attention.step_batch import StepBatch, build_step
 from engine.attention.step_cache import StepCache, alibi_of, step_keys
 from engine.attention.step_row import Row
 from engine.contract import tolerance_for
+from engine.loop.graph import DecodeGraphs, GraphError, graph_blocker
+from engine.loop.overlap import Feed
 from engine.model.linear import install_linears, uninstall_linears
 from engine.model.loading import LoadedModel, has_window, with_cache
 from kvstore.block_tables import BlockTables
@@ -37,83 +34,6 @@ from kvstore.device.pool import BlockPool
 from kvstore.units import cdiv
 
 log = logging.getLogger("kvstore.engine")
-
-
-# The implementations a dispatch stands in for, and the mask function of each.
-PLAIN_ATTENTION = {"sdpa": sdpa_mask, "eager": eager_mask}
-
-
-@functools.cache
-def _eager_attention(module_cls: type) -> Callable:
-    """The eager attention of the module's own modeling file (softcapping and all)."""
-    function = getattr(sys.modules[module_cls.__module__], "eager_attention_forward", None)
-    if function is None:
-        raise PagedAttentionError(f"{module_cls.__name__} has no eager_attention_forward")
-    return function
-
-
-class AttentionDispatch:
-    """The attention of one model: the calling thread's paged step, else the model's own."""
-
-    def __init__(self, plain: str = "sdpa") -> None:
-        self.plain = plain  # the implementation the model had: "sdpa" or "eager"
-        self.local = threading.local()  # .attention: the PagedAttention of this thread's step
-        self.users = 0  # runners on this model; the last to close restores `plain`
-
-    def active(self) -> PagedAttention | None:
-        return getattr(self.local, "attention", None)
-
-    def attention(self, module: torch.nn.Module, *args: object, **kwargs: object) -> object:
-        paged = self.active()
-        if paged is not None:
-            return paged(module, *args, **kwargs)
-        plain = sdpa_attention_forward if self.plain == "sdpa" else _eager_attention(type(module))
-        return plain(module, *args, **kwargs)
-
-    def mask(self, *args: object, **kwargs: object) -> object:
-        if self.active() is not None:
-            return None
-        return PLAIN_ATTENTION[self.plain](*args, **kwargs)
-
-    @contextmanager
-    def step(self, attention: PagedAttention) -> Iterator[None]:
-        self.local.attention = attention
-        try:
-            yield
-        finally:
-            self.local.attention = None
-            attention.batch = None
-
-
-def install_dispatch(model: torch.nn.Module) -> AttentionDispatch:
-    """The model's dispatch, installed by its first runner (its attention must be SDPA or
-    eager through transformers' attention interface)."""
-    dispatch = getattr(model, "_kvstore_dispatch", None)
-    if dispatch is None:
-        config = model.config
-        plain = config._attn_implementation
-        if plain not in PLAIN_ATTENTION:
-            raise PagedAttentionError(f"attention is {plain!r}, not sdpa or eager")
-        dispatch, name = AttentionDispatch(plain), f"kvstore_dispatch_{id(model):x}"
-        AttentionInterface.register(name, dispatch.attention)
-        AttentionMaskInterface.register(name, dispatch.mask)
-        config._attn_implementation = name
-        model._kvstore_dispatch = dispatch
-    dispatch.users += 1
-    return dispatch
-
-
-def uninstall_dispatch(model: torch.nn.Module) -> None:
-    """Undo one `install_dispatch`; the last one gives the model its plain implementation
-    back (so other libraries that check the implementation's name, as transformers' own
-    batching does, accept the model again)."""
-    dispatch = getattr(model, "_kvstore_dispatch", None)
-    if dispatch is None:
-        return
-    dispatch.users -= 1
-    if dispatch.users == 0:
-        model.config._attn_implementation = dispatch.plain
-        del model._kvstore_dispatch
 
 
 @functools.cache
@@ -133,6 +53,7 @@ class PagedRunner:
     interface."""
 
     how = "attention interface"
+    graphable = True  # decode steps can be captured (`use_graphs`)
     isolates_rows = True  # a row's K/V reach another row's attention only through the
     # scratch block (engine/loop/step_rows.py, `settle_early`)
 
@@ -148,6 +69,8 @@ class PagedRunner:
         self.scratch_block = scratch_block
         self.calls = 0  # layer calls that went through the pool: the self-test counts them
         self.closed = False
+        self.graphs: DecodeGraphs | None = None  # decode steps replayed (`use_graphs`)
+        self.placeholder_mask = torch.zeros((1, 1, 1, 1), dtype=torch.bool, device=pool.device)
         self._open()
         self.linears, self.linear_note = None, None  # note: why packed linears gave way
         if kernel == "onednn":
@@ -179,6 +102,22 @@ class PagedRunner:
         # window layers read the pool (their blocks may be dropped): no mirror for them
         self.mirror = None if has_window(self.model.model.config) else DecodeMirror(self.kv)
 
+    def use_graphs(self, sampled: torch.Tensor, required: bool = False) -> None:
+        """Replay decode steps of up to len(`sampled`) rows (the device's sampled tokens,
+        which a replay gathers pending tokens from: engine/loop/overlap.py) from captured
+        graphs, each row up to the model's positions (engine/loop/graph.py), unless the
+        model or device cannot (`GraphError` saying why when `required`)."""
+        why = graph_blocker(self)
+        if why is not None:
+            if required:
+                raise GraphError(f"--cuda-graphs on: {why}")
+            log.info("model %s: decode steps run eager: %s", self.model.name, why)
+            return
+        positions = self.pool.num_blocks * self.block_size
+        if self.model.max_positions is not None:
+            positions = min(positions, self.model.max_positions)
+        self.graphs = DecodeGraphs(self, sampled, cdiv(positions, self.block_size))
+
     def close(self) -> None:
         """Give the model back its plain attention (once no other runner uses it)."""
         if not self.closed:
@@ -193,16 +132,42 @@ class PagedRunner:
         logit_rows: Sequence[int],
         full_rows: Sequence[int] = (),
         layer_wait: Callable[[int], None] | None = None,
+        feed: Feed | None = None,
     ) -> torch.Tensor:
         """Feed each row its tokens; logits float32 of the last fed token of each row listed
         in `logit_rows`, then of every fed token of each row in `full_rows` (a request
         gathering prompt logprobs): [len(logit_rows) + their num_new, vocab]. `layer_wait`:
         called with each layer's index before its attention reads the pool (blocks still
-        loading from a tier, kvstore/tiers/layered.py)."""
+        loading from a tier, kvstore/tiers/layered.py); `feed`: rows whose last token is
+        still on the device (engine/loop/overlap.py). A decode step of rows that all sample
+        replays its graph, when it has one."""
+        every_row = len(logit_rows) == len(rows) and list(logit_rows) == list(range(len(rows)))
+        if self.graphs is not None and every_row and not full_rows and layer_wait is None:
+            with torch.inference_mode():
+                logits = self.graphs.run(rows, [ids[0] for ids in token_ids], feed)
+            if logits is not None:
+                if self.mirror is not None:
+                    self.mirror.invalidate()  # the graph wrote the pool, not the mirror
+                return logits.float()
+        return self.forward_eager(rows, token_ids, logit_rows, full_rows, layer_wait, feed)
+
+    def forward_eager(
+        self,
+        rows: Sequence[Row],
+        token_ids: Sequence[Sequence[int]],
+        logit_rows: Sequence[int],
+        full_rows: Sequence[int] = (),
+        layer_wait: Callable[[int], None] | None = None,
+        feed: Feed | None = None,
+    ) -> torch.Tensor:
+        """`forward`, the model's modules run now."""
         device = self.model.device
         ids = torch.tensor([t for row_ids in token_ids for t in row_ids], device=device)
         positions = torch.cat([torch.arange(r.start, r.end) for r in rows]).to(device)
         ends = torch.tensor([r.num_new for r in rows]).cumsum(0) - 1
+        if feed is not None:  # pending tokens: gathered on the device
+            at = ends[feed.rows].to(device)
+            ids[at] = feed.sampled[torch.tensor(feed.slots, device=device)]
         every = [
             torch.arange(int(ends[i]) - rows[i].num_new + 1, int(ends[i]) + 1) for i in full_rows
         ]
@@ -242,7 +207,8 @@ class PagedRunner:
         with self.dispatch.step(self.attention):
             self.attention.batch = batch
             self.attention.calls = 0
-            out = self.model.model(use_cache=False, **inputs)
+            mask = self.placeholder_mask  # HF's mask logic returns at once (no host sync)
+            out = self.model.model(attention_mask=mask, use_cache=False, **inputs)
             self.calls += self.attention.calls
         return out
 
@@ -263,6 +229,7 @@ class StepCacheRunner(PagedRunner):
     is reached through `StepCache` and a block-diagonal mask (engine/attention/step_cache.py)."""
 
     how = "step cache"
+    graphable = False  # the model's own attention code keeps Python state per step
     isolates_rows = False  # every row's keys are in every row's attention, under a mask
 
     def _open(self) -> None:

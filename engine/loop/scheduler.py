@@ -46,10 +46,13 @@ BATCHED_TOKENS_ACCELERATOR = 2048
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Step shape: tokens fed per step (all rows; None: by device) and requests running at
-    once."""
+    once; `async_scheduling`: a step launches before the previous step's greedy tokens reach
+    the host (engine/loop/overlap.py; None: on an accelerator, not on a CPU, where nothing
+    runs ahead of the host)."""
 
     max_num_batched_tokens: int | None = None
     max_num_seqs: int = 32
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs"):
@@ -58,13 +61,21 @@ class SchedulerConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.async_scheduling not in (None, True, False):
+            raise ValueError(
+                f"async_scheduling must be a bool or None, got {self.async_scheduling!r}"
+            )
 
     def for_device(self, device: torch.device) -> SchedulerConfig:
-        """This config with the token budget set (the device's default when None)."""
-        if self.max_num_batched_tokens is not None:
-            return self
-        budget = BATCHED_TOKENS_BY_DEVICE.get(device.type, BATCHED_TOKENS_ACCELERATOR)
-        return replace(self, max_num_batched_tokens=budget)
+        """This config with the token budget and async scheduling set (the device's
+        defaults where None)."""
+        budget = self.max_num_batched_tokens
+        if budget is None:
+            budget = BATCHED_TOKENS_BY_DEVICE.get(device.type, BATCHED_TOKENS_ACCELERATOR)
+        overlap = self.async_scheduling
+        if overlap is None:
+            overlap = device.type != "cpu"
+        return replace(self, max_num_batched_tokens=budget, async_scheduling=overlap)
 
 
 @dataclass(eq=False)
@@ -162,6 +173,8 @@ class Scheduler:
         for request in self.waiting.candidates():
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
+            if request.num_pending:  # preempted with a token still on the device: next step
+                break
             if request.cancelled or request.future.cancelled():
                 self.waiting.remove(request)
                 reject(request, RequestCancelled("cancelled while waiting"))
@@ -206,7 +219,11 @@ class Scheduler:
         return pending
 
     def _continue(self, request: Request, budget: int) -> Scheduled | None:
+        """The request's next row (None: preempted, or nothing to feed: its pending token is
+        its last, `max_new_tokens`)."""
         state: Running = request.state
+        if request.num_pending and len(request.output) + 1 >= request.params.max_new_tokens:
+            return None
         start = state.num_computed
         num_new = min(request.num_tokens - start, budget)
         while (fitted := self.tables.fit(state.blocks, start + num_new, start, num_new)) is None:
@@ -368,9 +385,12 @@ class Scheduler:
         return blocks, self.prompt_logprobs.admitted(request, plan, blocks.num_cached_tokens)
 
     def finish(self, request: Request) -> None:
-        """Take a finished (or failed) running request out; its committed blocks stay cached."""
+        """Take a finished (or failed) request out, running or waiting (preempted before its
+        pending token ended it); its committed blocks stay cached."""
         if request in self.running:
             self.running.remove(request)
+        else:
+            self.waiting.remove(request)
         if request.state is not None:
             self.tables.close(request.state.blocks)
             request.state = None

@@ -25,7 +25,9 @@ class StepRows(NamedTuple):
 
     @classmethod
     def of(cls, rows: list[Scheduled], wants: Callable[[Request, int], bool]) -> StepRows:
-        fed = [row.request.token_slice(row.start, row.start + row.num_new) for row in rows]
+        """The rows' tokens, a pending one (still on the device: engine/loop/overlap.py)
+        as a 0 the runner replaces."""
+        fed = [_fed(row) for row in rows]
         sample = [
             i for i, row in enumerate(rows) if row.start + row.num_new == row.request.num_tokens
         ]
@@ -72,6 +74,11 @@ class StepRows(NamedTuple):
             [at[i] for i in self.full if i not in drop],
         )
         return kept, logits[logit_rows]
+
+
+def _fed(row: Scheduled) -> list[int]:
+    tokens = row.request.token_slice(row.start, row.start + row.num_new)
+    return tokens + [0] * (row.num_new - len(tokens))
 
 
 def settle_early(

@@ -15,8 +15,10 @@ from engine.loop.engine import Engine
 from engine.loop.request import EngineClosedError, SamplingParams
 from engine.loop.threads import on_own_thread
 from engine.model.linear import LinearConfig, LinearKernelError, PackedLinears, packed_mismatch
+from engine.model.tiny import random_model, tiny_config
 
 PROMPTS = [list(range(40, 63)), list(range(90, 101)), [7, 8, 9, 10, 11, 12, 13]]
+PACKED = LinearConfig("onednn")  # `auto` keeps the micro model's small linears dense
 GREEDY = SamplingParams(max_new_tokens=6, ignore_eos=True)
 
 
@@ -29,11 +31,18 @@ def outputs(engine: Engine) -> list[list[int]]:
     return [f.result().output_token_ids for f in futures]
 
 
-def test_auto_packs_a_cpu_float32_model_and_answers_as_the_dense_kernels_do():
+def test_auto_packs_a_model_of_large_linears_and_keeps_small_ones_dense():
+    assert LinearConfig("auto").resolve(micro_model(seed=2).model) == "dense"
+    tiny = random_model(tiny_config())
+    assert LinearConfig("auto").resolve(tiny) == "onednn"
+    assert LinearConfig("onednn").resolve(micro_model(seed=2).model) == "onednn"
+
+
+def test_packed_linears_answer_as_the_dense_kernels_do():
     micro = micro_model(seed=3)
     with Engine(micro, micro_cache_config(), linear_config=LinearConfig("dense")) as dense:
         want = outputs(dense)
-    with Engine(micro, micro_cache_config()) as packed:
+    with Engine(micro, micro_cache_config(), linear_config=PACKED) as packed:
         assert (dense.linear_kernel, packed.linear_kernel) == ("dense", "onednn")
         assert outputs(packed) == want
         assert outputs(packed) == want  # warm: every prompt's whole blocks cached
@@ -42,7 +51,7 @@ def test_auto_packs_a_cpu_float32_model_and_answers_as_the_dense_kernels_do():
 def test_prefill_logits_through_packed_linears_meet_the_no_cache_reference():
     micro = micro_model(seed=4)
     ids = list(range(30, 57))
-    with Engine(micro, micro_cache_config()) as engine:
+    with Engine(micro, micro_cache_config(), linear_config=PACKED) as engine:
         cold, cold_cached = engine.prefill_logits(ids)
         warm, warm_cached = engine.prefill_logits(ids)
     ref = reference_logits(micro, ids)[-1]
@@ -54,7 +63,7 @@ def test_every_linear_of_every_step_runs_packed():
     micro = micro_model(seed=5)
     per_forward = len(linears_of(micro.model))  # 2 layers x 7 projections + the output one
     assert per_forward == 15
-    with Engine(micro, micro_cache_config()) as engine:
+    with Engine(micro, micro_cache_config(), linear_config=PACKED) as engine:
         linears = micro.model._kvstore_linears
         before = linears.calls
         engine.submit(PROMPTS[1], SamplingParams(max_new_tokens=5, ignore_eos=True)).result()
@@ -67,7 +76,7 @@ def test_outside_a_step_the_model_keeps_its_own_dense_linears():
     ids = torch.tensor([PROMPTS[0]])
     with torch.inference_mode():
         before = micro.model(input_ids=ids).logits
-    with Engine(micro, micro_cache_config()) as engine:
+    with Engine(micro, micro_cache_config(), linear_config=PACKED) as engine:
         with torch.inference_mode():
             during = micro.model(input_ids=ids).logits
         calls = engine.model.model._kvstore_linears.calls
@@ -77,8 +86,8 @@ def test_outside_a_step_the_model_keeps_its_own_dense_linears():
 
 def test_the_last_engine_to_close_gives_every_linear_its_own_forward_back():
     micro = micro_model(seed=7)
-    first = Engine(micro, micro_cache_config())
-    second = Engine(micro, micro_cache_config())
+    first = Engine(micro, micro_cache_config(), linear_config=PACKED)
+    second = Engine(micro, micro_cache_config(), linear_config=PACKED)
     assert micro.model._kvstore_linears.users == 2
     first.close()
     assert all("forward" in vars(m) for m in linears_of(micro.model))
@@ -114,7 +123,8 @@ def test_the_model_runs_on_the_engine_loop_thread_whoever_calls():
         lambda *_: seen.add(threading.current_thread().name)
     )
     try:
-        with Engine(micro, micro_cache_config()) as engine:  # its self-test included
+        # its self-test included
+        with Engine(micro, micro_cache_config(), linear_config=PACKED) as engine:
             engine.prefill_logits(PROMPTS[0])
             engine.submit(PROMPTS[2], GREEDY).result()
             engine.run(PROMPTS[1], GREEDY)
@@ -125,7 +135,7 @@ def test_the_model_runs_on_the_engine_loop_thread_whoever_calls():
 
 def test_a_call_on_a_closed_engine_is_refused():
     micro = micro_model(seed=11)
-    engine = Engine(micro, micro_cache_config())
+    engine = Engine(micro, micro_cache_config(), linear_config=PACKED)
     engine.close()
     with pytest.raises(Exception, match="closed"):
         engine.prefill_logits(PROMPTS[0])
@@ -143,7 +153,7 @@ def test_on_own_thread_returns_the_value_and_raises_the_error_here():
 def test_on_loop_runs_the_callers_forward_on_the_loop_thread_with_the_steps_kernels():
     micro = micro_model(seed=12)
     ids = torch.tensor([PROMPTS[0]])
-    with Engine(micro, micro_cache_config()) as engine:
+    with Engine(micro, micro_cache_config(), linear_config=PACKED) as engine:
         linears = micro.model._kvstore_linears
         before = linears.calls
 
@@ -172,7 +182,7 @@ def test_packed_linears_that_fail_their_check_give_way_to_dense_with_a_warning(m
     monkeypatch.setattr(linear_module, "packed_mismatch", lambda model, linears: "forced")
     micro = micro_model(seed=14)
     logs = caplog.at_level("WARNING", logger="kvstore.engine")
-    with logs, Engine(micro, micro_cache_config()) as engine:
+    with logs, Engine(micro, micro_cache_config(), linear_config=PACKED) as engine:
         assert (engine.linear_kernel, engine.mode) == ("dense", "paged")
         assert not hasattr(micro.model, "_kvstore_linears")
         got = engine.submit(PROMPTS[0], GREEDY).result().output_token_ids
@@ -187,7 +197,7 @@ def test_a_failed_check_leaves_no_linear_patched(monkeypatch):
 
     monkeypatch.setattr(linear_module, "packed_mismatch", broken)
     micro = micro_model(seed=15)
-    with Engine(micro, micro_cache_config()) as engine:
+    with Engine(micro, micro_cache_config(), linear_config=PACKED) as engine:
         assert engine.linear_kernel == "dense"
         assert "oneDNN kernel failed" in engine.runner.linear_note
         assert not hasattr(micro.model, "_kvstore_linears")
@@ -214,7 +224,7 @@ def test_steps_nest_and_a_linear_with_a_forward_of_its_own_is_left_alone():
 
 def test_on_loop_carries_the_callers_inference_mode():
     micro = micro_model(seed=17)
-    with Engine(micro, micro_cache_config()) as engine:
+    with Engine(micro, micro_cache_config(), linear_config=PACKED) as engine:
         with torch.inference_mode():
             assert engine.on_loop(torch.is_inference_mode_enabled)
         assert not engine.on_loop(torch.is_inference_mode_enabled)
@@ -223,12 +233,12 @@ def test_on_loop_carries_the_callers_inference_mode():
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_loop_that_died_refuses_calls_instead_of_leaving_them_waiting(monkeypatch):
     micro = micro_model(seed=18)
-    engine = Engine(micro, micro_cache_config())
+    engine = Engine(micro, micro_cache_config(), linear_config=PACKED)
 
     def die() -> None:
         raise SystemExit("the loop thread ends")
 
-    monkeypatch.setattr(engine, "_step", die)
+    monkeypatch.setattr(engine.stepper, "step", die)
     engine.submit(PROMPTS[0], GREEDY)
     engine._worker.join(timeout=30)
     assert not engine._worker.is_alive()
@@ -240,7 +250,7 @@ def test_a_loop_that_died_refuses_calls_instead_of_leaving_them_waiting(monkeypa
 def test_the_per_request_path_runs_on_the_packed_kernels_too():
     micro = micro_model(seed=19)
     params = SamplingParams(max_new_tokens=3, ignore_eos=True)
-    with Engine(micro, micro_cache_config()) as engine:
+    with Engine(micro, micro_cache_config(), linear_config=PACKED) as engine:
         linears = micro.model._kvstore_linears
         before = linears.calls
         ran = engine.run(PROMPTS[1], params).output_token_ids

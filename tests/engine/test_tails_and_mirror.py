@@ -11,10 +11,13 @@ from engine_helpers import greedy_matches_reference, micro_cache_config
 
 from engine.attention.decode_mirror import DecodeMirror
 from engine.loop.engine import Engine
+from engine.loop.graph import GraphConfig
 from engine.loop.request import SamplingParams
 from engine.model.loading import LoadedModel
 
 FIVE = SamplingParams(max_new_tokens=5, ignore_eos=True)
+# the mirror serves eager one-row decode steps; with decode graphs on, a graph replays them
+EAGER = GraphConfig("off")
 TEN = SamplingParams(max_new_tokens=10, ignore_eos=True)
 
 
@@ -72,7 +75,7 @@ def decode_alone(engine: Engine, prompt: list[int], params: SamplingParams) -> l
 
 def test_decoding_alone_through_the_mirror_gives_the_tokens_of_the_pool_path(micro) -> None:
     prompt, params = tokens(23, seed=3), SamplingParams(max_new_tokens=24, ignore_eos=True)
-    with Engine(micro, micro_cache_config()) as engine:
+    with Engine(micro, micro_cache_config(), graph_config=EAGER) as engine:
         assert isinstance(engine.runner.mirror, DecodeMirror)
         builds = engine.runner.mirror.builds
         mirrored = decode_alone(engine, prompt, params)
@@ -86,7 +89,7 @@ def test_decoding_alone_through_the_mirror_gives_the_tokens_of_the_pool_path(mic
 
 def test_a_perturbed_mirror_fails_the_reference(micro: LoadedModel) -> None:
     prompt, params = tokens(23, seed=3), SamplingParams(max_new_tokens=24, ignore_eos=True)
-    with Engine(micro, micro_cache_config()) as engine:
+    with Engine(micro, micro_cache_config(), graph_config=EAGER) as engine:
         mirror = engine.runner.mirror
         out: list[int] = []
 
@@ -106,7 +109,7 @@ def test_a_request_that_stops_decoding_alone_gets_its_mirror_rebuilt(micro) -> N
     A's K/V to the pool only); once B is done A decodes alone again from a rebuilt mirror."""
     a_prompt, b_prompt = tokens(17, seed=4), tokens(9, seed=5)
     a_params = SamplingParams(max_new_tokens=30, ignore_eos=True)
-    with Engine(micro, micro_cache_config()) as engine:
+    with Engine(micro, micro_cache_config(), graph_config=EAGER) as engine:
         start = engine.runner.mirror.builds
         joined: list = []
 
@@ -126,7 +129,7 @@ def test_a_request_longer_than_the_mirror_may_hold_reads_the_pool(micro) -> None
     """The mirror holds at most a quarter of the pool's positions (64 of 64 blocks of 4):
     a request decodes through it up to position 63, then from the pool."""
     prompt, params = tokens(57, seed=6), SamplingParams(max_new_tokens=14, ignore_eos=True)
-    with Engine(micro, micro_cache_config(device_blocks=64)) as engine:
+    with Engine(micro, micro_cache_config(device_blocks=64), graph_config=EAGER) as engine:
         mirror = engine.runner.mirror
         assert mirror.max_positions == 64
         builds = mirror.builds
