@@ -183,6 +183,8 @@ class BlockTables:
         """`grow` for a step that computes `num_new` positions from `start`: how many it
         can (the attention kind may shrink a step by halves to what it can hold), or None
         when the pool cannot give even one."""
+        if not self.kind.splits_blocks and len(seq.block_table) * self.block_size >= num_tokens:
+            return num_new  # (a decode step's usual case: the table holds it already)
         num_new = self.kind.fit_step(seq, start, num_new)
         while not self.grow(seq, num_tokens, start + num_new):
             if not self.kind.shrinks_steps or num_new <= 1:
@@ -220,7 +222,7 @@ class BlockTables:
         copies of those committed (`HeldBlocks.punch`, which keeps those before a branch
         point). The index also keeps the window before the prompt's end, where the same
         prompt, sent again, hits. Returns how many blocks slid."""
-        if seq.closed:
+        if seq.closed or not self.kind.slides:
             return 0
         limit, align = self._chunk_start(seq), self.punch_align  # write-back gets whole chunks
         lo, hi = self.kind.slide(seq, num_computed, limit, align, self.held)

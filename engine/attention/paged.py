@@ -86,6 +86,11 @@ def _flash_with_lse(
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
+def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x` in `dtype` (no op recorded when it is already: a captured step keeps fewer)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def _decode_attention(
     q: torch.Tensor, layer: torch.Tensor, batch: StepBatch, scale: float | None
 ) -> torch.Tensor:
@@ -98,12 +103,12 @@ def _decode_attention(
     kv_heads = layer.shape[2]
     scale = dim**-0.5 if scale is None else scale
     qg = q.view(rows, kv_heads, q_heads // kv_heads, dim)  # [B, Hkv, G, D]
-    k2, v2 = _read(layer, batch.decode_tables)  # [B, Hkv, S2, D]
-    bias = batch.decode_bias.to(q.dtype)  # what SDPA's CPU flash kernel requires
+    k2, v2 = (_as(x, q.dtype) for x in _read(layer, batch.decode_tables))  # [B, Hkv, S2, D]
+    bias = _as(batch.decode_bias, q.dtype)  # what SDPA's CPU flash kernel requires
     if batch.decode_shared is None:  # the G query heads of a K/V head as G query rows
-        out = sdpa(qg, k2.to(q.dtype), v2.to(q.dtype), attn_mask=bias, scale=scale)
+        out = sdpa(qg, k2, v2, attn_mask=bias, scale=scale)
         return out.reshape(rows, q_heads, dim)
-    out2, lse2 = _flash_with_lse(qg, k2.to(q.dtype), v2.to(q.dtype), bias, scale)
+    out2, lse2 = _flash_with_lse(qg, k2, v2, bias, scale)
     k1, v1 = (x.to(q.dtype).unsqueeze(0) for x in _read(layer, batch.decode_shared))
     q1 = qg.transpose(0, 1).reshape(1, kv_heads, -1, dim)  # [1, Hkv, B * G, D]
     out1, lse1 = _flash_with_lse(q1, k1, v1, None, scale)
@@ -166,17 +171,14 @@ class PagedAttention:
             seen = batch.mirror.write(layer_idx, batch.decode_rows[0].start, new[0])
             if window is None and extras.plain:
                 return _mirror_attention(query, seen, scaling), None
+        if batch.all_decode:  # a captured decode step: query i is row i, no gather, no scatter
+            q = query[0].transpose(0, 1)  # [B, Hq, D]
+            return self._decode(q, layer, plane, batch, window, scaling, extras).unsqueeze(0), None
         out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
         if batch.decode_index is not None:
             q = query[0, :, batch.decode_index].transpose(0, 1)  # [B, Hq, D]
-            if window is None and extras.plain:
-                out[0, batch.decode_index] = _decode_attention(q, layer, batch, scaling)
-            else:
-                reads = batch.decode_reads(window)
-                if plane:
-                    reads = batch.plane_reads(reads, ("decode", window))
-                o = self._attend_reads(q.unsqueeze(2), layer, reads, scaling, extras)
-                out[0, batch.decode_index] = o.squeeze(2)
+            o = self._decode(q, layer, plane, batch, window, scaling, extras)
+            out[0, batch.decode_index] = o
         for i, row in enumerate(batch.prefills):
             q = query[:, :, row.offset : row.offset + row.num_new]
             if window is None and extras.plain:
@@ -188,6 +190,24 @@ class PagedAttention:
             o = self._attend_reads(q, layer, reads, scaling, extras)
             out[:, row.offset : row.offset + row.num_new] = o.transpose(1, 2)
         return out, None
+
+    def _decode(
+        self,
+        q: torch.Tensor,  # [B, Hq, D]: the decode rows' queries
+        layer: torch.Tensor,
+        plane: bool,
+        batch: StepBatch,
+        window: int | None,
+        scale: float | None,
+        extras: Extras,
+    ) -> torch.Tensor:
+        """The decode rows' attention: [B, Hq, D]."""
+        if window is None and extras.plain:
+            return _decode_attention(q, layer, batch, scale)
+        reads = batch.decode_reads(window)
+        if plane:
+            reads = batch.plane_reads(reads, ("decode", window))
+        return self._attend_reads(q.unsqueeze(2), layer, reads, scale, extras).squeeze(2)
 
     @staticmethod
     def _attend_reads(

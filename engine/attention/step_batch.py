@@ -71,6 +71,7 @@ class StepBatch:
     layer_wait: Callable[[int], None] | None = None
     slot_map: torch.Tensor | None = None
     max_plane_window: int | None = None
+    all_decode: bool = False  # every token is a decode row's, row i's at query i (a graph's)
     _plane_writes: torch.Tensor | None = None
 
     def plane_writes(self) -> torch.Tensor:

@@ -96,7 +96,7 @@ class Engine:
         self.sequential = SequentialPath(model, self.cache, cache_generated)
         self.outcomes = Outcomes(model, self.scheduler, self.tables, cache_generated)
         self.device_tokens = DeviceTokens(self.scheduler.config.max_num_seqs, model.device)
-        self.overlap = Overlap(self.device_tokens, self.outcomes.deliver)
+        self.overlap = Overlap(self.device_tokens, self.outcomes.deliver, self.outcomes.fail)
         self._forward_lock = threading.Lock()  # one forward pass at a time
         self._cond = threading.Condition()
         self._closed = False
@@ -294,6 +294,8 @@ class Engine:
         """The loop thread: start the runner (`started` gets it, or the error), then loop."""
         try:
             torch.set_num_threads(threads)  # the creator's, not a new thread's default
+            if self.model.device.type == "cuda":  # streams and events of the model's GPU
+                torch.cuda.set_device(self.model.device)
             if self.model.device.type == "cpu":
                 self.governor = ThreadGovernor(self.thread_config, threads)
             started_runner = start_paged(self.model, self.tables, kernel)
@@ -331,18 +333,21 @@ class Engine:
                     return
             if self.governor is not None:
                 self.governor.tick()
-            if calls:
-                self.overlap.drain()  # a synchronous path sees every token delivered
+            if calls:  # a synchronous path sees every token delivered
+                self._guarded(self.overlap.drain)
             self._calls.run(calls)
-            if self._idle():
-                continue
-            try:
-                self.stepper.step() if self.stepper is not None else self._serve_one()
-            except Exception:  # a bug must not kill the loop silently: fail what ran
-                log.exception("engine step failed")
-                released = [r for group in self.scheduler.released for r in group.waiting]
-                for request in [*self.scheduler.running, *released]:
-                    self.outcomes.fail(request, RuntimeError("engine step failed"))
+            if not self._idle():
+                self._guarded(self.stepper.step if self.stepper else self._serve_one)
+
+    def _guarded(self, work: Callable[[], object]) -> None:
+        """`work()`; a bug must not kill the loop silently: what ran fails with it."""
+        try:
+            work()
+        except Exception:
+            log.exception("engine step failed")
+            released = [r for group in self.scheduler.released for r in group.waiting]
+            for request in [*self.scheduler.running, *released]:
+                self.outcomes.fail(request, RuntimeError("engine step failed"))
 
     def _serve_one(self) -> None:
         """The fallback: the next fair request runs alone, start to finish."""

@@ -166,9 +166,12 @@ class Outcomes:
             self.fail(branch, error)
 
     def dropped(self, request: Request) -> None:
-        """A waiting request was cancelled: it ends, and so do a group leader's branches."""
+        """A waiting request was cancelled: it ends, and so do a group leader's branches (a
+        request that ran before, preempted since, fails: its future is running)."""
         if request.future.cancel():
             self.done(request, None)
+        elif not request.future.done():
+            self.fail(request, RequestCancelled("the client went away"))
         for branch in orphans(request):
             branch.cancelled = True
             self.fail(branch, RequestCancelled("its group was cancelled"))

@@ -22,6 +22,7 @@ unless asked (`SchedulerConfig.async_scheduling`).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -29,6 +30,8 @@ import torch
 
 from engine.loop.group import unreleased_leader
 from engine.loop.request import Request
+
+log = logging.getLogger("kvstore.engine")
 
 
 class Feed(NamedTuple):
@@ -58,7 +61,7 @@ class DeviceTokens:
         torch.argmax(logits, dim=-1, out=self.sampled[:n])
         self.host[:n].copy_(self.sampled[:n], non_blocking=True)
         if self.event is not None:
-            self.event.record()
+            self.event.record(torch.cuda.current_stream(self.sampled.device))
         self.count = n
 
     def read(self) -> list[int]:
@@ -84,9 +87,15 @@ def runs_ahead(requests: Sequence[Request], gathers_prompt_logprobs: bool) -> bo
 class Overlap:
     """The step whose tokens are still on their way, and their delivery."""
 
-    def __init__(self, tokens: DeviceTokens, deliver: Callable[[Request, int], None]):
+    def __init__(
+        self,
+        tokens: DeviceTokens,
+        deliver: Callable[[Request, int], None],
+        fail: Callable[[Request, BaseException], None],
+    ):
         self.tokens = tokens
         self.deliver = deliver  # emit, stop rules, finish: `Outcomes.deliver`
+        self.fail = fail  # `Outcomes.fail`: a request whose delivery raised ends with it
         self.requests: list[Request] = []  # the requests whose tokens are in flight
 
     def launch(self, requests: list[Request], logits: torch.Tensor) -> None:
@@ -106,12 +115,20 @@ class Overlap:
 
     def drain(self) -> bool:
         """Deliver the pending tokens (False: there were none). A request that ended
-        meanwhile (failed, cancelled) drops its token."""
+        meanwhile (failed, cancelled) drops its token; one whose delivery raises fails,
+        and the others are still delivered."""
         if not self.requests:
             return False
         requests, self.requests = self.requests, []
-        for request, token in zip(requests, self.tokens.read(), strict=True):
+        tokens = self.tokens.read()
+        for request in requests:  # first: nothing is left pending whatever a delivery does
             request.num_pending, request.pending_slot = 0, None
-            if not request.future.done():
+        for request, token in zip(requests, tokens, strict=True):
+            if request.future.done():
+                continue
+            try:
                 self.deliver(request, token)
+            except Exception as e:
+                log.exception("delivering a token failed")
+                self.fail(request, e)
         return True

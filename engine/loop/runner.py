@@ -122,6 +122,7 @@ class PagedRunner:
         """Give the model back its plain attention (once no other runner uses it)."""
         if not self.closed:
             self.closed = True
+            self.graphs = None  # (their memory goes with them)
             uninstall_dispatch(self.model.model)
             self._close_linears()
 
@@ -148,7 +149,7 @@ class PagedRunner:
             if logits is not None:
                 if self.mirror is not None:
                     self.mirror.invalidate()  # the graph wrote the pool, not the mirror
-                return logits.float()
+                return logits.to(torch.float32, copy=True)  # (not the graph's own buffer)
         return self.forward_eager(rows, token_ids, logit_rows, full_rows, layer_wait, feed)
 
     def forward_eager(

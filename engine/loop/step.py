@@ -77,6 +77,8 @@ class Stepper:
         live = [j for j, i in enumerate(sample) if not rows[i].request.future.done()]
         requests = [rows[sample[j]].request for j in live]
         logits = logits[: len(sample)] if len(live) == len(sample) else logits[live]
+        if not requests:
+            return
         if self.async_scheduling and runs_ahead(requests, bool(step.full)):
             self.overlap.launch(requests, logits)
         else:
@@ -97,4 +99,5 @@ class Stepper:
         if limit // self.tables.block_size > state.blocks.num_committed:  # a block filled
             self.tables.commit(state.blocks, row.request.token_slice(0, limit), limit)
         self.tables.slide(state.blocks, state.num_computed)  # a window model's old blocks
-        retain_prompt(self.cache, row.request, row.start, row.num_new)
+        if row.request.retention:
+            retain_prompt(self.cache, row.request, row.start, row.num_new)

@@ -94,6 +94,13 @@ def hybrid_window(config: PretrainedConfig) -> tuple[int, list[int]] | None:
     return (window, layers) if 0 < len(layers) < len(layer_types) else None
 
 
+def model_window(config: PretrainedConfig) -> int | None:
+    """The sliding window of a window-only or hybrid model (tokens), None for full
+    attention."""
+    hybrid = hybrid_window(config)
+    return hybrid[0] if hybrid is not None else shared_window(config)
+
+
 def check_supported(config: PretrainedConfig) -> None:
     """Raise `UnsupportedModelError` unless every layer is full or sliding-window attention
     with equal K/V dims."""

@@ -149,6 +149,7 @@ class AttentionKind(ABC):
     # --- a running request (kvstore/block_tables.py), called without the lock ---
 
     shrinks_steps: bool = False  # a step the kind cannot hold may shrink by halves
+    slides: bool = False  # `slide` may let something go (else a step's call is skipped)
 
     def fit_step(self, seq: SeqBlocks, start: int, num_new: int) -> int:
         """A step of `num_new` positions from `start`, cut to what the kind can hold before

@@ -184,6 +184,7 @@ class HybridAttention(AttentionKind):
 
     splits_blocks = True
     shrinks_steps = True
+    slides = True
     writes_back_at_commit = True
 
     def __init__(self, pool: BlockPool, index: RadixIndex, window: int):

@@ -96,6 +96,8 @@ class SlidingWindow(AttentionKind):
     window's blocks before its point, and a running request drops the blocks that slid out
     of its window (the index its copies too: holes, `RadixIndex.punch`)."""
 
+    slides = True
+
     def __init__(self, pool: BlockPool, index: RadixIndex, window: int):
         super().__init__(pool, index)
         self.window = window

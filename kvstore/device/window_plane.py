@@ -108,11 +108,14 @@ class WindowPlane:
     def slot_map(self, filler_block: int) -> torch.Tensor:
         """Block id -> slot for every block, `filler_block`'s slot where a block holds none
         (keys a window layer never sees: its mask hides them). [num_blocks] long."""
+        return torch.from_numpy(self.slot_array(filler_block)).to(self.kv.device)
+
+    def slot_array(self, filler_block: int) -> np.ndarray:
+        """`slot_map` on the host: [num_blocks] int64."""
         filler = int(self.slot[filler_block])
         if filler == NO_SLOT:
             raise WindowPlaneError(f"filler block {filler_block} holds no window part")
-        slots = np.where(self.slot == NO_SLOT, filler, self.slot)
-        return torch.from_numpy(slots).to(self.kv.device)
+        return np.where(self.slot == NO_SLOT, filler, self.slot).astype(np.int64, copy=False)
 
     def free_slots(self) -> list[int]:
         return list(self._free)

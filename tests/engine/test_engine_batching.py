@@ -182,3 +182,18 @@ def test_the_model_stays_plain_sdpa_for_other_callers(micro: LoadedModel) -> Non
                 input_ids=torch.tensor([prompt], device=micro.device), use_cache=False
             ).logits
     assert torch.equal(before, after)
+
+
+def test_cancelling_a_preempted_request_ends_it(micro: LoadedModel) -> None:
+    """A request that ran, was preempted and waits to resume has a running future: a
+    cancel must end it (RequestCancelled), not leave it waiting forever."""
+    params = SamplingParams(max_new_tokens=100, ignore_eos=True)
+    two = threading.Event()
+    with Engine(micro, micro_cache_config()) as engine:
+        request = Request(tokens(9, seed=70), params, on_token=lambda _: two.set())
+        engine.add_requests([request])
+        assert two.wait(30)
+        engine.on_loop(lambda: (engine.scheduler.preempt(request), engine.cancel(request)))
+        with pytest.raises(RequestCancelled):
+            request.future.result(30)
+        engine.cache.check_integrity()
