@@ -24,6 +24,8 @@ BENCHMARKS = {
     "contention": "engine steps and the demo quiet vs beside busy processes, per threading",
     "windows": "device blocks a running request holds as decode passes a sliding window",
     "loglik": "harness-like prompt logprobs (echo, max_tokens 0) sharing a context: cache vs none",
+    "step": "host work per decode step (µs, torch ops) on the micro model beside transformers CB",
+    "gpu": "the prepared run for a GPU machine: CUDA tests, ttft, load, e2e, step; JSON + table",
 }
 
 

@@ -123,10 +123,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench e2e", description=__doc__.split("\n")[0])
     p.add_argument("--workload", default=",".join(SCALES["default"]))
     p.add_argument("--scale", default="default", choices=sorted(SCALES))
-    p.add_argument("--model", default="tiny", help="tiny, smollm2, a .gguf file or a model "
-                   "directory; float32")  # fmt: skip
+    p.add_argument("--model", default="tiny", help="tiny, smollm2, dummy:NAME, a .gguf file or a "
+                   "model directory")  # fmt: skip
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="the model's and the KV pool's device")  # fmt: skip
+    p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16; auto: "
+                   "float32, and a dummy:NAME model's bfloat16 on a GPU")  # fmt: skip
     p.add_argument("--new-tokens", type=int, default=4, help="generated tokens per request")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
@@ -338,7 +340,7 @@ def main(argv: list[str], model=None) -> int:
     torch.set_num_threads(args.threads)
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
-    lm = model or load_model(args.model, "float32", args.device)
+    lm = model or load_model(args.model, args.dtype, args.device)
     rows = [run_workload(lm, name, args) for name in args.workloads]
     if args.json:
         print(json.dumps({"workloads": rows}))

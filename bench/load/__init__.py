@@ -80,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--model",
         default="tiny",
-        help="tiny, smollm2, a .gguf file or a local model directory (both servers)",
+        help="tiny, smollm2, dummy:NAME (saved once, bfloat16 on a GPU), a .gguf file or a "
+        "local model directory (both servers)",
     )
     add("--device", choices=("cpu", "cuda"), default="cpu", help="both servers' device")
     add(
@@ -137,7 +138,7 @@ def run(args: argparse.Namespace) -> dict:
     with sigterm_as_exit(), tempfile.TemporaryDirectory(prefix="bench-load-") as work:
         needs_model = args.url is None or not args.no_peer
         try:
-            model_dir = prepare_model(args.model, Path(work)) if needs_model else None
+            model_dir = prepare_model(args.model, Path(work), args.device) if needs_model else None
         except ValueError as e:  # engine.model.files.ModelLoadError: neither tiny nor a directory
             raise SystemExit(f"bench load: --model: {e}") from None
         report = {"benchmark": "load", "config": config(args, model_dir)}

@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from bench.load.report import summarize_level
 from bench.load.runner import Request, run_level, warm_up
-from bench.load.servers import KVSTORE, PEER, Running, Target
+from bench.load.servers import KVSTORE, PEER, Running, Target, served_dtype
 from bench.load.workload import make_sessions, warmup_session
 
 
@@ -78,7 +78,7 @@ def run_server(target: Target, args: argparse.Namespace, levels: list[int], entr
 def run_all(args: argparse.Namespace, model_dir: Path | None, log_dir: Path) -> dict:
     """Every level on kvstore and the peer, one server up at a time: level by level when
     servers restart per level, else kvstore's levels then the peer's."""
-    blocks = args.pool_blocks
+    blocks, dtype = args.pool_blocks, served_dtype(args.model, args.device)
     targets = [
         Target(
             KVSTORE,
@@ -88,11 +88,13 @@ def run_all(args: argparse.Namespace, model_dir: Path | None, log_dir: Path) -> 
             args.url,
             args.api_key,
             device=args.device,
+            dtype=dtype,
             extra_args=args.kvstore_arg,
         )
     ]
     if not args.no_peer and model_dir is not None:
-        targets.append(Target(PEER, model_dir, log_dir, blocks, device=args.device))
+        peer = Target(PEER, model_dir, log_dir, blocks, device=args.device, dtype=dtype)
+        targets.append(peer)
     servers = {target.name: new_entry(target, args) for target in targets}
     by_level = all(entry["restarted_per_level"] for entry in servers.values())
     rounds = [[c] for c in args.levels] if by_level else [args.levels]

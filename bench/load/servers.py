@@ -23,9 +23,16 @@ KVSTORE, PEER = "kvstore", "peer"
 PEER_LABEL = "transformers serve --continuous-batching"
 
 
-def prepare_model(name: str, workdir: Path) -> Path:
-    """A local model directory as is; `tiny` (or another built-in name) saved, model and
-    tokenizer, under `workdir`, so both servers load the same weights."""
+def served_dtype(name: str, device: str) -> str:
+    """Both servers' dtype: a dummy:NAME shape's on a GPU is bfloat16 (as it is served),
+    every other model's float32."""
+    return "bfloat16" if name.startswith("dummy:") and device != "cpu" else "float32"
+
+
+def prepare_model(name: str, workdir: Path, device: str = "cpu") -> Path:
+    """A local model directory as is; `tiny` (or another built-in name, or a dummy:NAME
+    shape, built on `device`) saved, model and tokenizer, under `workdir`, so both servers
+    load the same weights."""
     path = Path(name)
     if path.is_dir():
         return path.resolve()
@@ -39,10 +46,11 @@ def prepare_model(name: str, workdir: Path) -> Path:
         return converted[0]
 
     hf_logging.disable_progress_bar()  # "Writing model shards" on stderr
-    loaded = load_model(name)
-    out = workdir / name
+    loaded = load_model(name, served_dtype(name, device), device)
+    out = workdir / name.replace(":", "-")
     loaded.model.save_pretrained(out)
     loaded.tokenizer.save_pretrained(out)
+    del loaded  # (a GPU's memory back before the servers start)
     return out
 
 
@@ -55,17 +63,21 @@ def pool_blocks(sessions: int, turns: int, max_tokens: int, system_bytes: int) -
     return (sessions + 1) * cdiv(per_session, BLOCK_TOKENS)
 
 
-def kvstore_command(model_dir: Path, port: int, blocks: int, device: str = "cpu") -> list[str]:
+def kvstore_command(
+    model_dir: Path, port: int, blocks: int, device: str = "cpu", dtype: str = "float32"
+) -> list[str]:
     return [sys.executable, "-m", "engine.cli", "serve", "--model", str(model_dir),
-            "--host", "127.0.0.1", "--port", str(port), "--device", device, "--dtype", "float32",
+            "--host", "127.0.0.1", "--port", str(port), "--device", device, "--dtype", dtype,
             "--block-size", str(BLOCK_TOKENS), "--device-blocks", str(blocks),
             "--log-level", "warning"]  # fmt: skip
 
 
-def peer_command(model_dir: Path, port: int, blocks: int, device: str = "cpu") -> list[str]:
+def peer_command(
+    model_dir: Path, port: int, blocks: int, device: str = "cpu", dtype: str = "float32"
+) -> list[str]:
     return [sys.executable, "-m", "transformers.cli.transformers", "serve", str(model_dir),
             "--continuous-batching", "--host", "127.0.0.1", "--port", str(port),
-            "--device", device, "--dtype", "float32", "--cb-block-size", str(BLOCK_TOKENS),
+            "--device", device, "--dtype", dtype, "--cb-block-size", str(BLOCK_TOKENS),
             "--cb-num-blocks", str(blocks), "--log-level", "warning"]  # fmt: skip
 
 
@@ -109,6 +121,7 @@ class Target:
     url: str | None = None  # an existing kvstore server
     api_key: str | None = None
     device: str = "cpu"  # both servers' model and KV pool
+    dtype: str = "float32"  # both servers' (`served_dtype`)
     extra_args: list[str] = field(default_factory=list)  # appended to the server's command
     command: list[str] = field(default_factory=list)
 
@@ -127,7 +140,7 @@ class Target:
         make_command, make_env, label = LAUNCHERS[self.name]
         port = free_port()
         self.command = [
-            *make_command(self.model_dir, port, self.blocks, self.device),
+            *make_command(self.model_dir, port, self.blocks, self.device, self.dtype),
             *self.extra_args,
         ]
         log = self.log_dir / f"{self.name}.log"

@@ -41,9 +41,11 @@ from kvstore.device.pool import resolve_device
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench ttft", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="tiny", help="tiny (the pinned yardstick), smollm2, "
-                   "a .gguf file or a model directory; float32")  # fmt: skip
+                   "dummy:NAME, a .gguf file or a model directory")  # fmt: skip
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="the model's and the KV pool's device")  # fmt: skip
+    p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16; auto: "
+                   "float32, and a dummy:NAME model's bfloat16 on a GPU")  # fmt: skip
     p.add_argument("--tier", default=None, help="comma-separated: device,memory,lmdb,redis; "
                    "a spill tier as memory:layers loads layer by layer during the forward, "
                    "memory:whole reads whole entries before it (layer_loads on, off; "
@@ -95,7 +97,7 @@ def main(argv: list[str], model=None) -> int:
         require("matplotlib", needed_by="--out")
     torch.set_num_threads(args.threads)
     hf_logging.disable_progress_bar()
-    lm = model or load_model(args.model, "float32", args.device)
+    lm = model or load_model(args.model, args.dtype, args.device)
     if args.sweep:
         from bench.ttft.sweep import run_sweep
 
