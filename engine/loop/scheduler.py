@@ -166,7 +166,7 @@ class Scheduler:
             self.released.popleft().return_lent(self.tables)
             rows += [row for row in admitted if row.num_new]
             budget -= sum(row.num_new for row in admitted)
-        if self.released:
+        if self.released or not self.waiting.size:
             return rows
         pending = self._pending_keys()
         prefilling = any(row.num_new > 1 for row in rows)  # then a new prompt must fit whole
