@@ -113,6 +113,8 @@ def activate(folder: Path) -> dict[str, str]:
     site = folder / "site"
     if not (site / ".installed").is_file():
         wheels = sorted(str(p) for p in (folder / "wheels").glob("*.whl"))
+        if not wheels:
+            raise SystemExit(f"{folder} holds no wheels: fill it with bench gpu --prepare")
         subprocess.run(
             [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
              "--no-compile", "--upgrade", "--target", str(site), *wheels],

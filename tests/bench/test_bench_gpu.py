@@ -72,3 +72,21 @@ def test_the_table_holds_each_figure_to_its_target():
     assert "| e2e shared-prefix: speed-up ÷ ideal speed-up | 0.95 | ≥ 0.9 | yes |" in table
     assert "| e2e | 1 | 9 | RuntimeError: out of memory |" in table
     assert "| step | None | - | the budget was spent |" in table
+
+
+def test_what_is_carried_runs_where_nothing_is_installed(tmp_path):
+    """The packages carried are each root's whole closure; the carried redis-server runs
+    through its wrapper on the libraries beside it; activating an empty folder says what to
+    do."""
+    from bench.gpu.carry import _redis_server, activate, closure
+
+    packages = closure(("fastapi", "openai"))
+    assert {"fastapi", "starlette", "pydantic", "pydantic-core", "openai"} <= set(packages)
+    assert "torch" not in packages
+    _redis_server(tmp_path)
+    done = subprocess.run([str(tmp_path / "bin" / "redis-server"), "--version"],
+                          capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert done.returncode == 0 and done.stdout.startswith("Redis server v=")
+    assert sorted(p.name for p in (tmp_path / "lib").iterdir())  # its libraries, carried
+    with pytest.raises(SystemExit, match="holds no wheels"):
+        activate(tmp_path)
