@@ -219,7 +219,7 @@ def load_engine(
     `events` gets the cache's block events."""
     from engine.loop.engine import Engine
     from engine.loop.graph import GraphConfig
-    from engine.loop.scheduler import SchedulerConfig
+    from engine.loop.scheduler_config import SchedulerConfig
     from engine.model.linear import LinearConfig
 
     config = config_from_args(args, **cache_defaults)

@@ -47,7 +47,7 @@ from tqdm import tqdm
 
 from engine.loop.engine import Engine
 from engine.loop.request import SamplingParams
-from engine.loop.scheduler import SchedulerConfig
+from engine.loop.scheduler_config import SchedulerConfig
 from engine.loop.threads import ThreadConfig
 from engine.model.loading import LoadedModel, load_model, wrap_model
 from engine.model.tiny import byte_tokenizer, micro_config, random_model

@@ -34,7 +34,8 @@ from engine.loop.request import (
     TokenCallback,
 )
 from engine.loop.runner import PagedRunner, start_paged
-from engine.loop.scheduler import QueueStats, Scheduler, SchedulerConfig
+from engine.loop.scheduler import QueueStats, Scheduler
+from engine.loop.scheduler_config import SchedulerConfig
 from engine.loop.sequential import SequentialPath
 from engine.loop.step import Stepper
 from engine.loop.sync_paths import PrefillResult, SyncPaths

@@ -17,7 +17,7 @@ from engine_helpers import micro_cache_config
 
 from engine.loop.engine import Engine
 from engine.loop.request import SamplingParams
-from engine.loop.scheduler import SchedulerConfig
+from engine.loop.scheduler_config import SchedulerConfig
 from engine.model.loading import LoadedModel, wrap_model
 from engine.model.tiny import byte_tokenizer, random_model
 

@@ -15,7 +15,7 @@ from engine.loop.graph import GraphConfig
 from engine.loop.group import SequenceGroup, branch_params
 from engine.loop.overlap import Overlap
 from engine.loop.request import Request, SamplingParams
-from engine.loop.scheduler import SchedulerConfig
+from engine.loop.scheduler_config import SchedulerConfig
 
 ASYNC, SYNC = SchedulerConfig(async_scheduling=True), SchedulerConfig(async_scheduling=False)
 GRAPHS = {"graphs": GraphConfig("auto"), "eager": GraphConfig("off")}

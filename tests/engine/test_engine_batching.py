@@ -13,7 +13,8 @@ from engine_helpers import greedy_matches_reference, micro_cache_config
 
 from engine.loop.engine import Engine
 from engine.loop.request import Request, RequestCancelled, SamplingParams
-from engine.loop.scheduler import Scheduler, SchedulerConfig
+from engine.loop.scheduler import Scheduler
+from engine.loop.scheduler_config import SchedulerConfig
 from engine.model.loading import LoadedModel
 from kvstore.block_tables import BlockTables
 from kvstore.cache import PrefixCache

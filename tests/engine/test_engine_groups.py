@@ -18,7 +18,8 @@ from engine_helpers import TOL, greedy_matches_reference, micro_cache_config, re
 from engine.loop.engine import Engine
 from engine.loop.group import SequenceGroup, branch_params, unreleased_leader
 from engine.loop.request import InvalidRequestError, Request, RequestCancelled, SamplingParams
-from engine.loop.scheduler import Scheduler, SchedulerConfig
+from engine.loop.scheduler import Scheduler
+from engine.loop.scheduler_config import SchedulerConfig
 from engine.model.loading import LoadedModel, wrap_model
 from engine.model.tiny import byte_tokenizer, random_model
 from kvstore.block_tables import BlockTables

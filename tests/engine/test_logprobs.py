@@ -19,7 +19,8 @@ from engine.loop.request import (
     Request,
     SamplingParams,
 )
-from engine.loop.scheduler import Scheduler, SchedulerConfig
+from engine.loop.scheduler import Scheduler
+from engine.loop.scheduler_config import SchedulerConfig
 from engine.model.loading import LoadedModel, wrap_model
 from engine.model.tiny import byte_tokenizer, random_model
 from kvstore.block_tables import BlockTables

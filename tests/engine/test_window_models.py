@@ -13,7 +13,7 @@ from engine_helpers import close_to_reference, micro_cache_config, reference_log
 from engine.contract import greedy_matches_reference
 from engine.loop.engine import Engine
 from engine.loop.request import Request, SamplingParams
-from engine.loop.scheduler import SchedulerConfig
+from engine.loop.scheduler_config import SchedulerConfig
 from engine.model.loading import LoadedModel, kv_cache, with_cache, wrap_model
 from engine.model.tiny import byte_tokenizer, random_model
 
