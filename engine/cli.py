@@ -19,6 +19,7 @@ from engine.commands import (  # noqa: F401  (re-exported for callers of the CLI
     DEFAULT_MODEL,
     ENGINE_MODULES,
     Command,
+    UsageError,
     add_model_arguments,
     add_model_flag,
     add_threads_flag,
@@ -36,6 +37,7 @@ from kvstore.config.settings import add_cache_args, config_from_args
 
 # Modules whose typed errors mean "fix the input" (exit 2 with their message).
 USER_ERRORS = {
+    "engine.commands": ("UsageError",),
     "engine.loop.request": ("InvalidRequestError",),
     "engine.model.files": ("ModelLoadError",),
     "engine.model.loading": ("UnsupportedModelError",),
@@ -47,8 +49,16 @@ USER_ERRORS = {
 
 def _generate_arguments(parser: argparse.ArgumentParser) -> None:
     prompt = parser.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", help="prompt text (tokenized by the model's tokenizer)")
-    prompt.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 1,2,3")
+    prompt.add_argument(
+        "--prompt",
+        help="the question: sent as one user message through the model's chat template "
+        "(a model without one takes the text as it is)",
+    )
+    prompt.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 1,2,3 (as they are)")
+    parser.add_argument("--system", default=None, help="a system message before the prompt")
+    parser.add_argument(
+        "--raw", action="store_true", help="send the --prompt text as it is, no chat template"
+    )
     add_model_arguments(parser)
     parser.add_argument(
         "--max-tokens",
@@ -66,24 +76,56 @@ def _generate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _parse_ids(text: str) -> list[int]:
-    from engine.loop.engine import InvalidRequestError
-
     try:
-        return [int(t) for t in text.replace(" ", "").split(",") if t]
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
     except ValueError:
-        msg = f"--prompt-ids must be comma-separated ints, got {text!r}"
-        raise InvalidRequestError(msg) from None
+        raise UsageError(f"--prompt-ids must be comma-separated ints, got {text!r}") from None
+    if not ids:
+        raise UsageError("--prompt-ids is empty; give at least one token id")
+    return ids
+
+
+def _check_prompt(args: argparse.Namespace) -> None:
+    """The prompt flags, before any model loads: usage errors come in a second."""
+    if args.prompt is not None and not args.prompt:
+        raise UsageError("--prompt is empty; give the question's text")
+    if args.system is not None and (args.raw or args.prompt is None):
+        raise UsageError("--system goes with --prompt through the chat template "
+                         "(not with --raw or --prompt-ids)")  # fmt: skip
+    if args.prompt_ids is not None:
+        args.prompt_ids = _parse_ids(args.prompt_ids)
+
+
+def _rendered(args: argparse.Namespace, tokenizer: object) -> tuple[list[int] | str, str]:
+    """The prompt the engine gets, and how it was made: `chat` (the user message through
+    the template) or `raw` (--raw, --prompt-ids, or a model without a template: said on
+    stderr)."""
+    from engine.loop.prompt import chat_prompt_ids
+
+    if args.prompt is None:
+        return args.prompt_ids, "raw"
+    if args.raw:
+        return args.prompt, "raw"
+    ids = chat_prompt_ids(tokenizer, args.prompt, args.system)
+    if ids is not None:
+        return ids, "chat"
+    if args.system is not None:
+        raise UsageError("--system: the model has no chat template to put it in")
+    print("note: the model has no chat template: the prompt goes as it is", file=sys.stderr)
+    return args.prompt, "raw"
 
 
 @command(
     "generate",
-    f"generate from one prompt with --model (default {DEFAULT_MODEL}, SmolLM2-135M-Instruct; "
-    "--model tiny loads faster, but its random weights make noise)",
+    f"answer one prompt (through the model's chat template) with --model (default "
+    f"{DEFAULT_MODEL}, SmolLM2-135M-Instruct; --model tiny loads faster, but its random "
+    "weights make noise)",
     _generate_arguments,
     requires=ENGINE_MODULES,
 )
 def run_generate(args: argparse.Namespace) -> int:
     check_model_flag(args.model)  # before torch loads: a bad path fails in a second
+    _check_prompt(args)
     from engine.loop.engine import SamplingParams
 
     params = SamplingParams(
@@ -94,11 +136,12 @@ def run_generate(args: argparse.Namespace) -> int:
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
     )
-    prompt = args.prompt if args.prompt is not None else _parse_ids(args.prompt_ids)
-    _, engine = load_engine(args)
+    model, engine = load_engine(args)
     with engine:
+        prompt, how = _rendered(args, model.tokenizer)
         result = engine.generate([prompt], params)[0]
     out = {
+        "prompt": how,
         "prompt_tokens": result.prompt_tokens,
         "cached_tokens": result.cached_tokens,
         "output_token_ids": result.output_token_ids,

@@ -35,6 +35,10 @@ ENGINE_MODULES = ("transformers",)  # what loading a model needs: the `engine` e
 DEFAULT_MODEL = "smollm2"
 
 
+class UsageError(ValueError):
+    """A command's own arguments are wrong (checked before any model loads)."""
+
+
 def command(
     name: str,
     help: str,

@@ -201,7 +201,8 @@ class BlockTables:
         if seq.pending is not None:
             return 0  # blocks still loading come first, once they verify (`settle`)
         tokens = as_token_array(token_ids[: n * self.block_size])
-        seq.keys = self.cache.scopes.get(seq.cache_salt).keys(tokens, seq.keys)
+        if len(seq.keys) < n:  # only blocks past the keys it carries (output, a chunk's end)
+            seq.keys = self.cache.scopes.get(seq.cache_salt).keys(tokens, seq.keys)
         done = self.held.commit(
             keys=seq.keys[:n],
             token_ids=tokens,

@@ -16,6 +16,17 @@ if TYPE_CHECKING:
     from engine.model.loading import LoadedModel
 
 
+def chat_prompt_ids(tokenizer: object, user: str, system: str | None = None) -> list[int] | None:
+    """A user message (after a system one, if any) through the tokenizer's chat template,
+    ready for the assistant's answer; None when the tokenizer has no template."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    messages = [{"role": "system", "content": system}] if system is not None else []
+    messages.append({"role": "user", "content": user})
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 def prompt_ids(model: LoadedModel, prompt: Prompt, params: SamplingParams) -> list[int]:
     """Validated token ids of a prompt: ids in the model's vocabulary, room left in its
     positions for `params.max_new_tokens`; `InvalidRequestError` says what to fix."""

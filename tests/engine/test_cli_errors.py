@@ -187,3 +187,21 @@ def test_a_gguf_model_that_cannot_be_converted_is_one_line(tmp_path: Path, monke
     assert line.startswith(f"kvstore generate: error: cannot convert {model}: ")
     assert "accelerate is required" in line
     assert os.listdir(tmp_path / "cache" / "models") == []  # no half-converted directory
+
+
+@pytest.mark.parametrize(
+    ("argv", "error"),
+    [
+        (["--prompt", ""], "--prompt is empty; give the question's text"),
+        (["--prompt-ids", "a,b"], "--prompt-ids must be comma-separated ints, got 'a,b'"),
+        (["--prompt-ids", ","], "--prompt-ids is empty; give at least one token id"),
+        (["--prompt", "hi", "--raw", "--system", "be brief"],
+         "--system goes with --prompt through the chat template (not with --raw or "
+         "--prompt-ids)"),
+    ],
+)  # fmt: skip
+def test_generate_refuses_a_bad_prompt_before_torch_loads(argv, error):
+    cmd = [sys.executable, "-c", _MAIN_THEN_TORCH, "generate", "--model", "tiny", *argv]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.stdout.split() == ["2", "False"], proc.stderr[-3000:]  # exit 2, no torch
+    assert proc.stderr == f"kvstore generate: error: {error}\n"

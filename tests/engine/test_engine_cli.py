@@ -193,3 +193,36 @@ def test_the_model_check_wants_tokenizer_files_and_weights_where_loading_reads_t
     check_model_path(str(tmp_path), "--model", NAMES)
     for name in NAMES:  # built-in names, not paths
         check_model_path(name, "--model", NAMES)
+
+
+def generate_json(*argv: str) -> tuple[dict, str]:
+    cmd = [kvstore_script(), "generate", "--max-tokens", "2", "--json", *argv]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True)
+    return json.loads(proc.stdout), proc.stderr
+
+
+@pytest.mark.integration
+def test_generate_sends_a_prompt_through_the_chat_template_unless_raw(tmp_path) -> None:
+    """`--prompt` is one user message (after `--system`) through the model's template;
+    `--raw` and `--prompt-ids` go as they are; a model without a template goes raw and
+    says so once."""
+    tiny = load_model("tiny")
+    tok = tiny.tokenizer
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    templated = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    out, _ = generate_json("--model", "tiny", "--prompt", "hello", "--system", "be brief")
+    assert (out["prompt"], out["prompt_tokens"]) == (
+        "chat",
+        len(tok(templated, add_special_tokens=False)["input_ids"]),
+    )
+    out, _ = generate_json("--model", "tiny", "--prompt", "hello", "--raw")
+    assert (out["prompt"], out["prompt_tokens"]) == ("raw", len(tok("hello")["input_ids"]))
+    out, _ = generate_json("--model", "tiny", "--prompt-ids", "1,2,3")
+    assert (out["prompt"], out["prompt_tokens"]) == ("raw", 3)
+    tok.chat_template = None  # a bare directory: weights and a tokenizer with no template
+    tiny.model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    (tmp_path / "chat_template.jinja").unlink(missing_ok=True)
+    out, err = generate_json("--model", str(tmp_path), "--prompt", "hello")
+    assert out["prompt"] == "raw"
+    assert err.count("no chat template") == 1

@@ -8,8 +8,10 @@ where they fail instead."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -188,3 +190,14 @@ def test_dummy_models_take_smollm2s_tokenizer_from_the_cache(smollm2, cache_dir)
     text = "What is the capital of France?"
     assert tokenizer.encode(text) == smollm2.tokenizer.encode(text)
     assert tokenizer.chat_template == smollm2.tokenizer.chat_template
+
+
+def test_generate_answers_a_question_on_the_default_model(smollm2, cache_dir) -> None:
+    """A newcomer's first command: the question goes through the chat template (raw, the
+    instruct model answered with its end-of-turn token: an empty text)."""
+    env = {**clean_env(), "KVSTORE_CACHE_DIR": str(cache_dir)}
+    cmd = [kvstore_script(), "generate", "--prompt", "What is the capital of France?", "--json"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, check=True)
+    out = json.loads(done.stdout)
+    assert out["prompt"] == "chat"
+    assert len(out["text"].split()) >= 3 and "Paris" in out["text"], out["text"]
