@@ -119,7 +119,7 @@ class BlockTables:
         """While a request runs: lend its partly filled block at position `num_tokens` (one
         more reference, no copy) to requests that repeat its first `num_tokens` tokens (a
         group's branches), which copy it (`open(..., lent=...)`). The request only writes
-        past those positions, never in them. Give it back with `release([lent.block_id])`.
+        past those positions, never in them. Give it back with `return_lent`.
         None when there is none to lend (a whole number of blocks, a block not committed
         before it, or an attention kind that keeps no tails)."""
         m, r = divmod(num_tokens, self.block_size)
@@ -128,6 +128,10 @@ class BlockTables:
         block = seq.block_table[m]
         self.held.share([block])  # type: ignore[list-item]
         return LentTail(block, m * self.block_size, r)  # type: ignore[arg-type]
+
+    def return_lent(self, lent: LentTail) -> None:
+        """Give back the reference `lend_tail` took (its inverse: one reference less)."""
+        self.held.free([lent.block_id])
 
     def _partial_block(self, seq: SeqBlocks, m: int, r: int) -> bool:
         """Whether block m of the table holds r (>= 1) positions a lookup can go on to: every

@@ -11,7 +11,7 @@ Protocol for a caller (an engine, or another serving stack):
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -332,10 +332,12 @@ class PrefixCache:
         dst.index_copy_(0, table, self.pool.read_blocks(hit.block_ids).to(dst.device))
         return n * self.block_size
 
-    def check_integrity(self) -> None:
-        """Index invariants plus pool accounting: free + cached + held = total."""
+    def check_integrity(self, held: Mapping[int, int] | None = None) -> None:
+        """Index invariants plus pool accounting (`DeviceIndex.check`), and retention's
+        counts; with `held` (block -> references its callers hold: an engine's running
+        tables and lent blocks), every block's reference count exactly its owners'."""
         with self._lock:
-            self.device_index.check()
+            self.device_index.check(self.tails.block_ids(), self.held.reserved, held)
 
     def stats(self) -> dict:
         with self._lock:

@@ -18,6 +18,7 @@ from typing import TypeVar
 
 import torch
 
+from engine.loop.accounting import check_blocks
 from engine.loop.graph import GraphConfig
 from engine.loop.group import SequenceGroup
 from engine.loop.logprobs import PromptLogprobCache, check_logprobs
@@ -359,6 +360,15 @@ class Engine:
     def stats(self) -> dict:
         return self.cache.stats()
 
+    def check_integrity(self) -> None:
+        """The cache's invariants, and every block's references exactly its owners': the
+        index, tails, the scratch block, running tables, lent blocks (engine/loop/
+        accounting.py); AssertionError naming the first fault. Runs between steps."""
+        self.on_loop(lambda: check_blocks(self.cache, self.scheduler, self._reserved()))
+
+    def _reserved(self) -> set[int]:
+        return set() if self.runner is None or self.runner.closed else {self.runner.scratch_block}
+
     def close(self, cancel_waiting: bool = False) -> None:
         """Stop accepting requests; finish the running ones (and the waiting ones, unless
         `cancel_waiting`: they fail with EngineClosedError); close the cache. Idempotent."""
@@ -375,6 +385,10 @@ class Engine:
             self.runner.close()
             self.tables.release([self.runner.scratch_block])
         self.cache.tails.clear()  # nothing will go on from them: the pool holds no request's
+        try:  # every block back where it belongs, or the log says which is not
+            check_blocks(self.cache, self.scheduler, set())
+        except AssertionError as e:
+            log.error("block accounting at shutdown: %s", e)
         self.cache.close()
 
     def __enter__(self) -> Engine:

@@ -137,7 +137,7 @@ class SequenceGroup:
     def return_lent(self, tables: BlockTables) -> None:
         """Every branch was admitted (or dropped): the lent block goes back."""
         if self.lent is not None:
-            tables.release([self.lent.block_id])
+            tables.return_lent(self.lent)
             self.lent = None
 
 

@@ -271,8 +271,15 @@ class Scheduler:
             return None
         if branches and not self._branches_fit(group):
             return None
-        opened = [(r, self._open_branch(r, group)) for r in branches]
-        states = [self._fit_branch(r, blocks, budget) for r, blocks in opened]
+        opened: list[tuple[Request, SeqBlocks]] = []
+        try:  # a branch that fails to open leaves no table of the others open
+            for request in branches:
+                opened.append((request, self._open_branch(request, group)))
+            states = [self._fit_branch(r, blocks, budget) for r, blocks in opened]
+        except BaseException:
+            for _, blocks in opened:
+                self.tables.close(blocks)
+            raise
         if any(state is None for state, _ in states):
             for _, blocks in opened:
                 self.tables.close(blocks)

@@ -25,7 +25,8 @@ from kvstore.layout import LayerKV
 
 Relock = Callable[[list[BlockHash], np.ndarray, TreeNode | None], MatchResult]
 Span = Callable[[TreeNode, int, int], None]  # blocks [lo, hi) of a node's path
-Forget = Callable[[TreeNode, list[int]], None]  # blocks of a node's path the index dropped
+# blocks of a node's path the index dropped, and the owner (tenant) each was counted against
+Forget = Callable[[list[str], list[int]], None]
 
 
 class Held(Protocol):

@@ -135,9 +135,10 @@ class SlidingWindow(AttentionKind):
         """The index drops its copies (holes, `RadixIndex.punch`), keeping those before a
         branch point."""
         write_back(node, lo, hi)
-        freed = self.index.punch(node, lo, hi, self.window_blocks, align)
+        owners: list[str] = []
+        freed = self.index.punch(node, lo, hi, self.window_blocks, align, owners)
         if freed:
-            forget(node, freed)
+            forget(owners, freed)
         return len(freed)
 
     def slide(

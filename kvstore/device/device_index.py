@@ -9,7 +9,7 @@ attention kind (kvstore/attention/) decides which parts of a block each referenc
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import numpy as np
 
@@ -61,15 +61,20 @@ class DeviceIndex:
         keys were cached already: the caller's copy stays private)."""
         new = list(block_ids[start:])
         self.kind.index_take(new)
-        self.tenants.track(keys, cache_salt, tenant, self.index.root.children)
+        self.tenants.track(keys, cache_salt, self.index.root.children)
         new_set, filled = set(new), []
-        unkept = [b for b in self.index.insert(keys, tokens, block_ids, filled) if b in new_set]
-        fills = [b for b in filled if b not in new_set]  # holes before start (window caches)
-        self.pool.incref(fills)  # the index's reference; the caller keeps its own
+        inserted = self.index.insert(keys, tokens, block_ids, filled, owner=tenant)
+        unkept = [b for b in inserted if b in new_set]
         self.kind.index_free(unkept)
         if unkept:
             self.kind.after_insert(keys, tokens, start, new)
-        self.tenants.blocks[tenant] += len(new) - len(unkept) + len(fills)
+        # a new run's blocks count for the inserting tenant; a hole filled, its run's owner
+        fills = [(owner, b) for owner, b in filled if b not in new_set]
+        self.pool.incref([b for _, b in fills])  # the index's reference; the caller keeps its own
+        kept_new = len(new) - len(unkept) - sum(1 for _, b in filled if b in new_set)
+        self.tenants.blocks[tenant] += kept_new
+        for owner, _ in filled:
+            self.tenants.blocks[owner] += 1
         return unkept
 
     def take(self, block_ids: Sequence[int | None]) -> list[int]:
@@ -120,8 +125,8 @@ class DeviceIndex:
     def _on_evict(self, node: TreeNode, start: int, block_ids: list[int]) -> None:
         """Eviction callback: the tenant's count, and the write-back tiers (a chunk may need
         blocks of ancestors: they are still cached, parents go last)."""
-        cache_salt, tenant = self.tenants.path(self.first_key(node))
-        self.tenants.blocks[tenant] -= len(block_ids)
+        cache_salt = self.tenants.salt(self.first_key(node))
+        self.tenants.blocks[node.owner] -= len(block_ids)
         if self.tiers and self.tiers.writes_evicted:
             keys = self.index.path_keys(node)
             first = len(keys) - node.num_blocks + start
@@ -139,8 +144,17 @@ class DeviceIndex:
             node = node.parent
         return node.key(0)
 
-    def check(self) -> None:
-        """Index invariants plus pool accounting: free + cached + held = total."""
+    def check(
+        self,
+        tails: Sequence[int],
+        reserved: Collection[int],
+        held: Mapping[int, int] | None = None,
+    ) -> None:
+        """Index invariants plus pool accounting (AssertionError naming the first fault):
+        free + cached + tails + reserved + held = total; tails and reserved blocks distinct,
+        referenced, neither cached nor free; tenant counts those of the runs' owners. With
+        `held` (block -> the references callers hold: running tables, lent blocks, hits), every
+        block's reference count is exactly its owners'."""
         self.index.check_integrity()
         cached = self.index.all_block_ids()
         free = self.pool.free_block_ids()
@@ -148,7 +162,48 @@ class DeviceIndex:
             raise AssertionError("a block is both cached and free")
         if len(set(free)) != len(free) or any(self.pool.ref_cnt[free] != 0):
             raise AssertionError("free list holds a duplicate or a referenced block")
-        held = int(np.count_nonzero(self.pool.ref_cnt)) - len(cached)
-        if len(free) + len(cached) + held != self.pool.num_blocks or held < 0:
+        _check_apart(tails, reserved, cached, free, self.pool.ref_cnt)
+        held_elsewhere = int(np.count_nonzero(self.pool.ref_cnt)) - len(cached)
+        if len(free) + len(cached) + held_elsewhere != self.pool.num_blocks or held_elsewhere < 0:
             raise AssertionError("free + cached + held != total blocks")
+        if held is not None:
+            self._check_references(cached, tails, reserved, held)
+        self.tenants.check(self.index.held_by_owner(), len(cached))
         self.kind.check(cached)
+
+    def _check_references(
+        self,
+        cached: Sequence[int],
+        tails: Sequence[int],
+        reserved: Collection[int],
+        held: Mapping[int, int],
+    ) -> None:
+        owners = np.zeros(self.pool.num_blocks, dtype=np.int64)
+        for ids in (cached, tails, list(reserved)):
+            np.add.at(owners, np.asarray(ids, dtype=np.int64), 1)
+        for block, count in held.items():
+            owners[block] += count
+        wrong = np.nonzero(owners != self.pool.ref_cnt)[0]
+        if len(wrong):
+            b = int(wrong[0])
+            raise AssertionError(
+                f"block {b} has {int(self.pool.ref_cnt[b])} references, its owners "
+                f"{int(owners[b])} ({len(wrong)} blocks differ)"
+            )
+
+
+def _check_apart(
+    tails: Sequence[int],
+    reserved: Collection[int],
+    cached: Sequence[int],
+    free: Sequence[int],
+    ref_cnt: np.ndarray,
+) -> None:
+    """Tails and reserved blocks: distinct, referenced, neither cached nor free."""
+    for name, ids in (("tail", list(tails)), ("reserved", list(reserved))):
+        if len(set(ids)) != len(ids):
+            raise AssertionError(f"a {name} block is listed twice: {sorted(ids)}")
+        if set(ids) & (set(cached) | set(free)) or any(ref_cnt[ids] < 1):
+            raise AssertionError(f"a {name} block is cached, free or unreferenced: {sorted(ids)}")
+    if set(tails) & set(reserved):
+        raise AssertionError("a block is both a tail and reserved")

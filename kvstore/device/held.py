@@ -33,7 +33,11 @@ class HeldBlocks:
         self._lock = device.lock
         self.pool, self.index, self.kind = device.pool, device.index, device.kind
         self._num_tails = num_tails
-        self.num_reserved = 0  # blocks held outside any table and the index (`reserve`)
+        self.reserved: set[int] = set()  # blocks held outside any table and the index
+
+    @property
+    def num_reserved(self) -> int:
+        return len(self.reserved)
 
     def hold(self, hit: CacheHit) -> None:
         """The caller takes over the hit's reference to each of its blocks and its lock
@@ -62,14 +66,18 @@ class HeldBlocks:
         scratch block): they count as `reserved` in `PrefixCache.stats` until `unreserve`."""
         with self._lock:
             ids = self.allocate(n)
-            self.num_reserved += len(ids)
+            self.reserved.update(ids)
             return ids
 
     def unreserve(self, block_ids: Sequence[int]) -> None:
-        """Give back blocks taken with `reserve`."""
+        """Give back blocks taken with `reserve` (ValueError for any other block: its owner
+        gives it back its own way)."""
         with self._lock:
+            stray = set(block_ids) - self.reserved
+            if stray:
+                raise ValueError(f"blocks {sorted(stray)} were not reserved")
+            self.reserved.difference_update(block_ids)
             self.pool.free(block_ids)
-            self.num_reserved -= len(block_ids)
 
     def window_room(self, n: int) -> int:
         """Window slots free for a caller, after freeing up to n that only the index holds
@@ -90,7 +98,8 @@ class HeldBlocks:
             return self.pool.num_free_blocks + self.index.num_evictable_blocks + self._num_tails()
 
     def share(self, block_ids: Sequence[int]) -> None:
-        """The caller takes one more reference to blocks it holds (it lends them)."""
+        """The caller takes one more reference to blocks it holds (it lends them; `free`
+        gives it back)."""
         with self._lock:
             self.pool.incref(block_ids)
 
@@ -167,13 +176,13 @@ class HeldBlocks:
     def _write_back(self, node: TreeNode, lo: int, hi: int) -> None:
         """Write-back tiers get blocks [lo, hi) of `node`'s path, before the index drops them."""
         if self.device.tiers and self.device.tiers.writes_evicted:
-            cache_salt, _ = self.device.tenants.path(self.device.first_key(node))
+            cache_salt = self.device.tenants.salt(self.device.first_key(node))
             self.device.write_back(node, lo, hi, cache_salt)
 
-    def _forget(self, node: TreeNode, block_ids: list[int]) -> None:
-        """The index dropped blocks of `node`'s path: its tenant's count and references."""
-        _, tenant = self.device.tenants.path(self.device.first_key(node))
-        self.device.tenants.blocks[tenant] -= len(block_ids)
+    def _forget(self, owners: list[str], block_ids: list[int]) -> None:
+        """The index dropped blocks: each owner's count, and the index's references."""
+        for owner in owners:
+            self.device.tenants.blocks[owner] -= 1
         self.pool.free(block_ids)
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 from array import array
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -156,16 +157,18 @@ class RadixIndex:
         keys: Sequence[bytes],
         token_ids: np.ndarray,
         block_ids: Sequence[int | None],
-        filled: list[int] | None = None,
+        filled: list[tuple[str, int]] | None = None,
+        owner: str = "",
     ) -> list[int]:
         """Cache blocks 0..n-1 of a prompt (from the root); returns the caller's block ids the
-        index did not keep, for the caller to free.
+        index did not keep, for the caller to free. A new run's blocks are `owner`'s
+        (`TreeNode.owner`).
 
         Positions already cached keep the index's block: the caller's id there is returned
         unless it is that same id. If a block's key hits a cached block with different token
         ids (a lookup-key collision), that block and the rest cannot be stored and their ids
         are returned too. A None id is a block the caller does not hold; a hole (`punch`)
-        takes the caller's block there, and `filled` (if given) gets those ids.
+        takes the caller's block there, and `filled` (if given) gets (its run's owner, id).
         """
         n, joined, tokens = pack_query(keys, token_ids, self.block_size)
         ids = [None if b is None else int(b) for b in block_ids]
@@ -175,7 +178,7 @@ class RadixIndex:
         while pos < n:
             child = node.children.get(keys[pos])
             if child is None:
-                self._add_leaf(node, joined, tokens, ids, pos, n)
+                self._add_leaf(node, joined, tokens, ids, pos, n, owner)
                 break
             k = num_matching(child, joined, tokens, pos, n, tw)
             if k == 0:  # same key, other tokens (a lookup-key collision): cannot branch
@@ -188,16 +191,18 @@ class RadixIndex:
             node, pos = child, pos + k
         return unkept
 
-    def _merge(self, node: TreeNode, ids: list[int | None], filled: list[int] | None) -> list[int]:
+    def _merge(
+        self, node: TreeNode, ids: list[int | None], filled: list[tuple[str, int]] | None
+    ) -> list[int]:
         """Blocks ids[i] the caller holds for the node's matched block i: a hole takes the
-        caller's block (the index keeps it, and `filled` gets it); the caller's other ids
-        are returned (unkept)."""
+        caller's block (the index keeps it, and `filled` gets it, with the run's owner);
+        the caller's other ids are returned (unkept)."""
         if node.num_held == node.num_blocks and None not in ids:
             return [b for a, b in zip(node.block_ids, ids, strict=False) if a != b]
         unkept, fills = fill_holes(node, ids)
         self._recount(node, len(fills))
         if filled is not None:
-            filled += fills
+            filled += [(node.owner, b) for b in fills]
         return unkept
 
     def _recount(self, node: TreeNode, delta: int) -> None:
@@ -210,7 +215,14 @@ class RadixIndex:
             self.policy.resize(node.id, node.num_held)
 
     def _add_leaf(
-        self, parent: TreeNode, keys: bytes, tokens: bytes, ids: list[int | None], pos: int, n: int
+        self,
+        parent: TreeNode,
+        keys: bytes,
+        tokens: bytes,
+        ids: list[int | None],
+        pos: int,
+        n: int,
+        owner: str,
     ) -> None:
         kw, tw = HASH_BYTES, self._token_bytes
         leaf = TreeNode(
@@ -220,6 +232,7 @@ class RadixIndex:
             keys[pos * kw : n * kw],
             tokens[pos * tw : n * tw],
             array("q", [HOLE if b is None else b for b in ids[pos:n]]),
+            owner,
         )
         parent.children[leaf.key(0)] = leaf
         self._nodes[leaf.id] = leaf
@@ -326,18 +339,29 @@ class RadixIndex:
         self._num_evictable -= dropped
 
     # --- holes (sliding-window caches) ------------------------------------------------------
-    def punch(self, node: TreeNode, lo: int, hi: int, keep: int, align: int = 1) -> list[int]:
+    def punch(
+        self,
+        node: TreeNode,
+        lo: int,
+        hi: int,
+        keep: int,
+        align: int = 1,
+        owners: list[str] | None = None,
+    ) -> list[int]:
         """Drop the K/V of blocks [lo, hi) of `node`'s path, leaving holes (blocks that slid
         out of a running request's sliding window). Keys and tokens stay, so the path still
         matches. The `keep` blocks before each point of the path where prompts branch (a
         node with two or more children) stay, for a prompt that branches there later,
-        widened to whole runs of `align` blocks (tier chunks). Returns the freed ids; no
-        event is emitted, since every key stays matchable."""
+        widened to whole runs of `align` blocks (tier chunks). Returns the freed ids
+        (`owners`, if given, gets the owner of each); no event is emitted, since every key
+        stays matchable."""
         freed: list[int] = []
         for run, a, b in punch_spans(self._path(node), lo, hi, keep, align):
             ids = punch_run(run, a, b)
             self._recount(run, -len(ids))
             freed += ids
+            if owners is not None:
+                owners += [run.owner] * len(ids)
         return freed
 
     def punchable(self, node: TreeNode, lo: int, hi: int, keep: int, align: int = 1) -> list[int]:
@@ -361,6 +385,13 @@ class RadixIndex:
     def path_block_ids(self, node: TreeNode, upto: int | None = None) -> list[int | None]:
         """Block ids from the root through the first `upto` blocks of `node` (None: a hole)."""
         return paths.path_block_ids(self._path(node), upto)
+
+    def held_by_owner(self) -> Counter[str]:
+        """Blocks held per run owner (`TreeNode.owner`)."""
+        owned: Counter[str] = Counter()
+        for node in self._nodes.values():
+            owned[node.owner] += node.num_held
+        return owned
 
     def all_block_ids(self) -> list[int]:
         """Every block id the index holds."""

@@ -32,7 +32,8 @@ HOLE = -1
 
 class TreeNode:
     """A run of cached blocks. `ref_cnt` > 0 means locked (in use): never evicted.
-    `block_ids[i]` is HOLE where the index holds no K/V for the run's block i."""
+    `block_ids[i]` is HOLE where the index holds no K/V for the run's block i. `owner`: who
+    the run's blocks are counted against (a tenant; the index does not read it)."""
 
     __slots__ = (
         "block_ids",
@@ -41,6 +42,7 @@ class TreeNode:
         "id",
         "keys",
         "num_held",
+        "owner",
         "parent",
         "ref_cnt",
         "start",
@@ -55,8 +57,10 @@ class TreeNode:
         keys: bytes,
         tokens: bytes,
         block_ids: array,
+        owner: str = "",
     ):
         self.id = node_id  # the node's key in the eviction policy
+        self.owner = owner
         self.parent = parent  # None for the root and for evicted (detached) nodes
         self.children: dict[bytes, TreeNode] = {}
         self.start = start  # number of blocks before this node on its path
@@ -121,8 +125,9 @@ def split_run(node: TreeNode, k: int, head_id: int, token_bytes: int) -> TreeNod
     parent = node.parent
     assert parent is not None
     head = TreeNode(
-        head_id, parent, node.start, node.keys[: k * kw], node.tokens[: k * tw], node.block_ids[:k]
-    )
+        head_id, parent, node.start, node.keys[: k * kw], node.tokens[: k * tw],
+        node.block_ids[:k], node.owner,
+    )  # fmt: skip
     head.ref_cnt = node.ref_cnt
     head.children[node.key(k)] = node
     parent.children[head.key(0)] = head

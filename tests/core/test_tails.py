@@ -195,8 +195,9 @@ def test_a_running_request_lends_its_partial_block_to_those_that_repeat_its_toke
         assert (seq.num_cached_tokens, cache.pool.ref_cnt[own]) == (10, 1)
         assert torch.equal(cache.pool.kv[own], cache.pool.kv[block])
     assert cache.metrics.get("tail_hits_tokens_total") == 3 * 2
-    tables.release([lent.block_id])
+    tables.return_lent(lent)
     assert cache.pool.ref_cnt[block] == 1  # the lender's again
+    assert cache.held.num_reserved == 0  # (returning it once lowered the reserved count)
     for seq in [lender, *borrowers]:
         tables.close(seq)
     whole = computed(tables, tokens(12, seed=3))

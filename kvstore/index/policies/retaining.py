@@ -194,5 +194,7 @@ class RetainingPolicy(Policy):
             recount[entry.tenant] += entry.size
             if inner[key] != (entry.size, False):
                 raise IntegrityError(f"retained entry {key}: {inner[key]} in the inner policy")
+        if any(n < 0 for n in self.blocks.values()):  # (`+` below would drop them)
+            raise IntegrityError(f"a tenant's retained blocks are negative: {dict(self.blocks)}")
         if +recount != +self.blocks:
             raise IntegrityError(f"retained blocks {dict(self.blocks)} != recount {dict(recount)}")
