@@ -2,27 +2,40 @@
 
 The namespace is the model's (from `--model`, fingerprinted like `generate` does), or given
 directly with `--namespace ID` (the 16-hex-digit id `stats` prints), which needs no model.
+The tiers are checked before any model loads: none configured, or an LMDB directory that
+does not exist (these commands never create a store), is an error at once. They offer only
+the flags that choose the namespace and reach the tiers.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 from dataclasses import asdict
 
-from engine.commands import add_model_arguments, command
+from engine.commands import DEFAULT_MODEL, add_model_flag, command
 from kvstore.config import CacheConfig, ConfigError
 from kvstore.config.settings import add_cache_args, config_from_args
 from kvstore.stores import SpillStore, make_stores
 
 TIER_FIELDS = ("entries", "bytes", "capacity_bytes")  # what `stats` reports of each tier
+# the cache settings that choose a namespace and reach its shared tiers (the others are the
+# device pool's and the writers': these commands have neither)
+TIER_SETTINGS = ("block_size", "secret", "tenant_salt", "codec", "chunk_blocks", "lmdb_dir",
+                 "lmdb_map_size_gb", "redis_url", "lookup_deadline_ms", "breaker_failures",
+                 "breaker_cooldown_s")  # fmt: skip
 
 
 def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--namespace", default=None, help="namespace id (skips loading a model)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    add_model_arguments(parser)
-    add_cache_args(parser)
+    add_model_flag(parser, DEFAULT_MODEL)
+    parser.add_argument("--dtype", default="auto", help="the model's dtype (its namespace's)")
+    parser.add_argument(
+        "--model-revision", default=None, help="the string the model's fingerprint was pinned by"
+    )
+    add_cache_args(parser, only=TIER_SETTINGS)
 
 
 def _namespace_id(args: argparse.Namespace, config: CacheConfig) -> str:
@@ -39,11 +52,19 @@ def _namespace_id(args: argparse.Namespace, config: CacheConfig) -> str:
 
 def _open(args: argparse.Namespace) -> tuple[str, list[SpillStore]]:
     config = config_from_args(args)
+    _check_tiers(config)  # before a model loads: a mistake costs a second, not a load
     ns_id = _namespace_id(args, config)
     stores = [s for s in make_stores(config, ns_id) if s.name != "memory"]  # per process
-    if not stores:
-        raise ConfigError("tiers", "no shared tier configured: give --lmdb-dir or --redis-url")
     return ns_id, stores
+
+
+def _check_tiers(config: CacheConfig) -> None:
+    """A shared tier configured, and an LMDB directory that exists (nothing is created)."""
+    if config.lmdb_dir is None and config.redis_url is None:
+        raise ConfigError("tiers", "no shared tier configured: give --lmdb-dir or --redis-url")
+    if config.lmdb_dir is not None and not os.path.isdir(os.path.expanduser(config.lmdb_dir)):
+        why = "no LMDB store there to read (a server or generate run makes it when it writes)"
+        raise ConfigError("lmdb_dir", f"{config.lmdb_dir} is not a directory: {why}")
 
 
 def _tier_stats(store: SpillStore) -> dict:
@@ -52,8 +73,8 @@ def _tier_stats(store: SpillStore) -> dict:
     error = store.probe()
     stats = asdict(store.stats())
     report = {name: stats[name] for name in TIER_FIELDS}
-    count = getattr(store, "count_entries", None)
-    if error is None and report["entries"] is None and count is not None:
+    count = getattr(store, "count_entries", None)  # the namespace's own (bytes are the store's)
+    if error is None and count is not None:
         report["entries"] = count()
     return {**report, "reachable": error is None, "error": error}
 

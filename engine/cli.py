@@ -239,7 +239,8 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 @command(
     "serve",
-    "OpenAI-compatible HTTP server with /metrics and /health",
+    "OpenAI- and Anthropic-compatible HTTP server (/v1/completions, /v1/chat/completions, "
+    "/v1/messages) with /metrics and /health",
     _serve_arguments,
     requires=(*ENGINE_MODULES, "fastapi", "uvicorn"),
 )

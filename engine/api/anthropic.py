@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from engine.api import openai as p
 from engine.api.errors import bad_request
+from engine.api.validation import parse_body
 
 MAX_BREAKPOINTS = 4  # Anthropic's bound on cache_control blocks in a request
 CACHE_TTLS = {"5m": 300.0, "1h": 3600.0}  # cache_control.ttl -> seconds
@@ -156,8 +157,11 @@ def cache_ttl(control: object, where: str) -> float | None:
 
 
 def content_blocks(content: object, where: str) -> tuple[Block, ...]:
-    """A message's (or the system's) content as text blocks; a 400 naming what is refused."""
+    """A message's (or the system's) content as text blocks; a 400 naming what is refused
+    (an empty text, as Anthropic's API refuses it)."""
     if isinstance(content, str):
+        if not content:
+            raise bad_request("a message's text must be non-empty", where)
         return (Block(content, None),)
     if not isinstance(content, list):
         raise bad_request("content must be a string or a list of content blocks", where)
@@ -172,6 +176,8 @@ def _block(block: object, where: str) -> Block:
         raise bad_request(why, f"{where}.type", "unsupported_parameter")
     if not isinstance(block.get("text"), str):
         raise bad_request("a text block's text must be a string", f"{where}.text")
+    if not block["text"]:
+        raise bad_request("a text block's text must be non-empty", f"{where}.text")
     return Block(block["text"], cache_ttl(block.get("cache_control"), f"{where}.cache_control"))
 
 
@@ -208,8 +214,14 @@ def conversation(req: MessagesRequest) -> tuple[Turn, ...]:
     return tuple(turns)
 
 
-def parse_messages(data: object) -> MessagesRequest:
+class CountTokensRequest(MessagesRequest):
+    """The body of POST /v1/messages/count_tokens: a message's, without max_tokens."""
+
+    max_tokens: int | None = Field(default=None, ge=1)  # type: ignore[assignment]
+
+
+def parse_messages(data: object, model: type[MessagesRequest] = MessagesRequest) -> MessagesRequest:
     """The validated request of a JSON body; a 400 naming the first bad field."""
-    req = p.parse_body(MessagesRequest, data)
+    req = parse_body(model, data)
     req._turns = conversation(req)
     return req

@@ -18,26 +18,46 @@ from typing import NamedTuple
 STOP_REASONS = {"length": "max_tokens", "stop": "end_turn"}  # the engine's finish_reason ->
 
 
+TTL_NAMES = {300.0: "5m", 3600.0: "1h"}  # cache_control ttl (seconds) -> its name
+
+
 class Usage(NamedTuple):
     input_tokens: int
     cache_creation_input_tokens: int
     cache_read_input_tokens: int
     output_tokens: int
+    creation_by_ttl: dict[str, int]  # the cache writes split by their breakpoint's TTL
 
     def body(self) -> dict:
-        return self._asdict()
+        out = self._asdict()
+        by_ttl = out.pop("creation_by_ttl")
+        out["cache_creation"] = {f"ephemeral_{name}_input_tokens": by_ttl.get(name, 0)
+                                 for name in ("5m", "1h")}  # fmt: skip
+        return out
 
 
 def usage(
-    prompt_tokens: int, cached_tokens: int, output_tokens: int, breakpoint_end: int,
+    prompt_tokens: int,
+    cached_tokens: int,
+    output_tokens: int,
+    breakpoints: Sequence[tuple[int, float]],
     block_size: int,
-) -> Usage:  # fmt: skip
-    """A request's usage; `breakpoint_end`: its furthest breakpoint's token position (0:
-    none), rounded down to whole blocks and to the prompt's whole blocks."""
-    whole = min(breakpoint_end, prompt_tokens) // block_size * block_size
-    creation = max(0, whole - cached_tokens)
+) -> Usage:
+    """A request's usage; `breakpoints`: (token position, TTL seconds) of each, each
+    rounded down to whole blocks and to the prompt's whole blocks. The tokens written up to
+    a breakpoint past those before it count under its TTL (Anthropic's split of
+    `cache_creation`)."""
+    by_ttl: dict[str, int] = {}
+    written = cached_tokens
+    for end, ttl_s in sorted(breakpoints):
+        whole = min(end, prompt_tokens) // block_size * block_size
+        if whole > written:
+            name = TTL_NAMES.get(ttl_s, "5m")
+            by_ttl[name] = by_ttl.get(name, 0) + whole - written
+            written = whole
+    creation = written - cached_tokens
     rest = prompt_tokens - cached_tokens - creation
-    return Usage(rest, creation, cached_tokens, output_tokens)
+    return Usage(rest, creation, cached_tokens, output_tokens, by_ttl)
 
 
 def new_message_id() -> str:

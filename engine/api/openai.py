@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from starlette.requests import Request as HTTPRequest
 
 from engine.api.body import read_json
 from engine.api.errors import bad_request
+from engine.api.validation import parse_body
 
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs, vLLM's prompt_logprobs (the engine's bound)
 MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' logprobs (OpenAI's bound)
@@ -28,7 +29,12 @@ NULL_MEANS_DEFAULT = ("temperature", "top_p", "n", "presence_penalty", "frequenc
 
 
 class StreamOptions(BaseModel):
+    """OpenAI's stream options (an unknown key is a 400: it would be an option not taken)."""
+
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool = False
+    include_obfuscation: bool = True  # OpenAI's padding of stream events: none is sent here
 
 
 class _Common(BaseModel):
@@ -41,7 +47,7 @@ class _Common(BaseModel):
     temperature: float | None = Field(default=1.0, ge=0.0, le=2.0)  # null: the default
     top_p: float | None = Field(default=1.0, gt=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)  # what torch can seed
-    stop: str | list[str] | None = None
+    stop: str | list[str] | None = None  # each one non-empty (`unsupported`)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -74,6 +80,10 @@ class _Common(BaseModel):
             out.append(("logit_bias", "logit_bias is not supported"))
         if isinstance(self.stop, list) and len(self.stop) > 4:
             out.append(("stop", "at most 4 stop sequences"))
+        if any(not s for s in self.stop_strings):
+            out.append(("stop", "a stop sequence must be a non-empty string"))
+        if self.stream_options is not None and not self.stream:
+            out.append(("stream_options", "stream_options needs stream=true"))
         return out
 
     @property
@@ -100,9 +110,13 @@ class CompletionRequest(_Common):
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)  # vLLM's
     best_of: int | None = Field(default=None, ge=1)  # >= n (api/choices.py)
     suffix: str | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)  # chat's
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
+        if self.top_logprobs is not None:
+            why = "top_logprobs is chat's; on /v1/completions, logprobs=N gives N alternatives"
+            out.append(("top_logprobs", why))
         if self.max_tokens == 0 and not self.echo:
             out.append(("max_tokens", "max_tokens 0 needs echo=true (it returns the prompt)"))
         if self.prompt_logprobs is not None and self.stream:
@@ -150,9 +164,15 @@ class ChatRequest(_Common):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
+    best_of: int | None = Field(default=None, ge=1)  # completions' (vLLM takes it on chat)
+    echo: bool | None = False  # completions' (vLLM echoes the last message)
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
+        if self.best_of not in (None, 1):
+            out.append(("best_of", "best_of is not served on chat; use n, or /v1/completions"))
+        if self.echo:
+            out.append(("echo", "echo is not served on chat; use /v1/completions"))
         if self.top_logprobs is not None and not self.logprobs:
             out.append(("top_logprobs", "top_logprobs needs logprobs=true"))
         if self.tools:
@@ -164,21 +184,6 @@ class ChatRequest(_Common):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
-
-
-def parse_body(model: type[BaseModel], data: object) -> Any:
-    """Validate a JSON body into `model`; 400 naming the first bad field."""
-    if not isinstance(data, dict):
-        raise bad_request("the request body must be a JSON object")
-    try:
-        request = model.model_validate(data, strict=True)  # "1", 1.0 or true is no int
-    except ValidationError as e:
-        err = e.errors()[0]
-        param = ".".join(str(p) for p in err["loc"]) or None
-        raise bad_request(f"{param}: {err['msg']}" if param else err["msg"], param) from None
-    for param, why in request.unsupported():
-        raise bad_request(why, param, "unsupported_parameter")
-    return request
 
 
 OpenAIRequest = CompletionRequest | ChatRequest

@@ -1,6 +1,7 @@
 """The API routes an app serves, wired to whatever answers them: the replica server's
 `Service.handle` or the router's `Router.handle`. OpenAI's (`/v1/completions`,
-`/v1/chat/completions`) and Anthropic's (`/v1/messages`)."""
+`/v1/chat/completions`) and Anthropic's (`/v1/messages`, and `/v1/messages/count_tokens`,
+which the server and the router answer alike: the prompt as the replicas render it)."""
 
 from __future__ import annotations
 
@@ -8,17 +9,20 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 
 from engine.api import openai as p
-from engine.api.anthropic import parse_messages
+from engine.api.anthropic import CountTokensRequest, parse_messages
 from engine.api.body import read_json
 from engine.api.errors import ANTHROPIC_PATH, ApiError, add_error_handlers
+from engine.api.prompts import prompt_ids
 
 Handle = Callable[[Request, str], Awaitable[Response]]  # (request, kind: an API_PATHS key)
 OPENAI_PATHS = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
 API_PATHS = {**OPENAI_PATHS, "messages": ANTHROPIC_PATH}
+COUNT_TOKENS_PATH = ANTHROPIC_PATH + "/count_tokens"
 
 
 async def read_request(request: Request, kind: str, limit: int) -> tuple[object, Any]:
@@ -44,3 +48,25 @@ def _route(handle: Handle, kind: str) -> Callable[[Request], Awaitable[Response]
         return await handle(request, kind)
 
     return route
+
+
+def add_count_tokens_route(
+    app: FastAPI,
+    authenticate: Callable[[Request], object],
+    check_model: Callable[[str | None], None],
+    tokenizer: Any,
+    limit: int,
+) -> None:
+    """POST /v1/messages/count_tokens: the prompt's tokens through the chat template, as a
+    message with the same body would count them (its usage's input, cache creation and
+    cache read tokens added up)."""
+
+    async def count_tokens(request: Request) -> Response:
+        authenticate(request)
+        data = await read_json(request, limit)
+        req = parse_messages(data, CountTokensRequest)
+        check_model(req.model)
+        ids = await run_in_threadpool(prompt_ids, tokenizer, req)
+        return JSONResponse({"input_tokens": len(ids)})
+
+    app.add_api_route(COUNT_TOKENS_PATH, count_tokens, methods=["POST"], name="count_tokens")

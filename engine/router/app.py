@@ -29,7 +29,7 @@ from starlette.responses import JSONResponse, Response
 from engine.api.auth import Authenticator, authenticate, engine_salt
 from engine.api.errors import ApiError, bad_request, stream_error
 from engine.api.prompts import prompt_ids
-from engine.api.routes import API_PATHS, add_api_routes, read_request
+from engine.api.routes import API_PATHS, add_api_routes, add_count_tokens_route, read_request
 from engine.api.sse import ClosingStream
 from engine.router.affinity import CacheKeys
 from engine.router.config import SESSION_HEADER, RouterConfig
@@ -78,6 +78,7 @@ class Router:
     async def handle(self, request: Request, kind: str) -> Response:
         tenant = self.authenticate(request)
         data, req = await read_request(request, kind, self.config.max_body_bytes)
+        self.fleet.check_model(req.model)  # before any replica is chosen
         salt = engine_salt(self.auth, tenant, req.cache_salt)
         ids, keys = await run_in_threadpool(self._tokens, req, salt)
         path = API_PATHS[kind]
@@ -249,6 +250,8 @@ def create_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
     app.state.router = router
 
     add_api_routes(app, router.handle)
+    add_count_tokens_route(app, router.authenticate, router.fleet.check_model,
+                           router.tokenizer, config.max_body_bytes)  # fmt: skip
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

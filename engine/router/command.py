@@ -18,8 +18,8 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
 
 @command(
     "router",
-    "one OpenAI-compatible endpoint in front of `kvstore serve` replicas, routing by their "
-    "KV events and load",
+    "one OpenAI- and Anthropic-compatible endpoint in front of `kvstore serve` replicas, "
+    "routing by their KV events and load",
     _arguments,
     requires=("transformers", "fastapi", "uvicorn", "httpx", "zmq", "msgspec"),
 )

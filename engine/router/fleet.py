@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from engine.api.errors import ApiError
 from engine.router.config import RouterConfig
 from hashing import BlockHash, BlockHasher, Namespace, as_token_array, combine_salts
 from kvstore.fleet.events import SPILL_MEDIA, BlockSet, MediaBlocks
@@ -53,6 +54,7 @@ class Replica:
     failures: int = 0
     pending: tuple[float, frozenset] = (0.0, frozenset())  # (monotonic, keys) last routed
     info: dict | None = None  # /health's "cache": block size, namespace, events ports (None: down)
+    model: str | None = None  # the model name it serves (/health's "model")
     events: object | None = None  # its EventSubscriber, when it publishes events and is up
 
     @property
@@ -82,6 +84,8 @@ class Replica:
         self.asked_at, self.answered_at = asked_at, time.monotonic()
         self.status = str(body.get("status"))
         self.alive, self.failures = self.status in SERVING, 0
+        if isinstance(body.get("model"), str):
+            self.model = body["model"]
 
 
 class Fleet:
@@ -133,6 +137,15 @@ class Fleet:
             return
         if replica.info is None and isinstance(body.get("cache"), dict):
             self._attach(replica, body["cache"])
+
+    def check_model(self, name: str | None) -> None:
+        """A 404 for a model no replica serves (known once some replica has answered its
+        health read; the replicas answer for what is not known yet)."""
+        served = sorted({r.model for r in self.replicas if r.model is not None})
+        if name is not None and served and name not in served:
+            names = ", ".join(repr(m) for m in served)
+            raise ApiError(404, f"model {name!r} is not served here; the fleet serves {names}",
+                           param="model", code="model_not_found")  # fmt: skip
 
     def failed(self, replica: Replica, why: str) -> None:
         """A failed health read or request: down after DOWN_AFTER_FAILURES in a row."""

@@ -1,4 +1,4 @@
-"""OpenAI-compatible HTTP server over the engine: `kvstore serve`.
+"""OpenAI- and Anthropic-compatible HTTP server over the engine: `kvstore serve`.
 
 - `config`: ServerConfig and the server's flags (standard library only);
 - the HTTP layer it shares with the router (`engine.api`): request bodies, auth and salts,

@@ -28,7 +28,7 @@ from starlette.responses import JSONResponse, Response
 
 from engine.api.errors import ApiError
 from engine.api.openai_responses import now
-from engine.api.routes import add_api_routes
+from engine.api.routes import add_api_routes, add_count_tokens_route
 from engine.loop.engine import Engine
 from engine.server.config import (
     ServerConfig,
@@ -69,6 +69,8 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
             service.metrics.reject(REJECT_REASONS.get(error.status, "invalid"))
 
     add_api_routes(app, service.handle, on_error=rejected)
+    add_count_tokens_route(app, service.authenticate, service.check_model, service.tokenizer,
+                           config.max_body_bytes)  # fmt: skip
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:

@@ -103,8 +103,8 @@ class Messages:
             raise bad_request(str(e), "stop_sequences" if e.field == "stop" else e.field) from None
 
     def usage(self, job: Request, cached: int, output_tokens: int) -> ar.Usage:
-        end = max((r.num_tokens for r in job.retention), default=0)
-        return ar.usage(len(job.token_ids), cached, output_tokens, end, self.block_size)
+        breakpoints = [(r.num_tokens, r.ttl_s) for r in job.retention]
+        return ar.usage(len(job.token_ids), cached, output_tokens, breakpoints, self.block_size)
 
     def stop(self, req: MessagesRequest, result: GenerateResult) -> ar.Stop:
         decode = self.service.tokenizer.decode

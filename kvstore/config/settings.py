@@ -11,7 +11,7 @@ import os
 import sys
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -95,8 +95,9 @@ def load_config(
     return CacheConfig(**values)
 
 
-def add_cache_args(parser: argparse.ArgumentParser) -> None:
-    """One `--field-name` flag per CacheConfig field (default None = not given)."""
+def add_cache_args(parser: argparse.ArgumentParser, only: Collection[str] | None = None) -> None:
+    """One `--field-name` flag per CacheConfig field (default None = not given); `only`:
+    the fields a command reads (it offers no flag it would ignore)."""
     group = parser.add_argument_group(
         "cache", "CacheConfig fields, also KVSTORE_<FIELD> and TOML keys (docs/CONFIG.md)"
     )
@@ -109,7 +110,7 @@ def add_cache_args(parser: argparse.ArgumentParser) -> None:
     )
     for f in fields(CacheConfig):
         flag = flag_name(f.name)
-        if flag is None:
+        if flag is None or (only is not None and f.name not in only):
             continue
         kind = _base_type(f.name)
         meaning = FIELD_HELP[f.name].replace("`", "").replace("%", "%%")

@@ -354,6 +354,28 @@ class LmdbStore(SpillStore):
         entries, used, retained = self._run(measure)
         return self._stats(entries, used * psize, map_pages * psize, retained=retained)
 
+    def count_entries(self) -> int | None:
+        """This namespace's entries (every entry without a namespace id): an admin call, it
+        walks the namespace's keys in one read transaction. None if the store fails."""
+
+        def count(shared: SharedEnv) -> int:
+            if not self._prefix:
+                with shared.env.begin() as txn:
+                    return txn.stat(shared.blocks)["entries"]
+            with shared.env.begin() as txn:
+                cursor, n = txn.cursor(db=shared.blocks), 0
+                if cursor.set_range(self._prefix):
+                    for key in cursor.iternext(values=False):
+                        if not key.startswith(self._prefix):
+                            break
+                        n += 1
+                return n
+
+        try:
+            return self._run(count)
+        except lmdb.Error:
+            return None
+
     def _num_retained(self, txn: lmdb.Transaction, shared: SharedEnv) -> int:
         """Entries retained now (a walk of the expiry records: few, retained ones only)."""
         now = int(self.clock() * 1000)

@@ -30,6 +30,8 @@ def test_stats_counts_entries_and_clear_empties_only_that_namespace(
                                        "reachable": True, "error": None}  # fmt: skip
     ns = stats["namespace"]
     other = ["--namespace", "0123456789abcdef", "--block-size", "4", *tiers]
+    elsewhere = run_json(capsys, "stats", "--json", *other)["tiers"]
+    assert {t: s["entries"] for t, s in elsewhere.items()} == {"lmdb": 0, "redis": 0}
     assert run_json(capsys, "clear", "--json", *other)["removed"] == {"lmdb": 0, "redis": 0}
     removed = run_json(capsys, "clear", "--json", "--namespace", ns, "--block-size", "4", *tiers)
     assert removed == {"namespace": ns, "removed": {"lmdb": 6, "redis": 6}, "unreachable": {}}
@@ -40,6 +42,31 @@ def test_stats_counts_entries_and_clear_empties_only_that_namespace(
 def test_stats_without_a_shared_tier_is_a_clear_error(capsys):
     assert main(["stats", "--namespace", "0123456789abcdef"]) == 2
     assert "--lmdb-dir or --redis-url" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["stats", "clear"])
+def test_a_tier_mistake_fails_before_any_model_loads(command, tmp_path):
+    """No tier, or an LMDB directory that does not exist (nothing is created there): one
+    line and exit 2 in well under a second's model load, without importing torch."""
+    missing = tmp_path / "typo"
+    for argv, error in (
+        ([], "no shared tier configured"),
+        (["--lmdb-dir", str(missing)], f"lmdb_dir: {missing} is not a directory"),
+    ):
+        proc = kvstore(command, *argv)  # (the default model is smollm2: never loaded here)
+        assert proc.returncode == 2 and error in proc.stderr, proc.stderr
+    assert not missing.exists()
+
+
+def test_stats_and_clear_offer_only_the_flags_they_read():
+    from engine.cli import build_parser
+
+    for name in ("stats", "clear"):
+        sub = build_parser()._subparsers._group_actions[0].choices[name]
+        flags = {o for a in sub._actions for o in a.option_strings}
+        assert {"--lmdb-dir", "--redis-url", "--namespace", "--model", "--block-size"} <= flags
+        assert not flags & {"--device-blocks", "--max-num-seqs", "--eviction-policy",
+                            "--linear-kernel", "--cuda-graphs", "--tail-blocks"}  # fmt: skip
 
 
 def test_a_malformed_namespace_is_a_clear_error(capsys, tmp_path):

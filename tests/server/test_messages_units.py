@@ -67,17 +67,33 @@ def test_a_breakpoint_inside_a_message_sits_after_its_block():
 
 
 def test_usage_counts_whole_blocks_up_to_the_furthest_breakpoint():
-    first = ar.usage(prompt_tokens=90, cached_tokens=0, output_tokens=5, breakpoint_end=61,
+    five = [(61, 300.0)]
+    first = ar.usage(prompt_tokens=90, cached_tokens=0, output_tokens=5, breakpoints=five,
                      block_size=4)  # fmt: skip
     assert first == ar.Usage(input_tokens=30, cache_creation_input_tokens=60,
-                             cache_read_input_tokens=0, output_tokens=5)  # fmt: skip
-    again = ar.usage(prompt_tokens=90, cached_tokens=64, output_tokens=5, breakpoint_end=61,
+                             cache_read_input_tokens=0, output_tokens=5,
+                             creation_by_ttl={"5m": 60})  # fmt: skip
+    again = ar.usage(prompt_tokens=90, cached_tokens=64, output_tokens=5, breakpoints=five,
                      block_size=4)  # fmt: skip
-    assert again == ar.Usage(26, 0, 64, 5)
-    partly = ar.usage(prompt_tokens=90, cached_tokens=8, output_tokens=1, breakpoint_end=61,
+    assert again == ar.Usage(26, 0, 64, 5, {})
+    partly = ar.usage(prompt_tokens=90, cached_tokens=8, output_tokens=1, breakpoints=five,
                       block_size=16)  # fmt: skip
-    assert partly == ar.Usage(42, 40, 8, 1)
-    assert ar.usage(90, 12, 3, 0, 4) == ar.Usage(78, 0, 12, 3)  # no breakpoint: no writes
+    assert partly == ar.Usage(42, 40, 8, 1, {"5m": 40})
+    assert ar.usage(90, 12, 3, [], 4) == ar.Usage(78, 0, 12, 3, {})  # no breakpoint: no writes
+
+
+def test_cache_writes_are_split_by_the_ttl_of_the_breakpoint_they_reach():
+    """A 1-hour breakpoint at 21 and a 5-minute one at 61 (blocks of 4): 20 tokens written
+    for an hour, 40 more for 5 minutes; what was cached already is written by nobody."""
+    both = [(61, 300.0), (21, 3600.0)]
+    cold = ar.usage(90, 0, 5, both, 4)
+    assert cold.creation_by_ttl == {"1h": 20, "5m": 40} and cold.cache_creation_input_tokens == 60
+    assert cold.body()["cache_creation"] == {"ephemeral_5m_input_tokens": 40,
+                                             "ephemeral_1h_input_tokens": 20}  # fmt: skip
+    warm = ar.usage(90, 32, 5, both, 4)  # the 1-hour part cached already, and 12 more
+    assert warm.creation_by_ttl == {"5m": 28}
+    assert ar.usage(90, 0, 5, [], 4).body()["cache_creation"] == {
+        "ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0}  # fmt: skip
 
 
 def test_the_stop_reason_names_the_stop_sequence_found_where_the_text_was_cut():

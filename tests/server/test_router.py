@@ -129,9 +129,37 @@ def test_keys_and_bodies_are_checked_at_the_router(fleet):
     assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
     salt = chat(router, [{"role": "user", "content": "x"}], cache_salt=7)
     assert salt.status_code == 400 and salt.json()["error"]["param"] == "cache_salt"
+    for fields, param in (
+        ({"best_of": "x"}, "best_of"),
+        ({"echo": "yes"}, "echo"),
+        ({"stop": 5}, "stop"),
+        ({"stream_options": {}}, "stream_options"),
+    ):
+        wrong = chat(router, [{"role": "user", "content": "x"}], **fields)
+        assert (wrong.status_code, wrong.json()["error"]["param"]) == (400, param)
+    gpt = chat(router, [{"role": "user", "content": "x"}], model="gpt-4")
+    assert (gpt.status_code, gpt.json()["error"]["code"]) == (404, "model_not_found")
+    nope = httpx.post(
+        f"{router.url}/v1/messages",
+        headers=AUTH,
+        timeout=30,
+        json={"model": "nope", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]},
+    )
+    assert (nope.status_code, nope.json()["error"]["type"]) == (404, "not_found_error")
     assert [r.metrics() for r in replicas] == before  # none of them reached a replica
     missing = httpx.get(f"{router.url}/v2/nothing", timeout=30)
     assert missing.status_code == 404 and "error" in missing.json()
+
+
+@pytest.mark.integration
+def test_the_router_counts_a_messages_tokens_as_its_replicas_do(fleet):
+    router, replicas = fleet
+    served = httpx.get(f"{replicas[0].url}/health", timeout=30).json()["model"]
+    body = {"model": served, "system": "be brief " * 10,
+            "messages": [{"role": "user", "content": "count these words"}]}  # fmt: skip
+    counts = [httpx.post(f"{url}/v1/messages/count_tokens", json=body, headers=AUTH,
+                         timeout=30).json() for url in (router.url, replicas[0].url)]  # fmt: skip
+    assert counts[0] == counts[1] and counts[0]["input_tokens"] > 20
 
 
 @pytest.mark.integration

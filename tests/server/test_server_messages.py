@@ -36,6 +36,9 @@ def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         process.stop()
 
 
+NO_WRITES = {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0}
+
+
 def fresh() -> str:
     """A cache salt of its own: the request's prefix is in no one else's cache."""
     return uuid.uuid4().hex
@@ -82,7 +85,8 @@ def test_a_message_answers_in_anthropic_shape_with_the_chat_routes_text(server):
     assert body["content"] == [{"type": "text", "text": text}]
     prompt = chat.json()["usage"]["prompt_tokens"]
     assert body["usage"] == {"input_tokens": prompt, "cache_creation_input_tokens": 0,
-                             "cache_read_input_tokens": 0, "output_tokens": 6}  # fmt: skip
+                             "cache_read_input_tokens": 0, "output_tokens": 6,
+                             "cache_creation": NO_WRITES}  # fmt: skip
 
 
 def test_a_system_breakpoint_is_written_once_then_read(server):
@@ -91,10 +95,13 @@ def test_a_system_breakpoint_is_written_once_then_read(server):
     second = message(server, **cached_system(salt, "other query")).json()["usage"]
     # the breakpoint: <|bos|> "system: " SYSTEM <|end_of_turn|> "\n" = 61 tokens, 60 in blocks
     assert first == {"input_tokens": prompt - 60, "cache_creation_input_tokens": 60,
-                     "cache_read_input_tokens": 0, "output_tokens": 6}  # fmt: skip
+                     "cache_read_input_tokens": 0, "output_tokens": 6,
+                     "cache_creation": {"ephemeral_5m_input_tokens": 60,
+                                        "ephemeral_1h_input_tokens": 0}}  # fmt: skip
     # the two prompts share 61 + len("user: ") = 67 tokens: 64 in whole blocks
     assert second == {"input_tokens": prompt - 64, "cache_creation_input_tokens": 0,
-                      "cache_read_input_tokens": 64, "output_tokens": 6}  # fmt: skip
+                      "cache_read_input_tokens": 64, "output_tokens": 6,
+                      "cache_creation": NO_WRITES}  # fmt: skip
 
 
 def test_a_stream_sends_anthropics_events_and_the_same_message(server):
@@ -142,8 +149,8 @@ def test_errors_are_in_anthropics_shape(server):
     assert (huge.status_code, huge.json()["error"]["type"]) == (413, "request_too_large")
     wrong = httpx.get(f"{server.url}/v1/messages", timeout=10)
     assert (wrong.status_code, wrong.json()["type"]) == (405, "error")
-    missing = httpx.post(f"{server.url}/v1/messages/count_tokens", json={}, timeout=10)
-    assert missing.json()["error"]["type"] == "not_found_error"
+    missing = httpx.post(f"{server.url}/v1/messages/batches", json={}, timeout=10)
+    assert missing.json()["error"]["type"] == "not_found_error"  # (in Anthropic's shape)
     openai_shaped = httpx.post(f"{server.url}/v1/nothing", json={}, timeout=10)
     assert openai_shaped.json()["error"]["type"] == "not_found_error"
     assert "type" not in openai_shaped.json()
@@ -193,3 +200,28 @@ def test_openai_prompt_cache_fields_are_accepted_and_bad_ones_refused(server):
     assert (bad.status_code, bad.json()["error"]["param"]) == (400, "prompt_cache_retention")
     long = chat(prompt_cache_key="k" * 65)
     assert (long.status_code, long.json()["error"]["param"]) == (400, "prompt_cache_key")
+
+
+def test_count_tokens_matches_the_usage_of_a_message_with_the_same_body(server):
+    """The official client's count_tokens: the input, cache-creation and cache-read tokens
+    of a messages.create of the same body, added up; the cache writes split by TTL."""
+    client = anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0)
+    hour = {"type": "ephemeral", "ttl": "1h"}
+    system = [{"type": "text", "text": SYSTEM, "cache_control": hour}]
+    user = [{"type": "text", "text": "count me, " * 20, "cache_control": EPHEMERAL}]
+    kwargs = {"model": SERVED_NAME, "system": system,
+              "messages": [{"role": "user", "content": user}]}  # fmt: skip
+    counted = client.messages.count_tokens(**kwargs, extra_body={"cache_salt": fresh()})
+    created = client.messages.create(
+        **kwargs, max_tokens=2, extra_body={"cache_salt": fresh(), "ignore_eos": True}
+    )
+    usage = created.usage
+    total = usage.input_tokens + usage.cache_creation_input_tokens + usage.cache_read_input_tokens
+    assert counted.input_tokens == total
+    split = usage.cache_creation
+    assert split.ephemeral_1h_input_tokens == 60  # the system block, in whole blocks
+    assert split.ephemeral_1h_input_tokens + split.ephemeral_5m_input_tokens == (
+        usage.cache_creation_input_tokens
+    )
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.count_tokens(**kwargs | {"model": "nope"})
