@@ -62,9 +62,12 @@ def _check_tiers(config: CacheConfig) -> None:
     """A shared tier configured, and an LMDB directory that exists (nothing is created)."""
     if config.lmdb_dir is None and config.redis_url is None:
         raise ConfigError("tiers", "no shared tier configured: give --lmdb-dir or --redis-url")
-    if config.lmdb_dir is not None and not os.path.isdir(os.path.expanduser(config.lmdb_dir)):
+    path = None if config.lmdb_dir is None else os.path.expanduser(config.lmdb_dir)
+    if path is not None and os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError("lmdb_dir", f"{path} exists and is not a directory; give a directory")
+    if path is not None and not os.path.isdir(path):
         why = "no LMDB store there to read (a server or generate run makes it when it writes)"
-        raise ConfigError("lmdb_dir", f"{config.lmdb_dir} is not a directory: {why}")
+        raise ConfigError("lmdb_dir", f"{config.lmdb_dir} does not exist: {why}")
 
 
 def _tier_stats(store: SpillStore) -> dict:

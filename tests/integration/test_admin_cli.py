@@ -51,7 +51,7 @@ def test_a_tier_mistake_fails_before_any_model_loads(command, tmp_path):
     missing = tmp_path / "typo"
     for argv, error in (
         ([], "no shared tier configured"),
-        (["--lmdb-dir", str(missing)], f"lmdb_dir: {missing} is not a directory"),
+        (["--lmdb-dir", str(missing)], f"lmdb_dir: {missing} does not exist"),
     ):
         proc = kvstore(command, *argv)  # (the default model is smollm2: never loaded here)
         assert proc.returncode == 2 and error in proc.stderr, proc.stderr

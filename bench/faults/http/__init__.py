@@ -12,14 +12,14 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from bench.faults.common import Context, FaultOutcome
-from bench.faults.http.cases import CHAT, COMPLETIONS, MESSAGES, Case, sweep
+from bench.faults.http.cases import BODY_PATHS, Case, sweep
 from bench.faults.http.server import INDEX, Server
 from bench.faults.http.strategies import strategies
 
 __all__ = ["INDEX", "PER_REQUEST", "http_fuzz", "strategies", "sweep"]
 
 PER_REQUEST = 10  # generated requests per category = 10 x scale.requests
-FUZZED_PATHS = {COMPLETIONS, CHAT, MESSAGES, "/v1/models", "/metrics"}  # /health: no input
+FUZZED_PATHS = {*BODY_PATHS, "/v1/models", "/metrics"}  # /health: no input
 
 EXPECTED = {"keys": 401}  # the status each category must get; the exceptions by kind:
 EXPECTED_KIND = {"unknown model": 404, "body bytes": 413}

@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 from hypothesis import strategies as st
 
-from engine.api.anthropic import Message, MessagesRequest
+from engine.api.anthropic import CountTokensRequest, Message, MessagesRequest
 from engine.api.openai import ChatMessage, ChatRequest, CompletionRequest, StreamOptions
 
 MODEL, KEYS, KEY = "micro", {"sk-fuzz-a": "a", "sk-fuzz-b": "b"}, "sk-fuzz-a"
@@ -17,6 +17,8 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_BODY, MAX_PROMPT, MAX_TOKENS = 16384, 200, 64  # the server's limits: what "huge" means
 WARM = [(7 * i + 3) % 250 for i in range(41)]  # 10 whole blocks of 4 tokens can hit
 COMPLETIONS, CHAT, MESSAGES = "/v1/completions", "/v1/chat/completions", "/v1/messages"
+COUNT_TOKENS = MESSAGES + "/count_tokens"
+BODY_PATHS = (COMPLETIONS, CHAT, MESSAGES, COUNT_TOKENS)
 
 
 class Case(NamedTuple):
@@ -29,7 +31,7 @@ class Case(NamedTuple):
 
 
 def base(path: str) -> dict:
-    """A valid body of `path` (chat's is also a valid Anthropic message)."""
+    """A valid body of `path` (chat's is also a valid Anthropic message and token count)."""
     if path == COMPLETIONS:
         return {"model": MODEL, "prompt": WARM[:9], "max_tokens": 2, "temperature": 0}
     msgs = [{"role": "user", "content": "hi"}]
@@ -76,6 +78,8 @@ def typed_fields() -> list[tuple[str, str, set[str]]]:
         (CHAT, "stream_options.", StreamOptions),
         (MESSAGES, "", MessagesRequest),
         (MESSAGES, "messages.0.", Message),
+        (COUNT_TOKENS, "", CountTokensRequest),
+        (COUNT_TOKENS, "messages.0.", Message),
     ]
     return [
         (path, prefix + name, types)

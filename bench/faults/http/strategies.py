@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from bench.faults.common import Context
 from bench.faults.http.cases import (
+    BODY_PATHS,
     CHAT,
     COMPLETIONS,
     KEY,
@@ -16,7 +17,6 @@ from bench.faults.http.cases import (
     MAX_BODY,
     MAX_PROMPT,
     MAX_TOKENS,
-    MESSAGES,
     MODEL,
     WARM,
     Case,
@@ -210,11 +210,11 @@ def keys() -> st.SearchStrategy[Case]:
     latin = st.characters(min_codepoint=0x20, max_codepoint=0xFF, exclude_characters="\x7f")
     token = st.text(latin.filter(lambda c: not 0x80 <= ord(c) < 0xA0), min_size=1, max_size=40)
     token = token.filter(lambda k: k == k.strip(" \t") and k.strip() not in KEYS)
-    routes = st.sampled_from([COMPLETIONS, CHAT, MESSAGES, "/v1/models", "/metrics"])
+    routes = st.sampled_from([*BODY_PATHS, "/v1/models", "/metrics"])
 
     def sent(header: st.SearchStrategy[dict]) -> st.SearchStrategy[tuple]:
         def one(path: str, h: dict) -> tuple:
-            content = dumps(base(path)) if path in (COMPLETIONS, CHAT, MESSAGES) else None
+            content = dumps(base(path)) if path in BODY_PATHS else None
             return (path, content, {k: v.encode("latin-1") for k, v in h.items()})
 
         return st.builds(one, routes, header)
