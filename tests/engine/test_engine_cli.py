@@ -195,14 +195,16 @@ def test_the_model_check_wants_tokenizer_files_and_weights_where_loading_reads_t
         check_model_path(name, "--model", NAMES)
 
 
-def generate_json(*argv: str) -> tuple[dict, str]:
-    cmd = [kvstore_script(), "generate", "--max-tokens", "2", "--json", *argv]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True)
-    return json.loads(proc.stdout), proc.stderr
+def generate_json(capsys, *argv: str) -> tuple[dict, str]:
+    """`kvstore generate --json` in this process (the command's own code, as the script runs
+    it): its JSON answer and its stderr."""
+    capsys.readouterr()
+    assert main(["generate", "--max-tokens", "2", "--json", *argv]) in (0, None)
+    captured = capsys.readouterr()
+    return json.loads(captured.out), captured.err
 
 
-@pytest.mark.integration
-def test_generate_sends_a_prompt_through_the_chat_template_unless_raw(tmp_path) -> None:
+def test_generate_sends_a_prompt_through_the_chat_template_unless_raw(tmp_path, capsys) -> None:
     """`--prompt` is one user message (after `--system`) through the model's template;
     `--raw` and `--prompt-ids` go as they are; a model without a template goes raw and
     says so once."""
@@ -210,19 +212,19 @@ def test_generate_sends_a_prompt_through_the_chat_template_unless_raw(tmp_path) 
     tok = tiny.tokenizer
     chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
     templated = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-    out, _ = generate_json("--model", "tiny", "--prompt", "hello", "--system", "be brief")
+    out, _ = generate_json(capsys, "--model", "tiny", "--prompt", "hello", "--system", "be brief")
     assert (out["prompt"], out["prompt_tokens"]) == (
         "chat",
         len(tok(templated, add_special_tokens=False)["input_ids"]),
     )
-    out, _ = generate_json("--model", "tiny", "--prompt", "hello", "--raw")
+    out, _ = generate_json(capsys, "--model", "tiny", "--prompt", "hello", "--raw")
     assert (out["prompt"], out["prompt_tokens"]) == ("raw", len(tok("hello")["input_ids"]))
-    out, _ = generate_json("--model", "tiny", "--prompt-ids", "1,2,3")
+    out, _ = generate_json(capsys, "--model", "tiny", "--prompt-ids", "1,2,3")
     assert (out["prompt"], out["prompt_tokens"]) == ("raw", 3)
     tok.chat_template = None  # a bare directory: weights and a tokenizer with no template
     tiny.model.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
     (tmp_path / "chat_template.jinja").unlink(missing_ok=True)
-    out, err = generate_json("--model", str(tmp_path), "--prompt", "hello")
+    out, err = generate_json(capsys, "--model", str(tmp_path), "--prompt", "hello")
     assert out["prompt"] == "raw"
     assert err.count("no chat template") == 1

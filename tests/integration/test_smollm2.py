@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -192,12 +191,17 @@ def test_dummy_models_take_smollm2s_tokenizer_from_the_cache(smollm2, cache_dir)
     assert tokenizer.chat_template == smollm2.tokenizer.chat_template
 
 
-def test_generate_answers_a_question_on_the_default_model(smollm2, cache_dir) -> None:
-    """A newcomer's first command: the question goes through the chat template (raw, the
-    instruct model answered with its end-of-turn token: an empty text)."""
-    env = {**clean_env(), "KVSTORE_CACHE_DIR": str(cache_dir)}
-    cmd = [kvstore_script(), "generate", "--prompt", "What is the capital of France?", "--json"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, check=True)
-    out = json.loads(done.stdout)
+def test_generate_answers_a_question_on_the_default_model(
+    smollm2, cache_dir, monkeypatch, capsys
+) -> None:
+    """A newcomer's first command (the command's own code, in this process): the question
+    goes through the chat template (raw, the instruct model answered with its end-of-turn
+    token: an empty text)."""
+    from engine.cli import main
+
+    monkeypatch.setenv("KVSTORE_CACHE_DIR", str(cache_dir))
+    capsys.readouterr()
+    assert main(["generate", "--prompt", "What is the capital of France?", "--json"]) in (0, None)
+    out = json.loads(capsys.readouterr().out)
     assert out["prompt"] == "chat"
     assert len(out["text"].split()) >= 3 and "Paris" in out["text"], out["text"]
