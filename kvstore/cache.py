@@ -356,9 +356,16 @@ class PrefixCache:
             "namespace": self.namespace.id,
             "device": device,
             "tiers": tiers,
+            "read_gate": self.tiers.gate.snapshot() if self.tiers else None,
             "retention": retention,
             **self.metrics.snapshot(),
         }
+
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
+        """The engine computed `num_tokens` prompt tokens in one forward of `seconds`: what
+        the read gate weighs a tier read against (kvstore/tiers/gate.py)."""
+        if self.tiers:
+            self.tiers.gate.observe_prefill(num_tokens, seconds)
 
     def tier_health(self) -> dict[str, dict]:
         """Each spill tier's errors and breaker state (`SpillStore.health`): no I/O."""

@@ -66,6 +66,11 @@ CACHE_FAMILIES = (
     Family("layer_load_retries_total",
            "layer-by-layer loads with blocks that did not verify (their requests computed "
            "again)"),
+    Family("tier_read_skipped_total",
+           "lookups that computed a tier's blocks instead of reading them (the read gate: "
+           "fetching them measured slower than computing their tokens)", ("tier",), SPILL_TIERS),
+    Family("tier_read_skipped_blocks_total", "blocks a tier held that the read gate skipped",
+           ("tier",), SPILL_TIERS),
     Family("verify_failures_total", "tier entries that failed verification",
            ("reason", "tier")),
     Family("foreign_entries_total",

@@ -21,9 +21,13 @@ import argparse
 import gc
 import json
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
+from urllib.parse import urlsplit
 
 import torch
 
+from bench.throttle import ThrottledProxy
 from bench.ttft.point import (
     TIERS,
     device_cell,
@@ -56,6 +60,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--runs", type=int, default=None, help="timed rounds per point (9; sweep 3)")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     p.add_argument("--redis-url", default=None)
+    p.add_argument("--throttle-mbps", type=float, default=None, help="put a loopback proxy "
+                   "pacing each direction to this many MB/s in front of --redis-url (a slow "
+                   "tier on any machine)")  # fmt: skip
+    p.add_argument("--read-gate", choices=("on", "off"), default="on", help="read a tier only "
+                   "when fetching beats recomputing (tier_read_gate)")  # fmt: skip
     p.add_argument("--lmdb-dir", default=None)
     p.add_argument("--json", action="store_true")
     p.add_argument("--sweep", action="store_true", help="prompt lengths x cached fractions")
@@ -72,6 +81,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
         return sweep_args(p, args)
     args.runs = 9 if args.runs is None else args.runs
+    if args.throttle_mbps is not None and (args.throttle_mbps <= 0 or not args.redis_url):
+        p.error("--throttle-mbps: give a positive rate, and --redis-url for it to slow down")
     args.tiers = [t.strip() for t in (args.tier or "device").split(",") if t.strip()]
     args.points = [int(c) for c in args.cached.split(",") if c.strip()]
     for tier in args.tiers:
@@ -107,15 +118,55 @@ def main(argv: list[str], model=None) -> int:
     kv = on_own_thread(full_kv, lm.model, ids)  # no OpenMP team left here (engine/loop/threads.py)
     gc.collect()
     gc.freeze()  # long-lived objects out of the collector, so timed() collects cheaply
-    points = with_device_ratio(
-        [
-            measure_point(lm, ids, kv, tier, cached, args)
-            for tier in args.tiers
-            for cached in args.points
-        ]
-    )
+    with throttled(args):
+        points = with_device_ratio(
+            [
+                measure_point(lm, ids, kv, tier, cached, args)
+                for tier in args.tiers
+                for cached in args.points
+            ]
+        )
     if args.json:
         print(json.dumps({"points": points}))
     else:
-        print_table(points, args, [("÷ device", device_cell)])
+        print_table(points, args, EXTRA_COLUMNS)
+        print_gate(points)
     return 0 if all(p["same_first_token"] for p in points) else 1
+
+
+EXTRA_COLUMNS = [
+    ("÷ device", device_cell),
+    ("÷ no cache", lambda p: f"{p['ratio_to_nocache']:.3f}"),
+    ("gate skips", lambda p: str(p["read_skipped"])),
+]
+
+
+@contextmanager
+def throttled(args: argparse.Namespace) -> Iterator[None]:
+    """With --throttle-mbps: --redis-url replaced, while the block runs, by a throttled
+    proxy's in front of it."""
+    if args.throttle_mbps is None:
+        yield
+        return
+    url = urlsplit(args.redis_url)
+    target = (url.hostname or "127.0.0.1", url.port or 6379)
+    with ThrottledProxy(*target, args.throttle_mbps * 1e6) as proxy:
+        original, args.redis_url = args.redis_url, proxy.url(url.scheme, url.path or "/0")
+        try:
+            yield
+        finally:
+            args.redis_url = original
+
+
+def print_gate(points: list[dict]) -> None:
+    """What the read gate measured by the end of each spill tier's last point."""
+    last = {p["tier"]: p["read_gate"] for p in points if p["read_gate"] is not None}
+    for tier, gate in last.items():
+        rates = ", ".join(
+            f"{name} {bw / 1e6:.1f} MB/s"
+            for name, bw in gate["bandwidth_bytes_per_s"].items()
+            if bw
+        )
+        tokens = gate["prefill_tokens_per_s"]
+        prefill = "not measured" if tokens is None else f"{tokens:.0f} tokens/s"
+        print(f"read gate after {tier}: prefill {prefill}; reads {rates or 'not measured'}")

@@ -24,6 +24,7 @@ from engine.loop.group import SequenceGroup
 from engine.loop.logprobs import PromptLogprobCache, check_logprobs
 from engine.loop.outcomes import Outcomes
 from engine.loop.overlap import DeviceTokens, Overlap
+from engine.loop.prefill_clock import PrefillClock
 from engine.loop.prompt import prompt_ids
 from engine.loop.request import (
     EngineClosedError,
@@ -302,6 +303,8 @@ class Engine:
                 self.governor = ThreadGovernor(self.thread_config, threads)
             started_runner = start_paged(self.model, self.tables, kernel)
             runner = started_runner[0]
+            if runner is not None:  # the read gate weighs tier reads against its prefills
+                runner.prefill_clock = PrefillClock(self.cache.observe_prefill, runner.pool.device)
             if runner is not None and runner.graphable and self.graph_config.enabled:
                 required = self.graph_config.mode == "on"
                 runner.use_graphs(self.device_tokens.sampled, required)

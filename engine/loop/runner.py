@@ -27,6 +27,7 @@ from engine.attention.step_row import Row
 from engine.contract import tolerance_for
 from engine.loop.graph import DecodeGraphs, GraphError, graph_blocker
 from engine.loop.overlap import Feed
+from engine.loop.prefill_clock import PrefillClock, prompt_tokens
 from engine.model.linear import install_linears, uninstall_linears
 from engine.model.loading import LoadedModel, has_window, with_cache
 from kvstore.block_tables import BlockTables
@@ -70,6 +71,7 @@ class PagedRunner:
         self.calls = 0  # layer calls that went through the pool: the self-test counts them
         self.closed = False
         self.graphs: DecodeGraphs | None = None  # decode steps replayed (`use_graphs`)
+        self.prefill_clock: PrefillClock | None = None  # times prefills for the read gate
         self.placeholder_mask = torch.zeros((1, 1, 1, 1), dtype=torch.bool, device=pool.device)
         self._open()
         self.linears, self.linear_note = None, None  # note: why packed linears gave way
@@ -184,7 +186,7 @@ class PagedRunner:
                 batch.slot_map = self.pool.window.slot_map(self.scratch_block)
             batch.mirror = self._mirror(rows, layer_wait is not None)
             try:
-                with self.linear_step():
+                with self.linear_step(), self._timing(rows, layer_wait):
                     logits = self._run(rows, batch, inputs).logits[0]
             except BaseException:
                 if self.mirror is not None:
@@ -193,6 +195,14 @@ class PagedRunner:
             if batch.mirror is not None:
                 batch.mirror.advance(rows[0])
         return (logits if extra else logits[keep]).float()
+
+    def _timing(
+        self, rows: Sequence[Row], layer_wait: Callable[[int], None] | None
+    ) -> AbstractContextManager:
+        """The prefill clock's timing of this forward: not while it waits on tier loads."""
+        if self.prefill_clock is None or layer_wait is not None:
+            return nullcontext()
+        return self.prefill_clock.timing(prompt_tokens([r.num_new for r in rows]))
 
     def _mirror(self, rows: Sequence[Row], loading: bool) -> DecodeMirror | None:
         """The decode mirror for the step, if it can have one: not while blocks are still

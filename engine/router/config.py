@@ -119,7 +119,8 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
             default=getattr(defaults, f"{name}_block_cost"),
             metavar="FRACTION",
             help=f"loading a block from a replica's {medium} tier, as a fraction of "
-            f"prefilling it, 0..1 (default {getattr(defaults, f'{name}_block_cost'):g})",
+            f"prefilling it, 0..1 (default {getattr(defaults, f'{name}_block_cost'):g}), until "
+            "the replica publishes the one it measured",
         )
     parser.add_argument(
         "--device-affinity",

@@ -54,6 +54,7 @@ class Replica:
     failures: int = 0
     pending: tuple[float, frozenset] = (0.0, frozenset())  # (monotonic, keys) last routed
     info: dict | None = None  # /health's "cache": block size, namespace, events ports (None: down)
+    read_costs: dict[str, float] = field(default_factory=dict)  # medium -> its measured cost
     model: str | None = None  # the model name it serves (/health's "model")
     events: object | None = None  # its EventSubscriber, when it publishes events and is up
 
@@ -86,6 +87,22 @@ class Replica:
         self.alive, self.failures = self.status in SERVING, 0
         if isinstance(body.get("model"), str):
             self.model = body["model"]
+        self.read_costs = measured_costs(body.get("read_costs"))
+
+
+def measured_costs(value: object) -> dict[str, float]:
+    """A /health's `read_costs` (medium -> a block's load as a fraction of computing it, as
+    the replica's read gate measured it), keeping only well-formed entries."""
+    if not isinstance(value, dict):
+        return {}
+    return {
+        medium: float(cost)
+        for medium, cost in value.items()
+        if medium in SPILL_MEDIA
+        and isinstance(cost, int | float)
+        and not isinstance(cost, bool)
+        and 0 <= cost <= 1
+    }
 
 
 class Fleet:
@@ -264,7 +281,9 @@ class Fleet:
         blocks = [self.blocks(r) for r in self.replicas]
         loads = [r.load() for r in self.replicas]
         bs = self._namespace.block_size if self._namespace else 1
-        choice = choose_replica(keys, num_tokens, bs, blocks, loads, self.config.routing, live)
+        measured = [r.read_costs for r in self.replicas]
+        config = self.config.routing
+        choice = choose_replica(keys, num_tokens, bs, blocks, loads, config, live, measured)
         self.counts["fallback" if choice.fallback else "kv"] += 1
         return self.replicas[choice.replica], choice
 
@@ -282,7 +301,9 @@ class Fleet:
         last token is computed again."""
         held = self.blocks(replica)
         bs = self._namespace.block_size if self._namespace else 1
-        cached = held_prefix(held, keys, self.config.routing)[0] * bs if held is not None else 0
+        if held is None:
+            return 0
+        cached = held_prefix(held, keys, self.config.routing, replica.read_costs)[0] * bs
         return min(cached, max(num_tokens - 1, 0))
 
     def _round_robin(self, live: list[int]) -> Replica:

@@ -37,7 +37,7 @@ from engine.server.config import (
     server_config_from_args,
 )
 from engine.server.heap import QuietTrimmer, cap_malloc_arenas
-from engine.server.service import Service
+from engine.server.service import Service, read_costs
 from kvstore.fleet.events import EventSink
 from kvstore.stores.redis import redact_url
 
@@ -86,6 +86,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         body |= {"queued_tokens": queue.queued_tokens, "running_tokens": queue.running_tokens}
         body["tiers"] = state.tiers
         body["cache"] = service.cache_info  # what a router needs to hash like this replica
+        body["read_costs"] = await run_in_threadpool(read_costs, engine)  # and to price tiers
         return JSONResponse(body, status_code=state.http_status)
 
     @app.get("/metrics")

@@ -109,6 +109,24 @@ def retention_families(retention: dict) -> Iterator[Metric]:
         yield CounterMetricFamily(name, help_text, value=retention.get(field, 0))
 
 
+def read_gate_gauges(gate: dict | None) -> Iterator[Metric]:
+    """What the read gate weighs (kvstore/tiers/gate.py): the engine's measured prefill
+    throughput and each tier's measured read bandwidth (absent until measured)."""
+    if gate is None:
+        return
+    help_text = "prompt tokens per second of the engine's prefill forwards (moving figure)"
+    metric = GaugeMetricFamily("kvstore_prefill_tokens_per_second", help_text)
+    if gate["prefill_tokens_per_s"] is not None:
+        metric.add_metric([], gate["prefill_tokens_per_s"])
+    yield metric
+    help_text = "payload bytes per second of a tier's whole reads: round trip, copy, checks"
+    metric = GaugeMetricFamily("kvstore_tier_read_bytes_per_second", help_text, labels=["tier"])
+    for tier, value in sorted(gate["bandwidth_bytes_per_s"].items()):
+        if value is not None:
+            metric.add_metric([tier], value)
+    yield metric
+
+
 def queue_gauges(queue: QueueStats) -> Iterator[Metric]:
     yield GaugeMetricFamily("kvstore_queue_waiting", "requests waiting", value=queue.waiting)
     yield GaugeMetricFamily("kvstore_requests_running", "requests running", value=queue.running)
@@ -128,6 +146,7 @@ class EngineCollector(Collector):
         yield from store_families(tiers)
         yield breaker_state(tiers)
         yield from retention_families(stats.get("retention", {}))
+        yield from read_gate_gauges(stats.get("read_gate"))
         yield from queue_gauges(self._queue())
 
 

@@ -70,6 +70,23 @@ def cache_info(engine: Engine, config: ServerConfig) -> dict:
     }
 
 
+def read_costs(engine: Engine) -> dict[str, float]:
+    """Per spill medium, loading a block as a fraction of computing it, as this replica's
+    read gate measured them (capped at 1: a dearer tier is not read); what it has not
+    measured yet is left out. A router prices this replica's tier blocks with them."""
+    tiers = engine.cache.tiers
+    gate = tiers.gate.snapshot() if tiers else None
+    compute = gate["block_compute_s"] if gate else None
+    if not compute:
+        return {}
+    fetch = gate["block_fetch_s"]
+    return {
+        TIER_MEDIUM[tier]: min(1.0, seconds / compute)
+        for tier, seconds in fetch.items()
+        if seconds is not None and tier in TIER_MEDIUM
+    }
+
+
 class Service:
     """Engine, auth and metrics of one server."""
 

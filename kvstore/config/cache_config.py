@@ -66,6 +66,8 @@ class CacheConfig:
     codec: str = "none"
     chunk_blocks: int = 1  # blocks per stored entry
     layer_loads: bool = False  # tier hits reach the pool layer by layer during the forward
+    tier_read_gate: bool = True  # read a tier only when fetching beats recomputing
+    tier_reprobe_s: float = 30.0  # a tier the gate skipped is read again after this long
     redis_write_policy: str = "write-through"
     lmdb_write_policy: str = "write-through"
     memory_write_policy: str = "write-back"
@@ -142,6 +144,10 @@ class CacheConfig:
         if not isinstance(self.layer_loads, bool):
             raise ConfigError("layer_loads", f"must be true or false, got {self.layer_loads!r}")
         _positive("flush_timeout_s", self.flush_timeout_s, allow_none=False)
+        if not isinstance(self.tier_read_gate, bool):
+            why = f"must be true or false, got {self.tier_read_gate!r}"
+            raise ConfigError("tier_read_gate", why)
+        _positive("tier_reprobe_s", self.tier_reprobe_s, allow_none=False)
 
     def _check_retention(self) -> None:
         frac = self.retention_max_fraction

@@ -75,6 +75,13 @@ FIELD_HELP = {
     "runs, each attention layer waiting for its own K/V only (full-attention models, codec "
     "`none`; docs/FORMAT.md); false: a lookup reads and verifies whole entries first, which "
     "measured faster on 2 CPU cores and on an H100 (docs/BENCHMARKS.md)",
+    "tier_read_gate": "a lookup reads a spill tier only when fetching its blocks (their bytes "
+    "over the bandwidth the tier's reads have shown) beats computing their tokens (the "
+    "engine's measured prefill throughput); otherwise it computes them, as on a miss, and "
+    "counts `kvstore_tier_read_skipped_total` (docs/ARCHITECTURE.md). False: every tier hit "
+    "is read",
+    "tier_reprobe_s": "seconds after which a tier the read gate skipped is read once again, "
+    "to measure it anew",
     "redis_write_policy": f"when Redis is written: {_WRITE_POLICY}",
     "lmdb_write_policy": f"when LMDB is written: {_WRITE_POLICY}",
     "memory_write_policy": f"when the host-RAM tier is written: {_WRITE_POLICY}",

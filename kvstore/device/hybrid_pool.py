@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
@@ -25,6 +26,7 @@ from kvstore.device.pool import (
     pool_blocks,
     resolve_device,
 )
+from kvstore.device.staging import Stage
 from kvstore.device.window_plane import WindowPlane
 from kvstore.layout import LayerKV, split_layers
 
@@ -141,16 +143,13 @@ class HybridPool(BlockPool):
         if block_ids:
             self.window.kv[self.window.slots(block_ids)] = 0
 
-    def destinations(
-        self, block_ids: Sequence[int], in_place: bool = False
-    ) -> list[torch.Tensor | memoryview]:
-        """Staging blocks: a block's layers are in two planes (`write_staged` writes them)."""
+    def destinations(self, block_ids: Sequence[int]) -> list[torch.Tensor | memoryview]:
+        """Staging blocks: a block's layers are in two planes (`staged_reads` writes them)."""
         return [torch.empty(self.layout.block_shape, dtype=self.dtype) for _ in block_ids]
 
-    def write_staged(
-        self, block_ids: Sequence[int], staged: Sequence[torch.Tensor | memoryview]
-    ) -> None:
-        self.write_blocks(block_ids, staged)  # type: ignore[arg-type]
+    def staged_reads(self, max_blocks: int) -> AbstractContextManager[Stage]:
+        """Whole blocks in host tensors, written into both planes per tier."""
+        return nullcontext(_PlaneStage(self))
 
     def incref(self, block_ids: Sequence[int], window: bool = True) -> None:
         """With `window` the new owner holds the block's window part too, which the block
@@ -223,3 +222,18 @@ def _check_window_layers(window_layers: Sequence[int], num_layers: int) -> list[
             "windowed is a window-only model (pass the window alone)"
         )
     return layers
+
+
+class _PlaneStage(Stage):
+    """A hybrid pool's lookup: each block read into a tensor of its own, then written."""
+
+    def __init__(self, pool: HybridPool):
+        self.pool, self.staged = pool, []
+
+    def destinations(self, block_ids: Sequence[int]) -> list[torch.Tensor | memoryview]:
+        fresh = self.pool.destinations(block_ids)
+        self.staged += fresh
+        return fresh
+
+    def upload(self, block_ids: Sequence[int], first: int) -> None:
+        self.pool.write_blocks(block_ids, self.staged[first : first + len(block_ids)])

@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 
 import numpy as np
 import torch
 
 from hashing import Namespace
 from kvstore.config import CacheConfig, ConfigError
+from kvstore.device.staging import HostStaging, InPlace, Stage
 from kvstore.device.window_plane import WindowPlane
 from kvstore.layout import KVLayout, LayerKV, layers_to_blocks, split_layers, tensor_bytes
-
-STAGED_BYTES = 64 << 20  # a GPU pool's tier reads move in transfers of at most this much
 
 
 class PoolExhausted(RuntimeError):
@@ -91,10 +91,11 @@ class BlockPool:
         # flat and writable, in the entry payload's byte order (a big-endian host has none)
         little_cpu = device.type == "cpu" and sys.byteorder == "little"
         self._raw = tensor_bytes(self.kv) if little_cpu else None
-        # a GPU pool: tier reads land in host memory, verified there in one pass, and reach
-        # the pool in few transfers (with a copy per block, a 112-block hit took 13 ms over
-        # the ideal on an H100: docs/BENCHMARKS.md)
+        # a GPU pool: tier reads land in host staging, verified there in one pass, and reach
+        # the pool in a transfer per tier (with a copy per block, a 112-block hit took 13 ms
+        # over the ideal on an H100: docs/BENCHMARKS.md)
         self.stages_on_host = device.type != "cpu" and sys.byteorder == "little"
+        self._staging: HostStaging | None = None  # made at the first staged lookup
         self.ref_cnt = np.zeros(num_blocks, dtype=np.int32)
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # stack: pops 0, 1, 2...
         self.num_allocated = 0  # blocks `allocate` handed out since the pool was made
@@ -148,45 +149,29 @@ class BlockPool:
         """Zero the window parts of blocks (a hybrid pool's)."""
         return None
 
-    def destinations(
-        self, block_ids: Sequence[int], in_place: bool = False
-    ) -> list[torch.Tensor | memoryview]:
-        """Where tier reads land: each block's raw bytes (a CPU pool: no tensor per block),
-        host bytes that `write_staged` moves to a GPU pool, or (`in_place`, or a big-endian
-        host) the block's tensor [layers, 2, kv_heads, block_size, head_dim]."""
+    def destinations(self, block_ids: Sequence[int]) -> list[torch.Tensor | memoryview]:
+        """The pool blocks' own memory, where reads may land: each block's raw bytes (a CPU
+        pool: no tensor per block), or (a GPU pool, a big-endian host) the block's tensor
+        [layers, 2, kv_heads, block_size, head_dim]."""
         raw, size = self._raw, self.bytes_per_block
-        if not block_ids:
-            return []
-        if self.stages_on_host and not in_place:
-            raw = tensor_bytes(
-                torch.empty((len(block_ids), *self.layout.block_shape), dtype=self.dtype)
-            )
-            return [raw[i * size : (i + 1) * size] for i in range(len(block_ids))]
         if raw is None:
             return [self.kv[i] for i in block_ids]
         return [raw[i * size : (i + 1) * size] for i in block_ids]
 
-    def write_staged(
-        self, block_ids: Sequence[int], staged: Sequence[torch.Tensor | memoryview]
-    ) -> None:
-        """Write what `destinations` staged for `block_ids`: a GPU pool's host bytes, gathered
-        into a pinned buffer and copied in a transfer per `STAGED_BYTES` (a CPU pool's are
-        its own memory)."""
+    def staged_reads(self, max_blocks: int) -> AbstractContextManager[Stage]:
+        """Where a promoted lookup of at most `max_blocks` blocks lands and how it reaches
+        the pool (kvstore/device/staging.py): reusable host staging and a transfer per tier
+        on a GPU pool, the pool's own bytes on a CPU one."""
         if not self.stages_on_host:
-            return
-        size = self.bytes_per_block
-        step = max(1, STAGED_BYTES // size)  # bounds the device memory a transfer takes
-        for lo in range(0, len(block_ids), step):
-            ids, views = block_ids[lo : lo + step], staged[lo : lo + step]
-            host = torch.empty(
-                (len(ids), *self.layout.block_shape),
-                dtype=self.dtype,
-                pin_memory=self.device.type == "cuda",
-            )
-            flat = tensor_bytes(host)
-            for i, view in enumerate(views):
-                flat[i * size : (i + 1) * size] = view
-            self.kv.index_copy_(0, self._ids(ids), host.to(self.device))
+            return nullcontext(InPlace(self.destinations))
+        if self._staging is None:
+            self._staging = HostStaging(self.kv, self.layout)
+        return self._staging.lookup(max_blocks)
+
+    @property
+    def num_transfers(self) -> int:
+        """Staged uploads into the pool so far (one per tier of each promoted lookup)."""
+        return 0 if self._staging is None else self._staging.num_transfers
 
     def incref(self, block_ids: Sequence[int], window: bool = True) -> None:
         """One more owner of each block (with `window`, of its window part too: a hybrid

@@ -17,7 +17,7 @@ from kvstore.hits import CacheHit, PendingLoad
 from kvstore.index import TreeNode
 from kvstore.metrics import DEVICE_TIER
 from kvstore.scopes import Scope
-from kvstore.tiers import Tiers
+from kvstore.tiers import Allocate, Segment, Tiers
 from kvstore.tiers.layered import LayerLoad, LayerLoader
 
 
@@ -51,14 +51,10 @@ class Promoter:
         """Copy verified tier blocks from block `start` on into fresh pool blocks, index them,
         move the hit's lock (and its `windows`: returns those it holds now)."""
         new_ids: list[int] = []
-        staged: list[torch.Tensor | memoryview] = []  # a hybrid pool's: written after
-        allocate = self._allocator(tenant, new_ids, staged)
         num_device = len(hit.block_ids)
         try:
-            segments = self.tiers.reader.fetch_into(scope, hit.keys, tokens, start, allocate)
+            segments = self._fetch(scope, hit.keys, tokens, tenant, start, new_ids)
             got = sum(segment.num_blocks for segment in segments)
-            if got:
-                self.pool.write_staged(new_ids[:got], staged[:got])
         except BaseException:
             with self._lock:
                 self.pool.free(new_ids)
@@ -81,14 +77,35 @@ class Promoter:
         self.metrics.inc("promoted_blocks_total", got)
         return taken
 
+    def _fetch(
+        self,
+        scope: Scope,
+        keys: list[bytes],
+        tokens: np.ndarray,
+        tenant: str,
+        start: int,
+        new_ids: list[int],
+    ) -> list[Segment]:
+        """Verified tier blocks from block `start` on, in fresh pool blocks (`new_ids`, in
+        the order they were read), each tier's moved into the pool as soon as it is read."""
+        with self.pool.staged_reads(len(keys) - start) as stage:
+            allocate = self._allocator(tenant, new_ids, stage.destinations)
+            moved = 0
+
+            def upload(segment: Segment) -> None:
+                nonlocal moved  # rows [moved, moved + n) are the segment's blocks
+                stage.upload(new_ids[moved : moved + segment.num_blocks], moved)
+                moved += segment.num_blocks
+
+            return self.tiers.reader.fetch_into(scope, keys, tokens, start, allocate, upload)
+
     def start_layered(
         self, scope: Scope, hit: CacheHit, tokens: np.ndarray, tenant: str, start: int
     ) -> None:
         """Promise the tier blocks from block `start` on (fresh pool blocks the hit holds,
         not indexed) and start their layer-by-layer load (`hit.pending`)."""
         new_ids: list[int] = []
-        staged: list[torch.Tensor | memoryview] = []
-        allocate = self._allocator(tenant, new_ids, staged, in_place=True)  # the pool's own
+        allocate = self._allocator(tenant, new_ids, self.pool.destinations)  # the pool's own
         assert self.loader is not None
         try:
             load = self.tiers.reader.start_layered(
@@ -147,13 +164,22 @@ class Promoter:
         return done, got
 
     def _record(self, load: LayerLoad) -> None:
-        """The entries the load found failing: deleted if damaged, counted (`Rejections`)."""
+        """The entries the load found failing: deleted if damaged, counted (`Rejections`);
+        the reads the loader made, told to the read gate."""
         for store, key, error in load.failures:
             self.tiers.reader.rejections.record(store, [(key, error)])
+        for part in load.parts:
+            blocks = self.tiers.reader.chunk_blocks * len(part.values or ())
+            self.tiers.gate.observe_read(part.store.name, blocks, part.read_s)
 
-    def _allocator(self, tenant: str, new_ids: list[int], staged: list, in_place: bool = False):
-        """`allocate(n)` for `fetch_into`: up to n fresh blocks of the tenant's quota, and
-        where their reads land (`BlockPool.destinations`)."""
+    def _allocator(
+        self,
+        tenant: str,
+        new_ids: list[int],
+        destinations: Callable[[Sequence[int]], list[torch.Tensor | memoryview]],
+    ) -> Allocate:
+        """`allocate(n)` for the reader: up to n fresh blocks of the tenant's quota (their
+        ids appended to `new_ids`), and where their reads land (`destinations(ids)`)."""
 
         def allocate(n: int) -> list[torch.Tensor | memoryview]:
             with self._lock:
@@ -162,8 +188,7 @@ class Promoter:
             if not ids:
                 return []
             new_ids.extend(ids)
-            staged.extend(self.pool.destinations(ids, in_place))
-            return staged[len(staged) - len(ids) :]
+            return destinations(ids)
 
         return allocate
 

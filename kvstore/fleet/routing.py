@@ -19,8 +19,11 @@ The cost of sending a request to replica r is the work ahead of its first token 
 
 Each block of the prompt's prefix is priced by the cheapest medium that holds it on r: the
 device is free, a spill medium costs its `*_block_cost` (a fraction of computing the block
-again). The prefix ends at the first block no medium holds: the cache computes every block
-after it anyway. With device blocks only (a `BlockSet`) the load sum is 0.
+again), or the fraction replica r measured itself when it publishes one (its read gate's
+fetch time over its prefill time per block, capped at 1: a tier dearer than computing is
+not read there, kvstore/tiers/gate.py). The prefix ends at the first block no medium
+holds: the cache computes every block after it anyway. With device blocks only (a
+`BlockSet`) the load sum is 0.
 
 `device_affinity` values a device copy beyond the prefill it saves now: a turn sent
 elsewhere strands it (the conversation's next turns would hit it there) and makes another
@@ -45,7 +48,7 @@ the request) exceeds the least loaded candidate's by at most `key_load_slack`
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -155,15 +158,20 @@ class HeldPrefix(NamedTuple):
 
 
 def held_prefix(
-    held: BlockSet | MediaBlocks, keys: Sequence[BlockHash], config: RoutingConfig
+    held: BlockSet | MediaBlocks,
+    keys: Sequence[BlockHash],
+    config: RoutingConfig,
+    measured: Mapping[str, float] | None = None,
 ) -> HeldPrefix:
     """The leading `keys` some medium of the replica holds: each block at its cheapest
-    medium, the device free."""
+    medium, the device free. `measured`: the replica's own load cost per medium (its read
+    gate's figures), which replace the configured ones."""
     if not isinstance(held, MediaBlocks):
         n = held.num_prefix_blocks(keys)
         return HeldPrefix(n, 0.0, n)
+    costs = measured or {}
     # the raw sets, cheapest first: this runs per replica for every request routed
-    tiers = [(config.block_cost(m), s.blocks) for m, s in held.tiers.items()]
+    tiers = [(costs.get(m, config.block_cost(m)), s.blocks) for m, s in held.tiers.items()]
     tiers.sort(key=lambda tier: tier[0])
     device, load = held.device, 0.0
     n = on_device = device.num_prefix_blocks(keys)
@@ -198,11 +206,13 @@ def choose_replica(
     loads: Sequence[ReplicaLoad],
     config: RoutingConfig,
     candidates: Sequence[int] | None = None,
+    measured: Sequence[Mapping[str, float] | None] | None = None,
 ) -> RouteChoice:
     """The replica among `candidates` (default all) with the cheapest cost for a prompt of
     `num_prompt_tokens` whose whole blocks have the lookup keys `keys`. A replica holding
     every block still computes the last token (it runs it again for its logits), and still
-    loads every block it holds in a spill tier."""
+    loads every block it holds in a spill tier: at `measured[i]`'s cost per medium where
+    replica i published one (`held_prefix`), else the configured one."""
     pool = range(len(loads)) if candidates is None else candidates
     if not pool:
         raise ValueError("no replica to route to")
@@ -211,7 +221,7 @@ def choose_replica(
     for i in pool:
         held, weight = blocks[i], 0.0
         if not fallback and held is not None:
-            prefix = held_prefix(held, keys, config)
+            prefix = held_prefix(held, keys, config, measured[i] if measured else None)
             cached[i], weight = prefix.num_blocks * block_size, prefix.weight(config)
         cached[i] = min(cached[i], max(num_prompt_tokens - 1, 0))  # the last token is computed
         uncached = num_prompt_tokens - cached[i]

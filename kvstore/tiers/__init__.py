@@ -32,6 +32,7 @@ from kvstore.scopes import Scope
 from kvstore.stores import SpillStore
 from kvstore.tiers.events import TierEvents
 from kvstore.tiers.fetch import Allocate, Segment, TierReader
+from kvstore.tiers.gate import ReadGate
 from kvstore.tiers.policy import WritePolicies
 from kvstore.tiers.writer import PendingRetain, PendingWrite, TierWriter
 
@@ -39,6 +40,7 @@ __all__ = [
     "Allocate",
     "PendingRetain",
     "PendingWrite",
+    "ReadGate",
     "Segment",
     "TierWriter",
     "Tiers",
@@ -67,7 +69,14 @@ class Tiers:
         self.stores = list(stores)
         self.chunk_blocks = config.chunk_blocks
         self.policies = WritePolicies(config, self.stores, write_back_at_commit)
-        self.reader = TierReader(self.stores, pool.layout, config.chunk_blocks, metrics)
+        self.gate = ReadGate(
+            pool.layout.bytes_per_block,
+            pool.block_size,
+            metrics,
+            config.tier_read_gate,
+            config.tier_reprobe_s,
+        )
+        self.reader = TierReader(self.stores, pool.layout, config.chunk_blocks, metrics, self.gate)
         self.events = [_events(s, events, pool.block_size, self.chunk_blocks) for s in stores]
         self.writer = TierWriter(
             self.stores, config.codec, config.write_queue_blocks, metrics, events=self.events

@@ -14,6 +14,7 @@ goes through `decode_entry`, which says why it fails.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -26,6 +27,7 @@ from kvstore.layout import KVLayout, as_block, entry_to_blocks, token_bytes
 from kvstore.metrics import CacheMetrics
 from kvstore.scopes import Scope
 from kvstore.stores import SpillStore
+from kvstore.tiers.gate import ReadGate
 from kvstore.tiers.layered import (
     LayerLoad,
     LayerLoader,
@@ -65,9 +67,12 @@ class TierReader:
         layout: KVLayout,
         chunk_blocks: int,
         metrics: CacheMetrics,
+        gate: ReadGate,
     ):
+        """`gate`: whether a tier is worth reading now (kvstore/tiers/gate.py); it is told
+        what each whole read took."""
         self.stores, self.layout, self.metrics = stores, layout, metrics
-        self.chunk_blocks = chunk_blocks
+        self.chunk_blocks, self.gate = chunk_blocks, gate
         self.rejections = Rejections(metrics)
 
     def fetch_into(
@@ -77,9 +82,11 @@ class TierReader:
         token_ids: np.ndarray,
         start: int,
         allocate: Allocate,
+        on_segment: Callable[[Segment], None] | None = None,
     ) -> list[Segment]:
         """Copy verified blocks keys[start:] into destinations, tier by tier; a tier is asked
-        only for what faster ones missed. Returns how many blocks each tier gave, in order.
+        only for what faster ones missed. Returns how many blocks each tier gave, in order,
+        each also told to `on_segment` once its tier is read (before the next tier is asked).
 
         `allocate(n)` returns up to n destination blocks (pool block tensors or their raw
         bytes; an upper bound: verification may stop early, the caller frees the rest).
@@ -95,7 +102,12 @@ class TierReader:
             todo = [end for end in ends if end > pos]
             if pos >= limit or not todo:
                 break
-            with store.read_prefix([keys[end - 1] for end in todo]) as values:
+            wanted = [keys[end - 1] for end in todo]
+            if not self.gate.allows(store.name, min(limit, todo[-1]) - pos):
+                self._skip(store, wanted, todo, pos, limit)
+                continue
+            began = time.perf_counter()
+            with store.read_prefix(wanted) as values:
                 if not values:
                     continue
                 if digests is None:
@@ -103,10 +115,22 @@ class TierReader:
                 dst += allocate(min(limit, todo[len(values) - 1]) - pos - len(dst))
                 read = _Read(scope, store, keys, digests, token_ids, token_bytes(token_ids))
                 got = self._read(read, values, todo, pos, dst)
+            self.gate.observe_read(store.name, len(values) * n, time.perf_counter() - began)
             if got:
                 segments.append(Segment(store.name, got))
                 pos, dst = pos + got, dst[got:]
+                if on_segment is not None:
+                    on_segment(segments[-1])
         return segments
+
+    def _skip(
+        self, store: SpillStore, wanted: list[bytes], ends: list[int], pos: int, limit: int
+    ) -> None:
+        """The gate kept the lookup from reading `store`: count the blocks of [pos, limit)
+        it held (its leading entries `wanted`, of the chunks ending at `ends`; one count)."""
+        held = store.count_prefix(wanted)
+        if held:
+            self.gate.skipped(store.name, min(limit, ends[held - 1]) - pos)
 
     def start_layered(
         self,
@@ -153,6 +177,9 @@ class TierReader:
             if pos >= limit or not todo:
                 break
             wanted = [keys[end - 1] for end in todo]
+            if not self.gate.allows(store.name, min(limit, todo[-1]) - pos):
+                self._skip(store, wanted, todo, pos, limit)
+                continue
             values = load.enter(store.read_prefix(wanted)) if store.reads_in_place else None
             count = len(values) if values is not None else store.count_prefix(wanted)
             if not count:

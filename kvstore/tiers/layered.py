@@ -68,6 +68,7 @@ class LoadPart:
     values: list[bytes | memoryview] | None
     num_ok: int = 0  # leading entries whose header matched
     num_verified: int = 0  # leading entries whose checksum matched too
+    read_s: float = 0.0  # the loader's read of `values` (0: read at lookup time)
 
     def blocks_of(self, num_entries: int) -> int:
         return sum(e.hi - e.lo for e in self.entries[:num_entries])
@@ -266,8 +267,10 @@ def _read(part: LoadPart, expected: ExpectedEntry) -> None:
     """The part's values from its store, on the loader; the leading entries whose header is
     the expected one count. One that differs is not recorded here: it was promised, so the
     request computes again, and that lookup's whole read records it (once)."""
+    start = time.perf_counter()
     with part.store.read_prefix([e.key for e in part.entries]) as values:
         part.values = list(values)
+    part.read_s = time.perf_counter() - start
     part.num_ok = leading_headers(part, expected)
 
 

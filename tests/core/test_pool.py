@@ -84,18 +84,29 @@ def test_pool_is_sized_in_blocks_or_bytes():
     assert pool_blocks(CacheConfig(block_size=BS, device_cache_gb=gb), ns) == 100
 
 
-def test_a_host_staged_pool_takes_tier_bytes_in_one_write_and_in_place_ones_at_once():
+def test_a_host_staged_pool_takes_tier_bytes_in_one_transfer_and_in_place_ones_at_once():
     pool = make_pool("float32")
-    pool.stages_on_host = True  # as a GPU pool: reads land in host memory first
+    pool.stages_on_host = True  # as a GPU pool: reads land in host staging first
     blocks = torch.randn(3, *pool.layout.block_shape)
     raw = [memoryview(block.numpy()).cast("B") for block in blocks]
     pool.zero([6, 2, 3])
-    staged = pool.destinations([6, 2])
-    for view, data in zip(staged, raw[:2], strict=True):
-        view[:] = data
-    assert not pool.read_blocks([6, 2]).any()  # not in the pool yet
-    pool.write_staged([6, 2], staged)
+    with pool.staged_reads(2) as stage:
+        staged = stage.destinations([6, 2])
+        for view, data in zip(staged, raw[:2], strict=True):
+            view[:] = data
+        assert not pool.read_blocks([6, 2]).any()  # not in the pool yet
+        stage.upload([6, 2], 0)
     assert torch.equal(pool.read_blocks([6, 2]), blocks[:2])
-    (own,) = pool.destinations([3], in_place=True)  # a layered load writes the pool itself
+    assert pool.num_transfers == 1
+    (own,) = pool.destinations([3])  # a layered load writes the pool itself
     own[:] = raw[2]
     assert torch.equal(pool.read_blocks([3])[0], blocks[2])
+
+
+def test_a_staged_lookup_cannot_hand_out_more_rows_than_it_asked_for():
+    pool = make_pool("float32")
+    pool.stages_on_host = True
+    with pool.staged_reads(2) as stage:
+        stage.destinations([1, 2])
+        with pytest.raises(ValueError, match="3 rows staged, the lookup asked for 2"):
+            stage.destinations([3])

@@ -262,3 +262,20 @@ def test_a_medium_the_cost_does_not_know_is_refused():
         MediaBlocks(BlockSet(), {"CPU": BlockSet()})
     with pytest.raises(ValueError, match="no load cost for medium 'GPU'"):
         RoutingConfig().block_cost("GPU")
+
+
+def test_a_replicas_measured_tier_cost_replaces_the_configured_one():
+    """Two replicas read one shared Redis holding the prompt; one measured its link at the
+    cost of computing (1.0), the other at 0.01: the same blocks, priced by each replica's
+    own figure (the configured 0.5 is a guess for a replica that published none)."""
+    shared = held(0, 1, 2, 3)
+    blocks = [media(redis=shared), media(redis=shared)]
+    keys, loads, config = [key(i) for i in range(4)], [ReplicaLoad()] * 2, RoutingConfig()
+    alike = choose_replica(keys, 5 * BS, BS, blocks, loads, config)
+    assert alike.replica == 0 and alike.costs[0] == alike.costs[1]  # the tie-break: index
+    measured = [{"REDIS": 1.0}, {"REDIS": 0.01}]
+    choice = choose_replica(keys, 5 * BS, BS, blocks, loads, config, None, measured)
+    assert choice.replica == 1
+    assert choice.costs == [BS + 4 * BS * 1.0, BS + 4 * BS * 0.01]  # the last block + loads
+    partly = choose_replica(keys, 5 * BS, BS, blocks, loads, config, None, [{}, {"HOST": 0.0}])
+    assert partly.costs[0] == partly.costs[1] == BS + 4 * BS * 0.5  # Redis: still configured

@@ -41,3 +41,23 @@ def test_ttft_bench_rejects_a_point_off_the_block_grid(capsys) -> None:
     with pytest.raises(SystemExit):
         main(["--cached", "100"])
     assert "multiple of --block-size" in capsys.readouterr().err
+
+
+def test_ttft_bench_behind_a_throttled_redis_reports_what_the_gate_measured(
+    capsys, redis_server
+) -> None:
+    argv = ["--tier", "redis", "--redis-url", redis_server.url, "--throttle-mbps", "50",
+            "--prompt-tokens", "64", "--cached", "48", "--runs", "1", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    (point,) = json.loads(capsys.readouterr().out)["points"]
+    gate = point["read_gate"]
+    assert gate["enabled"] and gate["prefill_tokens_per_s"] is not None  # the 64-token warm-up
+    assert set(gate["bandwidth_bytes_per_s"]) == {"redis"}  # its first read measured it
+    assert point["read_skipped"] in (0, 1) and point["loaded_tokens"] in (0, 48)
+    assert point["ratio_to_nocache"] > 0
+
+
+def test_ttft_bench_throttles_only_a_redis_it_is_given(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["--tier", "device", "--throttle-mbps", "20"])
+    assert "--throttle-mbps: give a positive rate, and --redis-url" in capsys.readouterr().err

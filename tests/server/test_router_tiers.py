@@ -98,3 +98,14 @@ def test_control_a_router_fed_device_events_only_sends_it_to_a_cold_replica(tier
         second = send_second()
         assert second.status_code == 200, second.text
         assert second.headers[REPLICA] != home.url
+
+
+def test_a_replicas_read_costs_are_kept_only_when_well_formed():
+    from engine.router.fleet import measured_costs
+
+    assert measured_costs({"REDIS": 0.25, "DISK": 1, "HOST": 0.0}) == {
+        "REDIS": 0.25, "DISK": 1.0, "HOST": 0.0
+    }  # fmt: skip
+    bad = {"REDIS": 1.5, "DISK": -0.1, "HOST": "0.1", "GPU": 0.1, "CPU": True}
+    assert measured_costs(bad) == {}
+    assert measured_costs(None) == measured_costs([0.1]) == {}

@@ -93,6 +93,11 @@ def test_hits_from_a_tier_are_counted_by_that_tier(tmp_path):
     assert value(samples, "kvstore_prefix_cache_hits_tokens_total", tier="device") == 0
     assert value(samples, "kvstore_promoted_blocks_total") == cached // BLOCK_SIZE
     assert value(samples, "kvstore_tenant_cached_tokens_total", tenant="") == cached
+    # the read gate: LMDB's read measured (and not skipped); no prefill big enough to time
+    assert value(samples, "kvstore_tier_read_skipped_total", tier="lmdb") == 0
+    assert value(samples, "kvstore_tier_read_skipped_blocks_total", tier="lmdb") == 0
+    assert value(samples, "kvstore_tier_read_bytes_per_second", tier="lmdb") > 0
+    assert not [name for name, _ in samples if name == "kvstore_prefill_tokens_per_second"]
 
 
 def test_device_blocks_count_the_runners_scratch_as_reserved_and_the_states_sum_to_total(
@@ -115,3 +120,17 @@ def test_device_blocks_count_the_runners_scratch_as_reserved_and_the_states_sum_
     for samples, blocks in zip((idle, after), got, strict=True):
         assert value(samples, "kvstore_device_blocks", state="total") == sum(blocks.values()) == 256
     assert "pool 256 blocks of 4 tokens (1 reserved for the runner's scratch) = " in line
+
+
+def test_health_publishes_the_read_costs_the_replicas_gate_measured(tmp_path):
+    """A router prices this replica's tier blocks with them (kvstore/fleet/routing.py)."""
+    with serve(tmp_path) as first:
+        complete(first, PROMPTS[0])
+    with serve(tmp_path) as second:
+        assert second.get("/health").json()["read_costs"] == {}  # nothing measured yet
+        complete(second, "a prompt of its own, long enough to time its prefill: " * 2)
+        complete(second, PROMPTS[0])  # read from LMDB
+        costs = second.get("/health").json()["read_costs"]
+        samples = scrape(second)
+    assert list(costs) == ["DISK"] and 0 <= costs["DISK"] <= 1
+    assert value(samples, "kvstore_prefill_tokens_per_second") > 0
