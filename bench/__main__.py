@@ -10,6 +10,7 @@ from engine.extras import as_missing_extra
 
 BENCHMARKS = {
     "codecs": "tier payload codecs: stored size, encode/decode speed, logit change (tiny model)",
+    "kvquant": "int8/fp8 tier codecs on SmolLM2: perplexity, greedy agreement, logit change",
     "hitrate": "block and token hit rate per eviction policy vs Belady bounds, per capacity",
     "predictability": "how well reuse can be predicted, and what predicting it would be worth",
     "micro": "hash + match + insert cost per block and index bytes per block, 1e4..1e6 blocks",

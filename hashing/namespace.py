@@ -10,7 +10,7 @@ import xxhash
 
 # The entry format version (kvstore.entry) is this one: a new format is a new namespace, so
 # entries of two formats never share a key (a new release never finds, nor blocks, old ones).
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 MAX_SALT_CHARS = 256
 KV_DTYPES = ("float32", "float16", "bfloat16")
 

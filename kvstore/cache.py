@@ -357,9 +357,17 @@ class PrefixCache:
             "device": device,
             "tiers": tiers,
             "read_gate": self.tiers.gate.snapshot() if self.tiers else None,
+            "capacity": self.capacity(),
             "retention": retention,
             **self.metrics.snapshot(),
         }
+
+    def capacity(self) -> dict[str, dict[str, float]]:
+        """Per tier (the device pool first), bytes per block and blocks per GB (1e9 bytes);
+        a spill tier's under the codec, entry header included. No I/O."""
+        size = self.pool.layout.bytes_per_block
+        device = {"device": {"bytes_per_block": size, "blocks_per_gb": 1e9 / size}}
+        return device | (self.tiers.capacity() if self.tiers else {})
 
     def observe_prefill(self, num_tokens: int, seconds: float) -> None:
         """The engine computed `num_tokens` prompt tokens in one forward of `seconds`: what

@@ -41,13 +41,16 @@ def suffix_first_token(model, ids: list[int], past: DynamicCache) -> int:
     return int(torch.argmax(forward_on(model, ids[past.get_seq_length() :], past)))
 
 
-def cache_config_for(tier: str, args: argparse.Namespace, num_blocks: int, tmp: str):
+def cache_config_for(
+    tier: str, args: argparse.Namespace, num_blocks: int, tmp: str, codec: str = "none"
+):
     """Only `tier` besides the device pool (room for the whole prompt, whose suffix the paged
-    prefill writes in place); write-through so a store reaches it at once."""
+    prefill writes in place); write-through so a store reaches it at once; its entries in
+    `codec`."""
     from kvstore.config import CacheConfig
 
     base = {"block_size": args.block_size, "device": args.device, "device_blocks": num_blocks + 8,
-            "tier_read_gate": args.read_gate == "on"}  # fmt: skip
+            "tier_read_gate": args.read_gate == "on", "codec": codec}  # fmt: skip
     tier, _, how = tier.partition(":")  # "memory:layers" / "memory:whole": layer_loads
     if how:  # on / off; plain: the default
         base["layer_loads"] = how == "layers"
@@ -86,11 +89,14 @@ def timed(fn: Callable[[], int]) -> tuple[float, int]:
     return time.perf_counter() - start, token
 
 
-def measure_point(lm, ids: list[int], kv: list, tier: str, cached: int, args) -> dict:
+def measure_point(
+    lm, ids: list[int], kv: list, tier: str, cached: int, args, codec: str = "none"
+) -> dict:
     from engine.loop.engine import Engine
 
     with tempfile.TemporaryDirectory() as tmp:
-        config = cache_config_for(tier, args, -(-len(ids) // args.block_size), tmp)  # the prompt
+        blocks = -(-len(ids) // args.block_size)  # the prompt's
+        config = cache_config_for(tier, args, blocks, tmp, codec)
         with Engine(lm, config) as engine:
             for store in engine.cache.tiers.stores if engine.cache.tiers else ():
                 store.clear()  # exactly this prefix: nothing left from an earlier point or run
@@ -98,7 +104,7 @@ def measure_point(lm, ids: list[int], kv: list, tier: str, cached: int, args) ->
             layers = [(k[:, :, :cached], v[:, :, :cached]) for k, v in kv]
             engine.on_loop(lambda: engine.cache.store(ids[:cached], layers))
             point = measure_variants(engine, ids, kv, tier, cached, args)
-            return point | {"read_gate": engine.cache.stats()["read_gate"]}
+            return point | {"codec": codec, "read_gate": engine.cache.stats()["read_gate"]}
 
 
 def unrelated(ids: list[int]) -> list[int]:
@@ -200,6 +206,12 @@ def with_device_ratio(points: list[dict]) -> list[dict]:
     return points
 
 
+def tier_label(point: dict) -> str:
+    """The tier, and its codec when it is not `none`."""
+    codec = point.get("codec", "none")
+    return point["tier"] if codec == "none" else f"{point['tier']} {codec}"
+
+
 def device_cell(point: dict) -> str:
     ratio = point.get("ratio_to_device")
     return "-" if ratio is None else f"{ratio:.3f}"
@@ -221,7 +233,7 @@ def print_table(
         table.add_column(col, justify="right")
     for p in points:
         table.add_row(
-            p["tier"],
+            tier_label(p),
             str(p["prompt_tokens"]),
             str(p["cached_tokens"]),
             f"{p['ttft_nocache_s'] * 1e3:.1f}",

@@ -60,6 +60,8 @@ SEED_NEW_TOKENS = 2  # a request must outlive its prefill step for its blocks to
 def sweep_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
     """Sweep grid: args.grid is [(prompt_tokens, cached_fraction, cached_tokens)]."""
     args.runs = 3 if args.runs is None else args.runs
+    if args.codec != "none":
+        p.error("--codec: the sweep runs codec none; run --codec without --sweep")
     default = "device,memory,lmdb" + (",redis" if args.redis_url else "")
     names = [t.strip() for t in (args.tier or default).split(",") if t.strip()]
     args.tiers = [t for t in names if t != "none"]

@@ -87,6 +87,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         body["tiers"] = state.tiers
         body["cache"] = service.cache_info  # what a router needs to hash like this replica
         body["read_costs"] = await run_in_threadpool(read_costs, engine)  # and to price tiers
+        body["capacity"] = engine.cache.capacity()  # bytes per block, blocks per GB, per tier
         return JSONResponse(body, status_code=state.http_status)
 
     @app.get("/metrics")

@@ -127,6 +127,19 @@ def read_gate_gauges(gate: dict | None) -> Iterator[Metric]:
     yield metric
 
 
+def capacity_gauges(capacity: dict[str, dict[str, float]]) -> Iterator[Metric]:
+    """Per tier (device included), a block's bytes there and blocks per GB (1e9 bytes)."""
+    for name, key, help_text in (
+        ("kvstore_tier_block_bytes", "bytes_per_block", "bytes a KV block takes in a tier "
+         "(a spill tier's under its codec, entry header included)"),
+        ("kvstore_tier_blocks_per_gb", "blocks_per_gb", "KV blocks a tier holds per GB"),
+    ):  # fmt: skip
+        metric = GaugeMetricFamily(name, help_text, labels=["tier"])
+        for tier, figures in capacity.items():
+            metric.add_metric([tier], figures[key])
+        yield metric
+
+
 def queue_gauges(queue: QueueStats) -> Iterator[Metric]:
     yield GaugeMetricFamily("kvstore_queue_waiting", "requests waiting", value=queue.waiting)
     yield GaugeMetricFamily("kvstore_requests_running", "requests running", value=queue.running)
@@ -147,6 +160,7 @@ class EngineCollector(Collector):
         yield breaker_state(tiers)
         yield from retention_families(stats.get("retention", {}))
         yield from read_gate_gauges(stats.get("read_gate"))
+        yield from capacity_gauges(stats.get("capacity", {}))
         yield from queue_gauges(self._queue())
 
 

@@ -11,11 +11,18 @@ if TYPE_CHECKING:
     from hashing import Namespace
 
 POLICY_NAMES = ("lru", "lfu", "slru", "s3fifo", "as3fifo", "arc", "lhd")
-CODEC_NAMES = ("none", "fp16", "bf16", "lz4", "zstd")
+CODEC_NAMES = ("none", "fp16", "bf16", "lz4", "zstd", "int8", "fp8")
 # Max |logit change| each tier codec may cause against the no-cache reference. Lossless: the
 # fp32 contract. fp16 keeps 11 significant bits: the contract's 16-bit tolerance. bf16 keeps
-# 8: eight times fp16's rounding error, so eight times its tolerance.
-CODEC_TOLERANCE = {"none": 1e-4, "lz4": 1e-4, "zstd": 1e-4, "fp16": 2e-2, "bf16": 8 * 2e-2}
+# 8: eight times fp16's rounding error, so eight times its tolerance. int8 rounds to a step
+# of amax/127 per token and head: at a typical value (a third to a quarter of that amax)
+# three to four times bf16's error. fp8 (e4m3) keeps 4 significant bits: sixteen times
+# bf16's error. docs/FORMAT.md, "Payload codecs".
+_BF16 = 8 * 2e-2
+CODEC_TOLERANCE = {
+    **{"none": 1e-4, "lz4": 1e-4, "zstd": 1e-4, "fp16": 2e-2, "bf16": _BF16},
+    **{"int8": 4 * _BF16, "fp8": 16 * _BF16},
+}
 WRITE_POLICIES = ("write-through", "write-back", "selective", "off")
 
 

@@ -69,7 +69,9 @@ FIELD_HELP = {
     "miss at once)",
     "breaker_cooldown_s": "how long the breaker stays open before one probe call",
     "codec": "payload codec of tier entries: `none`, `fp16`/`bf16` (lossy downcast of fp32 "
-    "KV), `lz4`, `zstd` (lossless); part of the namespace",
+    "KV), `lz4`, `zstd` (lossless), `int8`/`fp8` (lossy: about a quarter of fp32's bytes, "
+    "a bfloat16 scale per token, layer, K/V and KV head; docs/FORMAT.md); part of the "
+    "namespace",
     "chunk_blocks": "blocks per tier entry (one key per chunk of N consecutive blocks)",
     "layer_loads": "the engine's tier hits reach the pool layer by layer while the forward "
     "runs, each attention layer waiting for its own K/V only (full-attention models, codec "

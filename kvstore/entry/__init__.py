@@ -17,6 +17,7 @@ from kvstore.entry.format import (
     BlockEntry,
     EntryError,
     EntryHeader,
+    fixed_entry_bytes,
     max_entry_bytes,
     read_header,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "ExpectedEntry",
     "decode_entry",
     "encode_entry",
+    "fixed_entry_bytes",
     "max_entry_bytes",
     "payload_bytes",
     "read_header",

@@ -22,6 +22,7 @@ from kvstore.entry.format import (
     FIXED_HEADER_BYTES,
     FLAG_SHUFFLED,
     ID_BYTES,
+    STORED_CODES,
     BlockEntry,
     EntryError,
     EntryHeader,
@@ -29,6 +30,15 @@ from kvstore.entry.format import (
     check_identity,
     pack_header,
     verified_header,
+)
+from kvstore.entry.quant import (
+    QUANT_DTYPES,
+    QuantError,
+    dequantize,
+    pack_payload,
+    quantize,
+    scales_ok,
+    split_payload,
 )
 from kvstore.layout import frombuffer_le, tensor_bytes
 
@@ -128,10 +138,12 @@ def payload_bytes(kv: torch.Tensor) -> memoryview:
 def encode_entry(
     entry: BlockEntry, codec: str = "none", out: bytearray | memoryview | None = None
 ) -> bytes | memoryview:
-    """Serialize `entry` with the payload `codec` ("none", "fp16", "bf16", "lz4", "zstd").
+    """Serialize `entry` with the payload `codec` (`CODEC_CODES`: "none", "fp16", "bf16",
+    "lz4", "zstd", "int8", "fp8").
 
     "fp16"/"bf16" downcast float32 KV (lossy); on 16-bit KV they store it unchanged.
-    "lz4"/"zstd" byte-shuffle and compress (lossless).
+    "lz4"/"zstd" byte-shuffle and compress (lossless). "int8"/"fp8" quantize (lossy, a
+    scale per token, layer, K/V and head: `kvstore.entry.quant`).
     With `out` (writable, at least `max_entry_bytes(entry)` long) the entry is written at
     its start and a memoryview of it is returned: a reused buffer spares an allocation.
     """
@@ -139,6 +151,8 @@ def encode_entry(
         raise EntryError("input", f"codec must be one of {tuple(CODEC_CODES)}, got {codec!r}")
     tokens = as_token_array(entry.token_ids)
     _check_entry(entry, tokens)
+    if codec in QUANT_DTYPES:
+        return _encode_quantized(entry, tokens, codec, out)
     stored_t = _stored_tensor(entry.kv, codec)
     if codec in _DOWNCAST and stored_t.dtype == entry.kv.dtype:
         codec = "none"  # no downcast happened: record what is really stored
@@ -150,6 +164,27 @@ def encode_entry(
         entry, tokens, DTYPE_CODES[stored_t.dtype], codec, flags, raw.nbytes, len(payload)
     )
     return assemble_entry(header, payload, out)
+
+
+def _encode_quantized(
+    entry: BlockEntry, tokens: np.ndarray, codec: str, out: bytearray | memoryview | None
+) -> bytes | memoryview:
+    """Scales, padding, then values (kvstore/entry/quant.py): one payload, never compressed."""
+    stored = QUANT_DTYPES[codec]
+    try:
+        payload = pack_payload(*quantize(entry.kv, stored))
+    except QuantError as e:
+        raise EntryError("input", str(e)) from None
+    header = pack_header(entry, tokens, STORED_CODES[stored], codec, 0, len(payload), len(payload))
+    return assemble_entry(header, payload, out)
+
+
+def _dequantized(payload: memoryview, h: EntryHeader, dtype: torch.dtype) -> torch.Tensor:
+    """The KV of a quantized payload as `dtype`; a scale that is not one is damage."""
+    bits, values = split_payload(payload, h.shape, h.stored_dtype)
+    if not scales_ok(bits):
+        raise EntryError("format", "a scale is not a positive finite number")
+    return dequantize(bits, values, dtype)
 
 
 def decode_entry(
@@ -179,6 +214,11 @@ def decode_entry(
     tokens = np.frombuffer(mv, dtype="<u4", count=h.num_tokens, offset=tokens_at)
     if token_ids is not None and not np.array_equal(tokens, as_token_array(token_ids)):
         raise EntryError("tokens", "entry token ids differ from the prompt's")
+    if h.codec in QUANT_DTYPES:
+        kv = _dequantized(mv[h.header_bytes : h.header_bytes + h.stored_bytes], h, dtype)
+        return BlockEntry(
+            h.namespace, h.key, h.digest, h.parent, tokens, kv, h.num_blocks, h.key_id
+        )
     payload = _decompress(mv[h.header_bytes : h.header_bytes + h.stored_bytes], h)
     numel = h.raw_bytes // h.stored_dtype.itemsize
     kv = frombuffer_le(payload, h.stored_dtype, numel).view(h.shape)

@@ -1,5 +1,6 @@
-"""ExpectedEntry: the entries of one namespace, dtype and shape with codec "none", encoded
-and verified on the hot paths with one comparison of the whole header (see format.py)."""
+"""ExpectedEntry: the entries of one namespace, dtype, shape and fixed-size codec (`none`,
+`int8`, `fp8`), encoded and verified on the hot paths with one comparison of the whole header
+(see format.py)."""
 
 from __future__ import annotations
 
@@ -15,24 +16,32 @@ import xxhash
 from hashing import DEFAULT_KEY_ID
 from kvstore.entry.format import (
     CHECKSUM_BYTES,
-    DTYPE_CODES,
     FIXED_HEADER_BYTES,
     ID_BYTES,
+    STORED_CODES,
     BlockEntry,
     EntryError,
     assemble_entry,
     pack_header,
 )
+from kvstore.entry.quant import (
+    QUANT_DTYPES,
+    dequantize_into,
+    payload_size,
+    scales_ok,
+    split_payload,
+)
 from kvstore.layout import NP_DTYPES, frombuffer_le, tensor_bytes
 
 
 class ExpectedEntry:
-    """The entries of one namespace, dtype and KV shape with codec "none", for the hot paths.
+    """The entries of one namespace, dtype, KV shape and codec, for the hot paths.
 
     `kv()` verifies an entry the reader knows exactly (ids, parent, shape, token ids and
     lengths in one comparison of the whole header, then the checksum); on None the caller
     falls back to `decode_entry`, which says why (or accepts an entry of another codec).
-    `encode()` writes such an entry from its parts, without per-field validation.
+    `encode()` writes such an entry from its parts, without per-field validation. With a
+    quantized `codec` ("int8", "fp8") only `dequantize_verified` applies.
     """
 
     def __init__(
@@ -42,16 +51,21 @@ class ExpectedEntry:
         shape: tuple[int, ...],
         num_blocks: int = 1,
         key_id: bytes = DEFAULT_KEY_ID,
+        codec: str = "none",
     ):
-        self.namespace, self.num_blocks = namespace, num_blocks
+        if codec != "none" and codec not in QUANT_DTYPES:
+            raise EntryError("input", f"an expected entry's codec is none, int8 or fp8: {codec!r}")
+        self.namespace, self.num_blocks, self.codec = namespace, num_blocks, codec
         self.dtype, self.shape = dtype, tuple(shape)
         self.numel = math.prod(shape)
         num_tokens = shape[3]
         zeros, tokens = bytes(ID_BYTES), np.zeros(num_tokens, np.uint32)
         like = torch.empty((), dtype=dtype).expand(shape)
         entry = BlockEntry(namespace, zeros, zeros, zeros, tokens, like, num_blocks, key_id)
-        nbytes = self.numel * dtype.itemsize
-        header = pack_header(entry, entry.token_ids, DTYPE_CODES[dtype], "none", 0, nbytes, nbytes)
+        stored = QUANT_DTYPES.get(codec, dtype)
+        nbytes = payload_size(self.shape, stored) if codec != "none" else (
+            self.numel * dtype.itemsize)  # fmt: skip
+        header = pack_header(entry, entry.token_ids, STORED_CODES[stored], codec, 0, nbytes, nbytes)
         tokens_at = FIXED_HEADER_BYTES + 4 * len(shape)
         # everything up to key, digest and parent (key id and namespace included)
         self._head = header[: FIXED_HEADER_BYTES - 3 * ID_BYTES]
@@ -79,6 +93,8 @@ class ExpectedEntry:
         """`encode_entry` of the expected entry, from its parts: `tokens` as little-endian
         uint32 bytes, `payload` the raw KV bytes in C order (as `encode_entry` with `out`)."""
         sizes = (len(key), len(digest), len(parent), len(tokens), payload.nbytes)
+        if self.codec != "none":
+            raise EntryError("input", "encode() writes codec none; encode_entry quantizes")
         if sizes != self._part_sizes:
             raise EntryError("input", f"parts have sizes {sizes}, the template {self._part_sizes}")
         header = self.header(key, digest, parent, tokens)
@@ -96,6 +112,8 @@ class ExpectedEntry:
         `payload` hold theirs back to back. Sizes are checked once, not per entry."""
         n = len(keys)
         step, size = 4 * self.shape[3], self._part_sizes[-1]
+        if self.codec != "none":
+            raise EntryError("input", "encode_many() writes codec none; encode_entry quantizes")
         if len(tokens) != n * step or payload.nbytes != n * size:
             raise EntryError("input", f"{n} entries need {n * step} token and {n * size} KV bytes")
         if {len(x) for x in (*keys, *digests, *parents)} != {ID_BYTES}:
@@ -132,7 +150,7 @@ class ExpectedEntry:
         garbage) if `data` is anything else."""
         data = _as_bytes(data)
         header = self.header(key, digest, parent, tokens)
-        if len(data) != self.total_bytes or not _starts_with(data, header):
+        if self.codec != "none" or not self.has_header(data, header):
             return False
         out = dst if isinstance(dst, memoryview) else self._tensor_out(dst)
         n = self.header_bytes
@@ -163,13 +181,37 @@ class ExpectedEntry:
         checksum = int.from_bytes(mv[-CHECKSUM_BYTES:], "little")
         return xxhash.xxh3_64_intdigest(mv[:-CHECKSUM_BYTES]) == checksum
 
+    def dequantize_verified(
+        self,
+        data: bytes | memoryview,
+        key: bytes,
+        digest: bytes,
+        parent: bytes,
+        tokens: bytes,
+        dst: torch.Tensor,
+    ) -> bool:
+        """A quantized entry: its KV into `dst` (a contiguous CPU tensor of `shape`, any float
+        dtype) once header and checksum hold. False if `data` is anything else, or its scales
+        are not scales (`decode_entry` then says why); `dst` is untouched."""
+        mv = memoryview(_as_bytes(data))
+        if not self.has_header(mv, self.header(key, digest, parent, tokens)):
+            return False
+        if not self.checksum_ok(mv):
+            return False
+        payload = mv[self.header_bytes : -CHECKSUM_BYTES]
+        bits, values = split_payload(payload, self.shape, QUANT_DTYPES[self.codec])
+        if not scales_ok(bits):
+            return False
+        dequantize_into(bits, values, dst)
+        return True
+
     def kv(
         self, data: bytes | memoryview, key: bytes, digest: bytes, parent: bytes, tokens: bytes
     ) -> torch.Tensor | None:
         """The zero-copy KV view of `data` if it is exactly the expected entry, else None."""
         mv = memoryview(_as_bytes(data))
         n, header = self.header_bytes, self.header(key, digest, parent, tokens)
-        if not self.has_header(mv, header) or not self.checksum_ok(mv):
+        if self.codec != "none" or not self.has_header(mv, header) or not self.checksum_ok(mv):
             return None
         if self._np_dtype is None:
             return frombuffer_le(mv[n:-CHECKSUM_BYTES], self.dtype, self.numel).view(self.shape)

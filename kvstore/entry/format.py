@@ -17,6 +17,7 @@ import torch
 import xxhash
 
 from hashing import DEFAULT_KEY_ID, FORMAT_VERSION, KEY_ID_BYTES
+from kvstore.entry.quant import QUANT_DTYPES, payload_size, scale_bytes
 
 MAGIC = b"KVSB"
 ID_BYTES = 16
@@ -30,9 +31,12 @@ _MAGIC_VERSION = struct.Struct("<4sH")
 CHECKSUM_BYTES = 8
 HEADER_ALIGN = 16  # the payload starts at a 16-byte aligned offset
 
-DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
+DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}  # KV dtypes
 _CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
-CODEC_CODES = {"none": 0, "fp16": 1, "bf16": 2, "lz4": 3, "zstd": 4}
+# stored dtypes: the KV dtypes, and the quantized ones (4 is a stack entry's raw bytes)
+STORED_CODES = {**DTYPE_CODES, torch.int8: 5, torch.float8_e4m3fn: 6}
+_CODE_STORED = {code: dtype for dtype, code in STORED_CODES.items()}
+CODEC_CODES = {"none": 0, "fp16": 1, "bf16": 2, "lz4": 3, "zstd": 4, "int8": 5, "fp8": 6}
 _CODE_CODECS = {code: name for name, code in CODEC_CODES.items()}
 FLAG_SHUFFLED = 1  # payload bytes were byte-shuffled (grouped by significance) before compression
 FLAG_STACK = 2  # a serving stack's block: raw bytes, no token ids (kvstore.entry.stack)
@@ -134,7 +138,22 @@ def pack_header(
 def max_entry_bytes(entry: BlockEntry) -> int:
     """An upper bound of `len(encode_entry(entry, codec))`, whatever the codec."""
     header = _align(FIXED_HEADER_BYTES + 4 * entry.kv.dim() + 4 * len(entry.token_ids))
-    return header + entry.kv.numel() * entry.kv.element_size() + CHECKSUM_BYTES
+    scales = scale_bytes(tuple(entry.kv.shape))  # a quantized payload's
+    return header + entry.kv.numel() * entry.kv.element_size() + scales + CHECKSUM_BYTES
+
+
+def fixed_entry_bytes(shape: tuple[int, ...], dtype: torch.dtype, codec: str) -> int | None:
+    """The exact size of an entry of KV `shape` and `dtype` in `codec`; None for the
+    compressing codecs, whose size depends on the values."""
+    if codec in ("lz4", "zstd"):
+        return None
+    header = _align(FIXED_HEADER_BYTES + 4 * len(shape) + 4 * shape[3])
+    if codec in QUANT_DTYPES:
+        payload = payload_size(shape, QUANT_DTYPES[codec])
+    else:
+        narrow = dtype == torch.float32 and codec in ("fp16", "bf16")
+        payload = math.prod(shape) * (2 if narrow else dtype.itemsize)
+    return header + payload + CHECKSUM_BYTES
 
 
 def assemble_entry(
@@ -189,7 +208,7 @@ def _verify_checksum(mv: memoryview, f: tuple) -> None:
 
 
 def _parse_header(data: memoryview, f: tuple) -> EntryHeader:
-    dtype, stored, codec = _CODE_DTYPES.get(f[2]), _CODE_DTYPES.get(f[3]), _CODE_CODECS.get(f[4])
+    dtype, stored, codec = _CODE_DTYPES.get(f[2]), _CODE_STORED.get(f[3]), _CODE_CODECS.get(f[4])
     ndim, header_len = f[6], f[11]
     if max(header_len, FIXED_HEADER_BYTES + 4 * ndim) > len(data):
         raise EntryError("truncated", f"entry is {len(data)} bytes, header needs {header_len}")
@@ -225,14 +244,25 @@ def read_header(data: bytes | memoryview) -> EntryHeader:
     return _parse_header(mv, _unpack_fixed(mv))
 
 
+def raw_payload_bytes(h: EntryHeader) -> int:
+    """The payload size before compression that the header's shape, codec and dtype imply."""
+    if h.codec in QUANT_DTYPES:
+        return payload_size(h.shape, h.stored_dtype)
+    return math.prod(h.shape) * h.stored_dtype.itemsize
+
+
 def _check_layout(h: EntryHeader, total_bytes: int) -> None:
-    numel = math.prod(h.shape)
     tokens_end = FIXED_HEADER_BYTES + 4 * len(h.shape) + 4 * h.num_tokens
+    quantized = h.stored_dtype not in DTYPE_CODES
     ok = (
         h.total_bytes == total_bytes
         and len(h.shape) == 5
         and h.shape[3] == h.num_tokens
-        and numel * h.stored_dtype.itemsize == h.raw_bytes
+        and h.num_blocks >= 1
+        and h.num_tokens % h.num_blocks == 0
+        and quantized == (h.codec in QUANT_DTYPES)
+        and (not quantized or QUANT_DTYPES[h.codec] == h.stored_dtype)
+        and raw_payload_bytes(h) == h.raw_bytes
         and tokens_end <= h.header_bytes
         and (h.codec in ("lz4", "zstd") or h.raw_bytes == h.stored_bytes)
     )

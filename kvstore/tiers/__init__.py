@@ -26,7 +26,9 @@ import numpy as np
 
 from kvstore.config import CacheConfig
 from kvstore.device.pool import BlockPool
+from kvstore.entry import fixed_entry_bytes
 from kvstore.fleet.events import TIER_MEDIUM, EventSink
+from kvstore.layout import KVLayout
 from kvstore.metrics import CacheMetrics
 from kvstore.scopes import Scope
 from kvstore.stores import SpillStore
@@ -70,13 +72,15 @@ class Tiers:
         self.chunk_blocks = config.chunk_blocks
         self.policies = WritePolicies(config, self.stores, write_back_at_commit)
         self.gate = ReadGate(
-            pool.layout.bytes_per_block,
+            _entry_bytes_per_block(pool.layout, config.chunk_blocks, config.codec),
             pool.block_size,
             metrics,
             config.tier_read_gate,
             config.tier_reprobe_s,
         )
-        self.reader = TierReader(self.stores, pool.layout, config.chunk_blocks, metrics, self.gate)
+        self.reader = TierReader(
+            self.stores, pool.layout, config.chunk_blocks, metrics, self.gate, config.codec
+        )
         self.events = [_events(s, events, pool.block_size, self.chunk_blocks) for s in stores]
         self.writer = TierWriter(
             self.stores, config.codec, config.write_queue_blocks, metrics, events=self.events
@@ -206,6 +210,18 @@ class Tiers:
     def stats(self) -> dict[str, dict]:
         return {store.name: asdict(store.stats()) for store in self.stores}
 
+    def entry_bytes_per_block(self) -> float:
+        """Bytes a block takes in a tier under the codec, its entry's header and checksum
+        included: exact, or for lz4/zstd the mean of what was written so far."""
+        codec = self.config.codec
+        written = self.writer.bytes_per_block() if codec in ("lz4", "zstd") else None
+        return written or _entry_bytes_per_block(self.pool.layout, self.chunk_blocks, codec)
+
+    def capacity(self) -> dict[str, dict[str, float]]:
+        """Per store, bytes per block and blocks per GB (1e9 bytes); no I/O."""
+        size = self.entry_bytes_per_block()
+        return {s.name: {"bytes_per_block": size, "blocks_per_gb": 1e9 / size} for s in self.stores}
+
     def health(self) -> dict[str, dict]:
         """Each store's errors and breaker state, read without I/O."""
         return {store.name: store.health() for store in self.stores}
@@ -218,6 +234,16 @@ class Tiers:
         self.writer.close(self.config.flush_timeout_s)
         for store in self.stores:
             store.close()
+
+
+def _entry_bytes_per_block(layout: KVLayout, chunk_blocks: int, codec: str) -> float:
+    """A block's share of an entry of `chunk_blocks` blocks in `codec`; for lz4/zstd, whose
+    size depends on the values, the uncompressed size (a bound)."""
+    shape = layout.entry_shape(chunk_blocks)
+    exact = fixed_entry_bytes(shape, layout.dtype, codec)
+    if exact is None:
+        exact = fixed_entry_bytes(shape, layout.dtype, "none")
+    return exact / chunk_blocks  # type: ignore[operator]
 
 
 def _events(

@@ -89,6 +89,7 @@ class TierWriter:
         self._cond = threading.Condition()
         self._closed = False
         self._arena, self._arena_lock = bytearray(), threading.Lock()
+        self._encoded = [0, 0]  # bytes and blocks of the entries encoded so far
         self._thread = threading.Thread(target=self._run, name="kvstore-tier-writer", daemon=True)
         self._thread.start()
 
@@ -202,8 +203,17 @@ class TierWriter:
 
         return encode, expected.total_bytes
 
+    def bytes_per_block(self) -> float | None:
+        """The mean size of the entries encoded so far, per block; None before the first."""
+        size, blocks = self._encoded
+        return size / blocks if blocks else None
+
     def _put(self, write: PendingWrite, items: list[tuple[bytes, bytes | memoryview]]) -> None:
         per = write.num_blocks // len(write.keys)
+        self._encoded = [
+            self._encoded[0] + sum(len(value) for _, value in items),
+            self._encoded[1] + per * len(items),
+        ]  # one writer thread: a new list, so a reader never sees a half update
         for target in write.targets:
             watcher = self._events[target]
             if watcher is not None:

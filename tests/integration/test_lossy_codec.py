@@ -18,7 +18,7 @@ def test_each_lossy_tier_codec_stays_within_its_tolerance_and_zstd_is_exact(tmp_
     prompt = np.random.default_rng(3).integers(0, 256, 45).tolist()
     ref = reference_logits(model, prompt)[-1]
     got = {}
-    for codec in ("fp16", "bf16", "zstd"):
+    for codec in ("fp16", "bf16", "int8", "fp8", "zstd"):
         config = micro_cache_config(lmdb_dir=str(tmp_path / codec), codec=codec)
         with Engine(model, config) as writer:
             writer.prefill_logits(prompt)
@@ -27,7 +27,7 @@ def test_each_lossy_tier_codec_stays_within_its_tolerance_and_zstd_is_exact(tmp_
         assert cached == 44
         assert close_to_reference(logits, ref, CODEC_TOLERANCE[codec])
         got[codec] = logits
-    # the downcasts are real: they move the logits where the lossless codec does not, and
-    # bf16 (8 significant bits) more than fp16 (11)
-    fp16, bf16 = (float((got[c] - got["zstd"]).abs().max()) for c in ("fp16", "bf16"))
-    assert 1e-5 < fp16 < bf16
+    # the lossy codecs are real: they move the logits where the lossless codec does not, each
+    # coarser one more: fp16 (11 significant bits), bf16 (8), int8 (a step per block), fp8 (4)
+    moved = [float((got[c] - got["zstd"]).abs().max()) for c in ("fp16", "bf16", "int8", "fp8")]
+    assert 1e-5 < moved[0] < moved[1] < moved[2] < moved[3]

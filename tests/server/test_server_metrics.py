@@ -134,3 +134,24 @@ def test_health_publishes_the_read_costs_the_replicas_gate_measured(tmp_path):
         samples = scrape(second)
     assert list(costs) == ["DISK"] and 0 <= costs["DISK"] <= 1
     assert value(samples, "kvstore_prefill_tokens_per_second") > 0
+
+
+def test_health_and_metrics_report_each_tiers_bytes_per_block_under_its_codec(tmp_path):
+    # micro: 2 layers x (K, V) x 2 KV heads x 4 tokens x 16 dims; an entry's header is 112
+    # fixed + 20 shape + 16 token bytes, aligned to 160, and an 8-byte checksum follows
+    device = 2 * 2 * 2 * 4 * 16 * 4  # float32
+    want = {"none": 160 + device + 8, "int8": 160 + 2 * 2 * 2 * 4 * 2 + device // 4 + 8}
+    for codec, lmdb in want.items():
+        engine = Engine(micro_model(seed=1), micro_cache_config(lmdb_dir=str(tmp_path / codec),
+                                                                codec=codec))  # fmt: skip
+        with TestClient(create_app(engine, ServerConfig(served_model_name="micro"))) as client:
+            capacity = client.get("/health").json()["capacity"]
+            samples = scrape(client)
+        assert capacity == {
+            "device": {"bytes_per_block": device, "blocks_per_gb": 1e9 / device},
+            "lmdb": {"bytes_per_block": lmdb, "blocks_per_gb": 1e9 / lmdb},
+        }
+        for tier, size in (("device", device), ("lmdb", lmdb)):
+            assert value(samples, "kvstore_tier_block_bytes", tier=tier) == size
+            assert value(samples, "kvstore_tier_blocks_per_gb", tier=tier) == 1e9 / size
+    assert want["none"] / want["int8"] > 2.6  # a quarter of the payload; the header stays

@@ -1,0 +1,160 @@
+"""Quantized payloads: int8 and fp8 (e4m3) KV with one scale per token, layer, K/V and head.
+
+A quantized entry's payload (docs/FORMAT.md, "Quantized payloads") is its scales, then its
+values, each section starting 16-byte aligned:
+
+- scales: bfloat16 [layers, 2, kv_heads, num_tokens], `amax / QMAX` over the token's
+  head_dim values of that layer, K or V and head, rounded to bfloat16 (1.0 for all zeros);
+- values: [layers, 2, kv_heads, num_tokens, head_dim] of int8 or float8_e4m3fn, each
+  `round(x / scale)` (int8, clamped to ±127) or `x / scale` cast to e4m3 (clamped to ±448).
+
+Dequantized, a value is `q * scale` in float32, then cast to the reader's dtype. Scales are
+symmetric (no zero point): K and V of real models are centred near zero. A scale per token
+(not per block) keeps a token's values independent of its neighbours': an attention sink's
+large K/V does not coarsen the rest of its block, and a token quantizes the same whether its
+block is written at once or a token at a time.
+
+Everything here is numpy, in the same IEEE float32 steps as torch: a tier writer's thread
+must not start a torch parallel region (its OpenMP team would slow the engine's own,
+engine/loop/threads.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+QUANT_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+SCALE_BYTES = 2  # bfloat16
+_ALIGN = 16
+# every e4m3 value by its bits: a CPU cast from float8 is scalar code, a table lookup is not
+_FP8_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
+
+
+class QuantError(ValueError):
+    """KV that a quantized codec cannot store."""
+
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def scale_shape(shape: tuple[int, ...]) -> tuple[int, int, int, int]:
+    """[layers, 2, kv_heads, num_tokens] for KV `shape` [layers, 2, heads, tokens, dim]."""
+    return (shape[0], shape[1], shape[2], shape[3])
+
+
+def scale_bytes(shape: tuple[int, ...]) -> int:
+    """Bytes of the scales section, padding included."""
+    return _aligned(SCALE_BYTES * math.prod(scale_shape(shape)))
+
+
+def payload_size(shape: tuple[int, ...], stored: torch.dtype) -> int:
+    """Bytes of a quantized payload of KV `shape` stored as `stored`."""
+    return scale_bytes(shape) + math.prod(shape) * stored.itemsize
+
+
+def quantize(kv: torch.Tensor, stored: torch.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """(scales as bfloat16 bits, uint16 [layers, 2, heads, tokens]; values as `stored` bits,
+    int8 or uint8, kv's shape) of CPU KV [layers, 2, heads, tokens, dim]."""
+    x = _float32_copy(kv)
+    amax = np.abs(x).max(axis=-1)
+    if not np.isfinite(amax).all():
+        raise QuantError("KV holds non-finite values: a quantized codec cannot store them")
+    qmax = np.float32(QMAX[stored])
+    bits = bf16_bits(np.where(amax > 0, amax / qmax, np.float32(1.0)).astype(np.float32))
+    x /= bf16_values(bits)[..., None]  # the stored scale, so that q * scale reads back
+    np.clip(x, -qmax, qmax, out=x)
+    if stored == torch.int8:
+        return bits, np.rint(x, out=x).astype(np.int8)
+    return bits, e4m3_bits(x)
+
+
+def _float32_copy(kv: torch.Tensor) -> np.ndarray:
+    """A float32 numpy copy of CPU KV (float32, float16 or bfloat16: exact)."""
+    kv = kv.detach().to("cpu")
+    if kv.dtype == torch.bfloat16:  # numpy has no bfloat16: its bits are a float32's top half
+        return bf16_values(kv.contiguous().view(torch.int16).numpy().view(np.uint16))
+    return np.array(kv.numpy(), dtype=np.float32, copy=True)
+
+
+def bf16_bits(x: np.ndarray) -> np.ndarray:
+    """Finite float32 values rounded to bfloat16 (nearest, ties to even), as uint16 bits."""
+    b = x.view(np.uint32)
+    return ((b + np.uint32(0x7FFF) + ((b >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
+
+
+def bf16_values(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 bits (uint16) as float32 values (exact)."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def e4m3_bits(x: np.ndarray) -> np.ndarray:
+    """float32 values within ±448 as float8 e4m3fn bits (uint8), rounded to nearest even."""
+    bits = x.view(np.uint32)
+    sign = ((bits >> 31) << 7).astype(np.uint8)
+    mag = bits & np.uint32(0x7FFFFFFF)
+    # normal: keep 3 of 23 mantissa bits, ties to even; a carry moves the exponent up
+    rounded = (mag + np.uint32(0x7FFFF) + ((mag >> 20) & np.uint32(1))) >> 20
+    normal = (rounded.astype(np.int64) - (120 << 3)).clip(0, 0x7E)  # exponent bias 127 -> 7
+    subnormal = np.rint(np.abs(x) * np.float32(512.0)).astype(np.int64)  # steps of 2**-9
+    small = mag < np.uint32(0x3C800000)  # below 2**-6, e4m3's smallest normal
+    return np.where(small, subnormal, normal).astype(np.uint8) | sign
+
+
+def scales_ok(bits: np.ndarray) -> bool:
+    """Whether every scale (bfloat16 bits) is a positive finite number."""
+    values = bf16_values(bits)
+    return bool((values > 0).all() and np.isfinite(values).all())
+
+
+def dequantize(bits: np.ndarray, values: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """KV of `dtype` from `quantize`'s output."""
+    out = torch.empty(values.shape, dtype=dtype)
+    dequantize_into(bits, values, out)
+    return out
+
+
+def dequantize_into(bits: np.ndarray, values: np.ndarray, out: torch.Tensor) -> None:
+    """`dequantize` into `out` (a contiguous CPU tensor of values' shape, any float dtype):
+    `q x scale` in float32, rounded once to out's dtype. `values` are int8, or e4m3 bits
+    (uint8). One pass for int8 into float32 or float16, two for e4m3 (a table lookup)."""
+    if not out.is_contiguous() or tuple(out.shape) != values.shape or out.device.type != "cpu":
+        raise ValueError(f"out must be contiguous CPU {values.shape}, got {tuple(out.shape)}")
+    rows = bits.size  # one row per scale: [layers * 2 * heads * tokens, head_dim]
+    factor = bf16_values(bits).reshape(rows, 1)
+    q = values.reshape(rows, -1)
+    if out.dtype == torch.bfloat16:  # numpy has no bfloat16: float32, rounded once
+        x = _FP8_VALUES[q] if values.dtype == np.uint8 else q.astype(np.float32)
+        x *= factor
+        target = out.view(torch.int16).numpy().view(np.uint16).reshape(rows, -1)
+        target[...] = bf16_bits(x)
+        return
+    target = out.numpy().reshape(rows, -1)
+    if values.dtype == np.uint8:
+        np.take(_FP8_VALUES.astype(target.dtype, copy=False), q, out=target)
+        np.multiply(target, factor, out=target)
+    else:
+        np.multiply(q, factor, out=target)
+
+
+def pack_payload(bits: np.ndarray, values: np.ndarray) -> bytes:
+    """The payload of `quantize`'s output: scales (little-endian), padding, values."""
+    pad = bytes(scale_bytes(values.shape) - SCALE_BYTES * bits.size)
+    return b"".join((bits.astype("<u2", copy=False).data, pad, values.data))
+
+
+def split_payload(
+    payload: memoryview, shape: tuple[int, ...], stored: torch.dtype
+) -> tuple[np.ndarray, np.ndarray]:
+    """(scale bits, values) viewed in a quantized payload of KV `shape`, without a copy;
+    e4m3 values as their uint8 bits."""
+    count = math.prod(scale_shape(shape))
+    bits = np.frombuffer(payload, dtype="<u2", count=count).reshape(scale_shape(shape))
+    kind = np.int8 if stored == torch.int8 else np.uint8
+    at = scale_bytes(shape)
+    values = np.frombuffer(payload, dtype=kind, count=math.prod(shape), offset=at)
+    return bits, values.reshape(shape)

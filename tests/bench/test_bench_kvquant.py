@@ -1,0 +1,40 @@
+"""`python -m bench kvquant`: a quantized codec's cost against no cache; `none` the control."""
+
+from __future__ import annotations
+
+import json
+
+from bench.kvquant import main
+
+
+def test_the_control_codec_matches_no_cache_and_int8_moves_the_logits(capsys) -> None:
+    argv = ["--model", "tiny", "--codecs", "none,int8", "--chunk", "1024", "--prompts", "2",
+            "--max-tokens", "4", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    none, int8 = report["results"]
+    # tiny's byte tokenizer: 3167 tokens; chunks start at 1024, 2048, 3072, each scoring the
+    # tokens after its first up to the text's last: 3166 - 1024
+    assert report["text_tokens"] == 3167
+    assert none["scored_tokens"] == int8["scored_tokens"] == 3166 - 1024
+    assert none["ppl"] == none["ppl_nocache"] or abs(none["ppl_change"]) < 1e-6
+    assert none["max_logit_change"] < 1e-4  # the exact contract
+    assert (none["identical"], none["prompts"], none["divergences"]) == (2, 2, [])
+    assert int8["max_logit_change"] > 1e-2  # quantized: bounded, not exact
+    assert int8["ppl"] != int8["ppl_nocache"]
+    # each prompt's whole blocks came from the tier (a whole-prompt hit recomputes only the
+    # last token's logits)
+    cached = sum(n // 16 * 16 for n in report["prompt_tokens"])
+    assert none["tier_cached_tokens"] == int8["tier_cached_tokens"] == cached
+    for d in int8["divergences"]:
+        assert 0 <= d["token"] < 4 and d["top2_gap"] >= 0
+
+
+def test_bad_arguments_are_refused_with_what_to_fix(capsys) -> None:
+    for argv, why in ((["--codecs", "int4"], "unknown codec 'int4'"),
+                      (["--chunk", "10"], "multiple of the block size")):  # fmt: skip
+        try:
+            main(argv)
+        except SystemExit as e:
+            assert e.code == 2
+        assert why in capsys.readouterr().err

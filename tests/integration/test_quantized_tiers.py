@@ -1,0 +1,89 @@
+"""Quantized tier codecs (int8, fp8) over every real tier: what comes back is exactly the
+quantized KV, about a quarter of float32's bytes moves, and a damaged scale is damage."""
+
+import struct
+
+import pytest
+import torch
+import xxhash
+from test_cache_tiers import NS, assert_kv_equal, held_only_in_tiers, kv_for, tier_config, tokens
+
+from kvstore.cache import PrefixCache
+from kvstore.entry import CHECKSUM_BYTES, read_header
+
+BS = NS.block_size
+
+
+def quantized_reference(kv, codec: str):
+    """Per layer (K, V) [1, heads, tokens, dim], each token of each head through an
+    independent int8 / e4m3 round trip (its scale rounded to bfloat16)."""
+    qmax = 127.0 if codec == "int8" else 448.0
+    out = []
+    for k, v in kv:
+        pair = []
+        for x in (k, v):
+            amax = x.abs().amax(dim=-1, keepdim=True)
+            scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax)).bfloat16().float()
+            q = (x / scale).clamp(-qmax, qmax)
+            q = q.round() if codec == "int8" else q.to(torch.float8_e4m3fn).float()
+            pair.append(q * scale)
+        out.append(tuple(pair))
+    return out
+
+
+@pytest.fixture(params=["memory", "lmdb", "redis"])
+def tier(request):
+    return request.param
+
+
+@pytest.fixture
+def redis_url(tier, request):
+    return request.getfixturevalue("redis_server").url if tier == "redis" else None
+
+
+@pytest.mark.parametrize("codec", ["int8", "fp8"])
+def test_a_quantized_tier_hit_loads_exactly_the_quantized_kv(tier, redis_url, tmp_path, codec):
+    prompt = tokens(6 * BS + 2, seed=5)
+    kv = kv_for(prompt)
+    config = tier_config(tier, tmp_path, redis_url, codec=codec)
+    with PrefixCache(config, NS) as cache:
+        held_only_in_tiers(cache, prompt)
+        store = cache.tiers.stores[0]
+        entry = store.get_many([cache.hasher.hash_blocks(prompt)[0]])[0]
+        h = read_header(entry)
+        assert (h.codec, h.raw_bytes) == (codec, 2 * 2 * 2 * BS * 2 + 2 * 2 * 2 * BS * 8)
+        hit = cache.lookup(prompt)
+        assert hit.tier_tokens == {tier: 6 * BS}
+        loaded = cache.load(hit)
+        assert_kv_equal(loaded, quantized_reference(kv, codec), 6 * BS)
+        with pytest.raises(AssertionError):  # control: lossy, so not the original KV
+            assert_kv_equal(loaded, kv, 6 * BS)
+        cache.release(hit)
+        assert cache.metrics.get("promoted_blocks_total") == 6
+        cache.check_integrity()
+
+
+def put_back_with_a_bad_scale(store, key: bytes, scale: float) -> None:
+    """Rewrite `key`'s entry with its first scale set to `scale`, checksum recomputed."""
+    data = bytearray(store.get_many([key])[0])
+    bits = struct.unpack("<I", struct.pack("<f", scale))[0] >> 16  # as bfloat16
+    struct.pack_into("<H", data, read_header(data).header_bytes, bits)
+    body = bytes(data[:-CHECKSUM_BYTES])
+    store.delete([key])
+    store.put_many([(key, body + xxhash.xxh3_64_intdigest(body).to_bytes(8, "little"))])
+
+
+def test_a_damaged_scale_is_deleted_counted_and_recomputed(tier, redis_url, tmp_path):
+    prompt = tokens(5 * BS + 1, seed=6)
+    with PrefixCache(tier_config(tier, tmp_path, redis_url, codec="int8"), NS) as cache:
+        held_only_in_tiers(cache, prompt)
+        store, key = cache.tiers.stores[0], cache.hasher.hash_blocks(prompt)[3]
+        put_back_with_a_bad_scale(store, key, float("nan"))
+        hit = cache.lookup(prompt)
+        assert hit.num_cached_tokens == 3 * BS  # stops at the block whose scale is bad
+        cache.release(hit)
+        assert store.get_many([key]) == [None]
+        assert cache.metrics.get("verify_failures_total", tier=tier, reason="format") == 1
+        assert cache.store(prompt, kv_for(prompt)) == 2  # the rest is recomputed and kept
+        assert cache.flush(10)
+        assert store.get_many([key]) != [None]

@@ -1,0 +1,145 @@
+"""The int8 and fp8 tier codecs: a bfloat16 scale per token, layer, K/V and head, values
+within their precision, exact sizes, and damage (in a value or a scale) always detected."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+from tier_helpers import make_chain, namespace
+
+from kvstore.entry import (
+    CHECKSUM_BYTES,
+    BlockEntry,
+    EntryError,
+    decode_entry,
+    encode_entry,
+    read_header,
+)
+
+STORED = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+
+
+def reference_dequantized(kv: torch.Tensor, codec: str) -> torch.Tensor:
+    """An independent int8 / e4m3 round trip of [layers, 2, heads, tokens, dim] KV in torch:
+    a scale per token and head, rounded to bfloat16."""
+    x = kv.float()
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    qmax = 127.0 if codec == "int8" else 448.0
+    scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax)).bfloat16().float()
+    if codec == "int8":
+        q = torch.round(x / scale).clamp(-127, 127)
+    else:
+        q = (x / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    return (q * scale).to(kv.dtype)
+
+
+def chunk_of(chain, n: int) -> BlockEntry:
+    """The chain's first n blocks as one chunk entry."""
+    entries = chain.entries[:n]
+    tokens = np.concatenate([e.token_ids for e in entries])
+    kv = torch.cat([e.kv for e in entries], dim=3)
+    last = entries[-1]
+    return BlockEntry(chain.ns.root(), last.key, last.digest, entries[0].parent, tokens, kv, n)
+
+
+def decode_chunk(chunk: BlockEntry, data: bytes, dtype: torch.dtype) -> torch.Tensor:
+    return decode_entry(
+        data, namespace=chunk.namespace, key=chunk.key, digest=chunk.digest, dtype=dtype
+    ).kv
+
+
+@pytest.mark.parametrize("codec", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_chunks_decode_to_the_reference_round_trip(codec, dtype) -> None:
+    chain = make_chain(namespace(dtype), num_blocks=3, codec="none")
+    chunk = chunk_of(chain, 3)
+    got = decode_chunk(chunk, encode_entry(chunk, codec), dtype)
+    assert got.dtype == dtype
+    assert torch.equal(got, reference_dequantized(chunk.kv, codec))
+    assert not torch.equal(got, chunk.kv)
+
+
+@pytest.mark.parametrize(("codec", "rel_tol"), [("int8", 1 / 254), ("fp8", 1 / 16)])
+def test_quantized_values_stay_within_the_codec_precision(codec, rel_tol) -> None:
+    chain = make_chain(namespace(torch.float32), num_blocks=2, codec=codec)
+    for i, data in enumerate(chain.encoded):
+        got, want = chain.decode(i, data).kv, chain.entries[i].kv
+        amax = want.abs().amax(dim=-1, keepdim=True)  # per layer, K/V, head and token
+        step = amax * (1 + 2**-8)  # the scale, rounded to bfloat16, may grow by half an ulp
+        bound = step * rel_tol if codec == "int8" else want.abs() * rel_tol + step / 448 / 2**9
+        assert bool(((got - want).abs() <= bound * 1.0001).all())
+
+
+@pytest.mark.parametrize("codec", ["int8", "fp8"])
+def test_a_quantized_entry_stores_scales_and_one_byte_a_value(codec) -> None:
+    ns = namespace(torch.float32, layers=3, kv_heads=2, head_dim=8, block_size=4)
+    chunk = chunk_of(make_chain(ns, num_blocks=2), 2)
+    data = encode_entry(chunk, codec)
+    h = read_header(data)
+    scales = 3 * 2 * 2 * 8 * 2  # bfloat16 [layers, 2, heads, tokens]
+    values = 3 * 2 * 2 * 8 * 8
+    assert (h.codec, h.stored_dtype, h.dtype) == (codec, STORED[codec], torch.float32)
+    assert h.raw_bytes == h.stored_bytes == scales + values  # 192 scale bytes: 16-aligned
+    assert len(data) == h.header_bytes + scales + values + CHECKSUM_BYTES
+    assert len(data) < len(encode_entry(chunk, "none")) / 2
+
+
+def test_an_all_zero_block_round_trips_to_zeros() -> None:
+    chain = make_chain(namespace(torch.float32), num_blocks=1)
+    e = chain.entries[0]
+    zero = e._replace(kv=torch.zeros_like(e.kv))
+    for codec in STORED:
+        assert torch.equal(chain.decode(0, encode_entry(zero, codec)).kv, zero.kv)
+
+
+@pytest.mark.parametrize("codec", ["int8", "fp8"])
+def test_every_flipped_bit_of_a_quantized_entry_is_detected(codec) -> None:
+    chain = make_chain(namespace(), num_blocks=1, codec=codec)
+    original = chain.encoded[0]
+    start = read_header(original).header_bytes
+    for pos in [*range(start, start + 40), *range(start + 40, len(original), 7)]:
+        data = bytearray(original)
+        data[pos] ^= 1 << (pos % 8)
+        with pytest.raises(EntryError) as info:
+            chain.decode(0, bytes(data))
+        assert info.value.reason == "checksum" and info.value.damaged
+
+
+def with_checksum(data: bytearray) -> bytes:
+    """`data` with its trailer recomputed: damage that a checksum cannot see."""
+    body = bytes(data[:-CHECKSUM_BYTES])
+    return body + xxhash.xxh3_64_intdigest(body).to_bytes(CHECKSUM_BYTES, "little")
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 0.0, -1.0])
+def test_a_scale_that_is_not_a_scale_is_damage_even_under_a_valid_checksum(bad) -> None:
+    chain = make_chain(namespace(), num_blocks=1, codec="int8")
+    data = bytearray(chain.encoded[0])
+    bits = struct.unpack("<I", struct.pack("<f", bad))[0] >> 16  # as bfloat16
+    struct.pack_into("<H", data, read_header(data).header_bytes + 2 * 3, bits)  # the 4th scale
+    with pytest.raises(EntryError) as info:
+        chain.decode(0, with_checksum(data))
+    assert info.value.reason == "format" and info.value.damaged
+
+
+def test_a_header_whose_codec_and_stored_dtype_disagree_is_damage() -> None:
+    chain = make_chain(namespace(), num_blocks=1, codec="int8")
+    data = bytearray(chain.encoded[0])
+    data[8] = 0  # codec "none" over an int8 payload
+    with pytest.raises(EntryError) as info:
+        chain.decode(0, with_checksum(data))
+    assert info.value.reason == "format"
+
+
+def test_non_finite_kv_is_refused_by_a_quantized_codec() -> None:
+    chain = make_chain(namespace(), num_blocks=1)
+    e = chain.entries[0]
+    kv = e.kv.clone()
+    kv[0, 0, 0, 0, 0] = float("inf")
+    with pytest.raises(EntryError, match="non-finite") as info:
+        encode_entry(e._replace(kv=kv), "int8")
+    assert info.value.reason == "input"
