@@ -91,6 +91,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for codec in args.codecs:
         if codec not in CODEC_NAMES:
             p.error(f"--codec: unknown codec {codec!r}; choose from {','.join(CODEC_NAMES)}")
+    if any(t.endswith(":layers") for t in args.tiers) and args.codecs != ["none"]:
+        p.error("--codec: layer-by-layer loads read codec none only (docs/FORMAT.md)")
     args.points = [int(c) for c in args.cached.split(",") if c.strip()]
     for tier in args.tiers:
         name, _, how = tier.partition(":")

@@ -180,10 +180,10 @@ def _encode_quantized(
 
 
 def _dequantized(payload: memoryview, h: EntryHeader, dtype: torch.dtype) -> torch.Tensor:
-    """The KV of a quantized payload as `dtype`; a scale that is not one is damage."""
+    """The KV of a quantized payload as `dtype`; a scale no writer makes is damage."""
     bits, values = split_payload(payload, h.shape, h.stored_dtype)
-    if not scales_ok(bits):
-        raise EntryError("format", "a scale is not a positive finite number")
+    if not scales_ok(bits, h.stored_dtype):
+        raise EntryError("format", "a scale is outside [2**-126, float32 max / QMAX]")
     return dequantize(bits, values, dtype)
 
 

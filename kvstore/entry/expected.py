@@ -191,8 +191,8 @@ class ExpectedEntry:
         dst: torch.Tensor,
     ) -> bool:
         """A quantized entry: its KV into `dst` (a contiguous CPU tensor of `shape`, any float
-        dtype) once header and checksum hold. False if `data` is anything else, or its scales
-        are not scales (`decode_entry` then says why); `dst` is untouched."""
+        dtype) once header and checksum hold. False if `data` is anything else, or a scale is
+        one no writer makes (`decode_entry` then says why); `dst` is untouched."""
         mv = memoryview(_as_bytes(data))
         if not self.has_header(mv, self.header(key, digest, parent, tokens)):
             return False
@@ -200,7 +200,7 @@ class ExpectedEntry:
             return False
         payload = mv[self.header_bytes : -CHECKSUM_BYTES]
         bits, values = split_payload(payload, self.shape, QUANT_DTYPES[self.codec])
-        if not scales_ok(bits):
+        if not scales_ok(bits, QUANT_DTYPES[self.codec]):
             return False
         dequantize_into(bits, values, dst)
         return True

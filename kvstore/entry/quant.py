@@ -4,7 +4,8 @@ A quantized entry's payload (docs/FORMAT.md, "Quantized payloads") is its scales
 values, each section starting 16-byte aligned:
 
 - scales: bfloat16 [layers, 2, kv_heads, num_tokens], `amax / QMAX` over the token's
-  head_dim values of that layer, K or V and head, rounded to bfloat16 (1.0 for all zeros);
+  head_dim values of that layer, K or V and head, rounded to bfloat16 (nearest, ties to
+  even), at least 2**-126 (1.0 for all zeros);
 - values: [layers, 2, kv_heads, num_tokens, head_dim] of int8 or float8_e4m3fn, each
   `round(x / scale)` (int8, clamped to ±127) or `x / scale` cast to e4m3 (clamped to ±448).
 
@@ -29,6 +30,8 @@ import torch
 QUANT_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 SCALE_BYTES = 2  # bfloat16
+_MIN_SCALE_BITS = np.uint16(0x0080)  # 2**-126, bfloat16's smallest normal
+_F16_MAX = np.float16(65504.0)
 _ALIGN = 16
 # every e4m3 value by its bits: a CPU cast from float8 is scalar code, a table lookup is not
 _FP8_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
@@ -65,7 +68,8 @@ def quantize(kv: torch.Tensor, stored: torch.dtype) -> tuple[np.ndarray, np.ndar
     if not np.isfinite(amax).all():
         raise QuantError("KV holds non-finite values: a quantized codec cannot store them")
     qmax = np.float32(QMAX[stored])
-    bits = bf16_bits(np.where(amax > 0, amax / qmax, np.float32(1.0)).astype(np.float32))
+    scale = np.where(amax > 0, amax / qmax, np.float32(1.0)).astype(np.float32)
+    bits = np.maximum(bf16_bits(scale), _MIN_SCALE_BITS)
     x /= bf16_values(bits)[..., None]  # the stored scale, so that q * scale reads back
     np.clip(x, -qmax, qmax, out=x)
     if stored == torch.int8:
@@ -78,7 +82,7 @@ def _float32_copy(kv: torch.Tensor) -> np.ndarray:
     kv = kv.detach().to("cpu")
     if kv.dtype == torch.bfloat16:  # numpy has no bfloat16: its bits are a float32's top half
         return bf16_values(kv.contiguous().view(torch.int16).numpy().view(np.uint16))
-    return np.array(kv.numpy(), dtype=np.float32, copy=True)
+    return np.array(kv.numpy(), dtype=np.float32, order="C", copy=True)
 
 
 def bf16_bits(x: np.ndarray) -> np.ndarray:
@@ -105,10 +109,12 @@ def e4m3_bits(x: np.ndarray) -> np.ndarray:
     return np.where(small, subnormal, normal).astype(np.uint8) | sign
 
 
-def scales_ok(bits: np.ndarray) -> bool:
-    """Whether every scale (bfloat16 bits) is a positive finite number."""
+def scales_ok(bits: np.ndarray, stored: torch.dtype) -> bool:
+    """Whether every scale (bfloat16 bits) is one a writer makes: at least 2**-126, and
+    small enough that `QMAX x scale` is a finite float32 (NaN fails both)."""
     values = bf16_values(bits)
-    return bool((values > 0).all() and np.isfinite(values).all())
+    largest = np.float32(np.finfo(np.float32).max / QMAX[stored])
+    return bool(((values >= bf16_values(_MIN_SCALE_BITS)) & (values <= largest)).all())
 
 
 def dequantize(bits: np.ndarray, values: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
@@ -121,7 +127,8 @@ def dequantize(bits: np.ndarray, values: np.ndarray, dtype: torch.dtype) -> torc
 def dequantize_into(bits: np.ndarray, values: np.ndarray, out: torch.Tensor) -> None:
     """`dequantize` into `out` (a contiguous CPU tensor of values' shape, any float dtype):
     `q x scale` in float32, rounded once to out's dtype. `values` are int8, or e4m3 bits
-    (uint8). One pass for int8 into float32 or float16, two for e4m3 (a table lookup)."""
+    (uint8). One pass for int8 into float32, two for e4m3 (a table lookup); float16 is
+    clamped to its range (a scale rounded up may carry a value just past 65504)."""
     if not out.is_contiguous() or tuple(out.shape) != values.shape or out.device.type != "cpu":
         raise ValueError(f"out must be contiguous CPU {values.shape}, got {tuple(out.shape)}")
     rows = bits.size  # one row per scale: [layers * 2 * heads * tokens, head_dim]
@@ -134,11 +141,14 @@ def dequantize_into(bits: np.ndarray, values: np.ndarray, out: torch.Tensor) -> 
         target[...] = bf16_bits(x)
         return
     target = out.numpy().reshape(rows, -1)
-    if values.dtype == np.uint8:
-        np.take(_FP8_VALUES.astype(target.dtype, copy=False), q, out=target)
-        np.multiply(target, factor, out=target)
-    else:
-        np.multiply(q, factor, out=target)
+    with np.errstate(over="ignore"):  # float16 only; clamped below
+        if values.dtype == np.uint8:
+            np.take(_FP8_VALUES.astype(target.dtype, copy=False), q, out=target)
+            np.multiply(target, factor, out=target)
+        else:
+            np.multiply(q, factor, out=target)
+    if target.dtype == np.float16:
+        np.clip(target, -_F16_MAX, _F16_MAX, out=target)
 
 
 def pack_payload(bits: np.ndarray, values: np.ndarray) -> bytes:

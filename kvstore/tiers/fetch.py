@@ -26,7 +26,7 @@ from kvstore.entry import EntryError, ExpectedEntry, decode_entry
 from kvstore.entry.quant import QUANT_DTYPES
 from kvstore.layout import KVLayout, as_block, entry_to_blocks, token_bytes
 from kvstore.metrics import CacheMetrics
-from kvstore.scopes import Scope
+from kvstore.scopes import MAX_SCOPES, Scope
 from kvstore.stores import SpillStore
 from kvstore.tiers.gate import ReadGate
 from kvstore.tiers.layered import (
@@ -40,7 +40,7 @@ from kvstore.tiers.layered import (
 from kvstore.tiers.rejects import Rejections
 from kvstore.units import cdiv
 
-MAX_TEMPLATES = 64  # quantized expected entries kept, one per scope (namespace and secret)
+MAX_TEMPLATES = MAX_SCOPES  # quantized expected entries kept: one per scope, as scopes are
 Allocate = Callable[[int], list[torch.Tensor | memoryview]]  # up to n destination blocks
 
 

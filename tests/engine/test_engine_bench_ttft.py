@@ -61,3 +61,29 @@ def test_ttft_bench_throttles_only_a_redis_it_is_given(capsys) -> None:
     with pytest.raises(SystemExit):
         main(["--tier", "device", "--throttle-mbps", "20"])
     assert "--throttle-mbps: give a positive rate, and --redis-url" in capsys.readouterr().err
+
+
+def test_ttft_bench_runs_each_spill_tier_under_each_codec(capsys, tmp_path) -> None:
+    argv = ["--tier", "device,lmdb", "--codec", "none,int8", "--lmdb-dir", str(tmp_path),
+            "--prompt-tokens", "64", "--cached", "48", "--runs", "1", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    points = json.loads(capsys.readouterr().out)["points"]
+    assert [(p["tier"], p["codec"], p["cached_tokens"]) for p in points] == [
+        ("device", "none", 48),
+        ("lmdb", "none", 48),
+        ("lmdb", "int8", 48),
+    ]
+    assert points[1]["same_first_token"]  # lossless: the no-cache token
+
+
+@pytest.mark.parametrize(
+    ("argv", "why"),
+    [
+        (["--codec", "int4"], "unknown codec 'int4'"),
+        (["--tier", "memory:layers", "--codec", "int8"], "codec none only"),
+    ],
+)
+def test_ttft_bench_refuses_a_codec_it_cannot_run(capsys, argv, why) -> None:
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert why in capsys.readouterr().err

@@ -28,6 +28,6 @@ def test_each_lossy_tier_codec_stays_within_its_tolerance_and_zstd_is_exact(tmp_
         assert close_to_reference(logits, ref, CODEC_TOLERANCE[codec])
         got[codec] = logits
     # the lossy codecs are real: they move the logits where the lossless codec does not, each
-    # coarser one more: fp16 (11 significant bits), bf16 (8), int8 (a step per block), fp8 (4)
+    # coarser one more: fp16 (11 significant bits), bf16 (8), int8 (a step per token), fp8 (4)
     moved = [float((got[c] - got["zstd"]).abs().max()) for c in ("fp16", "bf16", "int8", "fp8")]
     assert 1e-5 < moved[0] < moved[1] < moved[2] < moved[3]

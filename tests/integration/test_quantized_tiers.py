@@ -10,6 +10,7 @@ from test_cache_tiers import NS, assert_kv_equal, held_only_in_tiers, kv_for, ti
 
 from kvstore.cache import PrefixCache
 from kvstore.entry import CHECKSUM_BYTES, read_header
+from kvstore.hits import KVPrefix
 
 BS = NS.block_size
 
@@ -87,3 +88,29 @@ def test_a_damaged_scale_is_deleted_counted_and_recomputed(tier, redis_url, tmp_
         assert cache.store(prompt, kv_for(prompt)) == 2  # the rest is recomputed and kept
         assert cache.flush(10)
         assert store.get_many([key]) != [None]
+
+
+@pytest.mark.parametrize("codec", ["int8", "fp8"])
+def test_chunk_entries_read_from_inside_a_chunk_load_the_quantized_kv(
+    tier, redis_url, tmp_path, codec
+):
+    """Entries of 2 blocks; the device keeps block 0, so the next read starts inside the
+    first chunk. Every block is the quantized KV, whichever entry and offset it came from."""
+    prompt = tokens(6 * BS + 1, seed=7)
+    kv = kv_for(prompt)
+    config = tier_config(tier, tmp_path, redis_url, codec=codec, chunk_blocks=2)
+    with PrefixCache(config, NS) as cache:
+        held_only_in_tiers(cache, prompt)
+        assert cache.store(prompt[: BS + 1], kv) == 1  # block 0 back on the device, unquantized
+        hit = cache.lookup(prompt)
+        assert hit.tier_tokens == {"device": BS, tier: 5 * BS}
+        loaded = cache.load(hit)
+        assert_kv_equal(KVPrefix(BS, [(k[:, :, :BS], v[:, :, :BS]) for k, v in loaded.layers]),
+                        kv, BS)  # fmt: skip
+        want = quantized_reference(kv, codec)
+        for (k, v), (k2, v2) in zip(want, loaded.layers, strict=True):
+            assert torch.equal(k[:, :, BS : 6 * BS], k2[:, :, BS:])
+            assert torch.equal(v[:, :, BS : 6 * BS], v2[:, :, BS:])
+        cache.release(hit)
+        assert cache.metrics.get("promoted_blocks_total") == 5
+        cache.check_integrity()
