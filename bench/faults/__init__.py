@@ -35,6 +35,7 @@ from bench.faults.storage import collisions, corruption, lmdb_full, redis_evicti
 from bench.faults.tenants import tenant_isolation
 from bench.faults.timing import timing_side_channel
 from bench.launch import RedisServer
+from kvstore.config import CODEC_NAMES, CODEC_TOLERANCE
 
 SCENARIOS: dict[str, Callable[[Context], FaultOutcome | LoadOutcome | None]] = {
     "corrupt-lmdb": lambda ctx: corruption(ctx, "lmdb"),
@@ -55,13 +56,23 @@ SCENARIOS: dict[str, Callable[[Context], FaultOutcome | LoadOutcome | None]] = {
 }
 
 
-def run(scale: str, names: list[str] | None = None) -> list[FaultOutcome | LoadOutcome]:
-    """Run the scenarios (all by default) with a private redis-server and temp dirs."""
+# the scenarios that build their caches in process, so a --codec reaches their tiers (the
+# others run `kvstore serve` processes with their own flags)
+CODEC_SCENARIOS = ("corrupt-lmdb", "corrupt-redis", "collisions", "redis-eviction",
+                   "redis-outage", "writers", "sigkill", "lmdb-full", "disk-full", "tenants",
+                   "timing", "leaks")  # fmt: skip
+
+
+def run(
+    scale: str, names: list[str] | None = None, codec: str = "none"
+) -> list[FaultOutcome | LoadOutcome]:
+    """Run the scenarios (all by default) with a private redis-server and temp dirs; `codec`:
+    the tier entries' (CODEC_SCENARIOS only)."""
     torch.manual_seed(0)
     torch.set_num_threads(1)  # a micro model: thread hand-offs cost more than they give
     with tempfile.TemporaryDirectory(prefix="bench-faults-") as tmp:
         server = RedisServer(Path(tmp)).start()
-        ctx = Context(micro_model(), server, Path(tmp), SCALES[scale])
+        ctx = Context(micro_model(), server, Path(tmp), SCALES[scale], codec)
         try:
             found = [SCENARIOS[name](ctx) for name in names or SCENARIOS]
         finally:
@@ -78,8 +89,10 @@ def markdown(
     scale: str,
     elapsed_s: float,
     out: str | None = None,
+    codec: str = "none",
 ) -> str:
     command = f"python -m bench faults --scale {scale}" + (f" --out {out}" if out else "")
+    command += f" --codec {codec}" if codec != "none" else ""
     lines = [
         "# Reliability: fault injection",
         "",
@@ -87,7 +100,8 @@ def markdown(
         "runs through the engine (HTTP fuzzing: a live `kvstore serve` process) on a micro Llama",
         "(2 layers, hidden 64, fp32) with real LMDB and a private redis-server. *Wrong outputs*:",
         "greedy tokens that differ from an independent no-cache forward where its top-2 logit gap",
-        "exceeds 1e-4, plus any cross-tenant or past-a-gap cached token (HTTP fuzzing: any answer",
+        f"exceeds {max(1e-4, CODEC_TOLERANCE[codec]):g}, plus any cross-tenant or past-a-gap "
+        "cached token (HTTP fuzzing: any answer",
         "to a bad request other than its 4xx, or any change of the index). *Lost entries*:",
         "acknowledged writes later missing with no eviction, TTL or verification failure to",
         "explain them. Must-haves: wrong outputs 0, lost entries 0, every request succeeds (HTTP",
@@ -145,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
         "--out", default=None, metavar="PATH", help="also write the markdown report to PATH"
     )
     parser.add_argument("--only", nargs="*", choices=tuple(SCENARIOS), help="run these only")
+    parser.add_argument("--codec", choices=CODEC_NAMES, default="none", help="the tier "
+                        "entries' codec; not none: the in-process scenarios only, each output "
+                        "held to the codec's tolerance")  # fmt: skip
     parser.add_argument(
         "--soak",
         type=positive_seconds,
@@ -155,9 +172,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.soak is not None:
         return run_soak(args.soak, args.out, args.json)
+    if args.codec != "none":
+        others = sorted(set(args.only or ()) - set(CODEC_SCENARIOS))
+        if others or args.out:
+            parser.error(f"--codec {args.codec}: scenarios {', '.join(CODEC_SCENARIOS)} only, "
+                         "and no --out (docs/RELIABILITY.md is the codec none run)")  # fmt: skip
+        args.only = args.only or list(CODEC_SCENARIOS)
     start = time.perf_counter()
-    outcomes = run(args.scale, args.only)
-    report = markdown(outcomes, args.scale, time.perf_counter() - start, args.out)
+    outcomes = run(args.scale, args.only, args.codec)
+    report = markdown(outcomes, args.scale, time.perf_counter() - start, args.out, args.codec)
     soak_section = _soak_section(args.out)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -27,6 +27,7 @@ def redis_outage(ctx: Context) -> FaultOutcome:
     flush_redis(ctx.redis.url)
     deadline_ms, down = 50.0, ctx.scale.outage_s
     config = cache_config(
+        ctx,
         redis_url=ctx.redis.url,
         device_blocks=24,
         lookup_deadline_ms=deadline_ms,

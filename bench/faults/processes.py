@@ -40,7 +40,7 @@ def leaks(ctx: Context) -> FaultOutcome:
     """Many requests with eviction in the device pool and a small memory tier: RSS and pool
     use over the last 90% of the run (every 20th output is checked)."""
     n = ctx.scale.leak_requests
-    config = cache_config(device_blocks=48, memory_cache_gb=0.0005)  # ~ 400 entries
+    config = cache_config(ctx, device_blocks=48, memory_cache_gb=0.0005)  # ~ 400 entries
     bases = make_prompts(64, seed=110, length=6 * BS)
     rng = np.random.default_rng(111)
     prompts = [bases[rng.integers(64)] + rng.integers(0, 256, 17).tolist() for _ in range(n)]
@@ -79,7 +79,7 @@ FORK = multiprocessing.get_context("fork")  # children inherit the model: no rel
 
 
 def both_tiers(ctx: Context, tag: str) -> CacheConfig:
-    return cache_config(lmdb_dir=str(ctx.workdir / f"lmdb-{tag}"), redis_url=ctx.redis.url)
+    return cache_config(ctx, lmdb_dir=str(ctx.workdir / f"lmdb-{tag}"), redis_url=ctx.redis.url)
 
 
 def _writer(

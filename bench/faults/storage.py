@@ -122,7 +122,7 @@ def collisions(ctx: Context) -> FaultOutcome:
     """key_bytes=1 (256 lookup keys) on a shared Redis: colliding keys must read as misses."""
     flush_redis(ctx.redis.url)
     trials = ctx.scale.collision_trials
-    config = cache_config(redis_url=ctx.redis.url, key_bytes=1, device_blocks=16)
+    config = cache_config(ctx, redis_url=ctx.redis.url, key_bytes=1, device_blocks=16)
     stored = make_prompts(64, seed=30, length=3 * BS + 1)
     with Engine(ctx.model, config) as writer:
         serve(writer, stored)
@@ -166,7 +166,7 @@ def redis_eviction(ctx: Context) -> FaultOutcome:
     client.config_set("maxmemory-policy", "allkeys-lru")
     client.config_set("maxmemory", base + 300_000)
     evicted0 = int(client.info("stats")["evicted_keys"])
-    config = cache_config(redis_url=ctx.redis.url)
+    config = cache_config(ctx, redis_url=ctx.redis.url)
     prompts = make_prompts(max(40, ctx.scale.requests), seed=70)
     try:
         with Engine(ctx.model, config) as writer:
@@ -175,7 +175,7 @@ def redis_eviction(ctx: Context) -> FaultOutcome:
             acked = writer.cache.tiers.stores[0].stats().writes
             hasher = writer.cache.hasher
         results, gaps, beyond, hits, short = [], 0, 0, 0, 0
-        reader_config = cache_config(redis_url=ctx.redis.url, redis_write_policy="off")
+        reader_config = cache_config(ctx, redis_url=ctx.redis.url, redis_write_policy="off")
         with Engine(ctx.model, reader_config) as reader:  # reads only: the snapshot holds
             store = reader.cache.tiers.stores[0]
             for p in reversed(prompts):
@@ -241,7 +241,7 @@ def lmdb_full(ctx: Context, disk: bool) -> FaultOutcome | None:
         if not ready:
             return None
         map_gb = (4 if disk else 0.25) * 2**20 / 2**30
-        config = cache_config(lmdb_dir=str(path), lmdb_map_size_gb=map_gb, device_blocks=24)
+        config = cache_config(ctx, lmdb_dir=str(path), lmdb_map_size_gb=map_gb, device_blocks=24)
         prompts = make_prompts(max(60, 3 * ctx.scale.requests), seed=50)
         with Engine(ctx.model, config) as engine:
             results = serve(engine, prompts)

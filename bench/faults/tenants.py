@@ -22,14 +22,16 @@ def tenant_isolation(ctx: Context) -> FaultOutcome:
     prompts = make_prompts(max(4, ctx.scale.requests // 4), seed=90)
     both = {"lmdb_dir": str(ctx.workdir / "lmdb-tenant"), "redis_url": ctx.redis.url}
     sent, results, cross, own = [], [], 0, 0
-    with Engine(ctx.model, cache_config(**both)) as engine:
+    with Engine(ctx.model, cache_config(ctx, **both)) as engine:
         for salt in ("owner", "other-device"):
             results += serve(engine, prompts, salt)
         engine.cache.flush(30)
     cross += sum(r.cached_tokens for r in results[len(prompts) :] if r)
     sent += prompts + prompts
     for tier, salt in (("lmdb", "other-lmdb"), ("redis", "other-redis")):
-        with Engine(ctx.model, cache_config(**{k: v for k, v in both.items() if tier in k})) as e:
+        with Engine(
+            ctx.model, cache_config(ctx, **{k: v for k, v in both.items() if tier in k})
+        ) as e:
             other, mine = serve(e, prompts, salt), serve(e, prompts, "owner")
         cross += sum(r.cached_tokens for r in other if r)
         own += sum(bool(r and r.cached_by_tier.get(tier) == PROMPT_LEN - 1) for r in mine)

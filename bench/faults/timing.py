@@ -98,7 +98,7 @@ def _config(ctx: Context, tier: str, lmdb_dir: Path) -> CacheConfig:
     flush_redis(ctx.redis.url)
     spill = {"lmdb_dir": str(lmdb_dir), "redis_url": ctx.redis.url}
     spill = {k: v for k, v in spill.items() if tier == "all" or k.startswith(tier)}
-    return cache_config(device_blocks=POOL_BLOCKS, **spill)
+    return cache_config(ctx, device_blocks=POOL_BLOCKS, **spill)
 
 
 def _probe(engine: Engine, run: Run, secrets: list, controls: list, salt: str, seed: int) -> None:
