@@ -70,7 +70,7 @@ def test_every_openapi_path_with_an_input_is_fuzzed(outcome):
 
 @pytest.fixture(scope="module")
 def client(ctx: Context) -> Iterator[TestClient]:
-    engine = Engine(ctx.model, cache_config())
+    engine = Engine(ctx.model, cache_config(ctx))
     app = create_app(engine, ServerConfig(served_model_name="micro", max_body_bytes=16384))
     with TestClient(app, raise_server_exceptions=False) as test_client:
         yield test_client
