@@ -20,6 +20,7 @@ def test_the_control_codec_matches_no_cache_and_int8_moves_the_logits(capsys) ->
     assert none["ppl"] == none["ppl_nocache"] or abs(none["ppl_change"]) < 1e-6
     assert none["max_logit_change"] < 1e-4  # the exact contract
     assert (none["identical"], none["prompts"], none["divergences"]) == (2, 2, [])
+    assert none["meet_contract"] == 2
     assert int8["max_logit_change"] > 1e-2  # quantized: bounded, not exact
     assert int8["ppl"] != int8["ppl_nocache"]
     # each prompt's whole blocks came from the tier (a whole-prompt hit recomputes only the
