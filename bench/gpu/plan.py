@@ -69,6 +69,11 @@ def _gpu(redis_url: str, lmdb: str) -> list[Step]:
         Step("e2e", bench("e2e", "--device", "cuda", "--model", BIG, "--workload",
                           "shared-prefix", "--repeats", "2", "--no-peer", "--json"), 60, last_json),
         Step("step", bench("step", "--device", "cuda", "--json"), 40, last_json),
+        # last: what the budget leaves (int8 entries, dequantized on the host into staging)
+        Step("codecs", bench("ttft", "--device", "cuda", "--model", BIG, "--tier",
+                             "device,memory,lmdb,redis", "--codec", "int8", "--redis-url",
+                             redis_url, "--lmdb-dir", lmdb, "--runs", "5", "--threads", "8",
+                             "--json"), 90, last_json),
     ]  # fmt: skip
 
 
@@ -88,4 +93,7 @@ def _smoke(redis_url: str, lmdb: str) -> list[Step]:
              120, last_json),
         Step("step", bench("step", "--batches", "1,2", "--rounds", "1", "--new-tokens", "4",
                            "--prompt-tokens", "8", "--json"), 120, last_json),
+        Step("codecs", bench("ttft", "--model", "tiny", "--tier", "device,redis", "--codec",
+                             "int8", "--redis-url", redis_url, "--prompt-tokens", "128",
+                             "--cached", "96", "--runs", "1", "--json"), 120, last_json),
     ]  # fmt: skip

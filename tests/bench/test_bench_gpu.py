@@ -45,7 +45,7 @@ def test_a_spent_budget_starts_no_step_and_fails_the_run(tmp_path):
     assert done.returncode == 1
     report = json.loads((tmp_path / "gpu.json").read_text())
     assert {s.get("skipped") for s in report["steps"].values()} == {"the budget was spent"}
-    assert len(report["steps"]) == 5
+    assert len(report["steps"]) == 6
 
 
 def test_the_table_holds_each_figure_to_its_target():
@@ -62,9 +62,20 @@ def test_the_table_holds_each_figure_to_its_target():
                     "result": {"workloads": [{"workload": "shared-prefix",
                                               "ratio_to_ideal": 0.95}]}},
             "step": {"rc": None, "skipped": "the budget was spent"},
+            "codecs": {"rc": 0, "seconds": 50, "result": {"points": [
+                {"tier": "device", "codec": "none", "cached_tokens": 2032,
+                 "prompt_tokens": 2048, "ratio_to_device": 1.0},
+                {"tier": "redis", "codec": "int8", "cached_tokens": 2032,
+                 "prompt_tokens": 2048, "ratio_to_device": 1.2},
+                {"tier": "memory", "codec": "int8", "cached_tokens": 2032,
+                 "prompt_tokens": 2048, "ratio_to_device": 1.3},
+            ]}},
         },
     }  # fmt: skip
     table = markdown(report)
+    assert "| ttft redis int8, 2032 of 2048 cached: ÷ device | 1.2 | ≤ 1.25 | yes |" in table
+    assert "| ttft memory int8, 2032 of 2048 cached: ÷ device | 1.3 | - | - |" in table
+    assert "ttft device none" not in table
     assert "| load c=1: tok/s ÷ peer | 1.6 | ≥ 1.5 | yes |" in table
     assert "| load c=8: tok/s ÷ peer | 1.9 | ≥ 2.0 | no |" in table
     assert "| load c=8: TTFT p50 ÷ peer | 0.8 | ≤ 0.7 | no |" in table
