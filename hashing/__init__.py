@@ -24,6 +24,7 @@ from hashing.blocks import (
 )
 from hashing.namespace import (
     FORMAT_VERSION,
+    KV_CACHE_DTYPES,
     InvalidNamespace,
     Namespace,
     combine_salts,
@@ -37,6 +38,7 @@ __all__ = [
     "FORMAT_VERSION",
     "HASH_BYTES",
     "KEY_ID_BYTES",
+    "KV_CACHE_DTYPES",
     "BlockHash",
     "BlockHasher",
     "InvalidNamespace",

@@ -13,6 +13,9 @@ import xxhash
 FORMAT_VERSION = 3
 MAX_SALT_CHARS = 256
 KV_DTYPES = ("float32", "float16", "bfloat16")
+# the device pool's storage: the model's dtype (auto), or int8 / fp8 values with a scale per
+# token (docs/FORMAT.md, "Quantized payloads": a pool block holds such a payload)
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
 
 
 class InvalidNamespace(ValueError):
@@ -59,6 +62,7 @@ class Namespace:
     adapter_id: str = ""
     salt: str = ""
     format_version: int = FORMAT_VERSION
+    kv_cache_dtype: str = "auto"  # a quantized pool's KV differs from an auto pool's
 
     def __post_init__(self) -> None:
         if not self.model_fingerprint:
@@ -70,6 +74,10 @@ class Namespace:
             if not isinstance(value, int) or value <= 0:
                 raise InvalidNamespace(f"{name} must be a positive int, got {value!r}")
         validate_salt(self.salt)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidNamespace(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
 
     def framed(self) -> bytes:
         fields = (
@@ -82,6 +90,8 @@ class Namespace:
             self.adapter_id,
             self.salt,
         )
+        if self.kv_cache_dtype != "auto":  # auto's roots are those of before the field
+            fields = (*fields, f"kv_cache_dtype={self.kv_cache_dtype}")
         return b"kvstore-namespace" + b"".join(_frame(f) for f in fields)
 
     def root(self) -> bytes:

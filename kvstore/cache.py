@@ -110,7 +110,8 @@ class PrefixCache:
         self.tails = TailCache(  # partial last blocks (tails.py)
             capacity=capacity,
             lock=self._lock,
-            kv=self.pool.kv,
+            rows=self.pool.rows,
+            block_size=self.pool.block_size,
             allocate=self.held.allocate,
             free=self.held.free,
             metrics=self.metrics,
@@ -329,7 +330,7 @@ class PrefixCache:
         if dst.shape[1:] != shape or dst.dtype != self.pool.dtype:
             raise ValueError(f"dst must be [N, {', '.join(map(str, shape))}] {self.pool.dtype}")
         table = torch.as_tensor(list(block_table[:n]), dtype=torch.long, device=dst.device)
-        dst.index_copy_(0, table, self.pool.read_blocks(hit.block_ids).to(dst.device))
+        dst.index_copy_(0, table, self.pool.read_kv_blocks(hit.block_ids).to(dst.device))
         return n * self.block_size
 
     def check_integrity(self, held: Mapping[int, int] | None = None) -> None:

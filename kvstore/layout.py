@@ -29,20 +29,29 @@ NP_DTYPES = {torch.float32: np.dtype(np.float32), torch.float16: np.dtype(np.flo
 LayerKV = tuple[torch.Tensor, torch.Tensor]  # K, V: [1, kv_heads, tokens, head_dim]
 
 
+# a quantized pool's value dtype by Namespace.kv_cache_dtype (its scales: bfloat16)
+QUANT_POOL_DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
+
+
 @dataclass(frozen=True)
 class KVLayout:
-    """The KV shapes of one namespace."""
+    """The KV shapes of one namespace. `dtype` is the model's (what attention computes in
+    and a load returns); `quant`, a quantized pool's value dtype (None: the pool holds
+    `dtype`), whose block is a quantized entry payload of one block (docs/FORMAT.md)."""
 
     num_layers: int
     num_kv_heads: int
     block_size: int
     head_dim: int
     dtype: torch.dtype
+    quant: torch.dtype | None = None
 
     @classmethod
     def of(cls, namespace: Namespace) -> KVLayout:
         ns = namespace
-        return cls(ns.num_layers, ns.num_kv_heads, ns.block_size, ns.head_dim, DTYPES[ns.kv_dtype])
+        quant = QUANT_POOL_DTYPES.get(ns.kv_cache_dtype)
+        shape = (ns.num_layers, ns.num_kv_heads, ns.block_size, ns.head_dim)
+        return cls(*shape, DTYPES[ns.kv_dtype], quant)
 
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:
@@ -56,7 +65,19 @@ class KVLayout:
 
     @property
     def bytes_per_block(self) -> int:
+        if self.quant is not None:  # an entry payload of one block: kvstore/entry/quant.py
+            return self.scale_bytes + int(np.prod(self.block_shape))  # values: 1 byte each
         return int(np.prod(self.block_shape)) * self.dtype.itemsize
+
+    @property
+    def scale_bytes(self) -> int:
+        """A quantized block's bfloat16 scales, padded to 16 bytes (its values follow)."""
+        return -(-2 * int(np.prod(self.scale_shape)) // 16) * 16
+
+    @property
+    def scale_shape(self) -> tuple[int, int, int, int]:
+        """A quantized block's scales: [layers, 2, kv_heads, block_size]."""
+        return (self.num_layers, 2, self.num_kv_heads, self.block_size)
 
 
 # --- views between the layouts --------------------------------------------------------------

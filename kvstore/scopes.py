@@ -29,7 +29,9 @@ class Scope(NamedTuple):
     cache_salt: str
     hasher: BlockHasher
     root: bytes  # Namespace.root(): the namespace field of its tier entries
-    expected: ExpectedEntry | None  # the entries it writes (codec "none"): fast verify
+    # the entries it writes when a pool block is their payload as it is (codec "none", or a
+    # quantized pool's codec): fast verify and encode
+    expected: ExpectedEntry | None
 
     def keys(self, tokens: np.ndarray, known: Sequence[BlockHash] = ()) -> list[BlockHash]:
         """Lookup keys of the full blocks of `tokens`; the leading `known` keys (of a lookup)
@@ -73,8 +75,9 @@ class Scopes:
             ns = ns.with_salt(combine_salts(ns.salt, salt))
         hasher = BlockHasher(ns, self.config.secret_bytes, self.config.key_bytes)
         root, expected = ns.root(), None
-        if self.with_entries and self.config.codec == "none":
+        codec = self.config.entry_codec  # a quantized pool's blocks are its entries' payloads
+        if self.with_entries and (codec == "none" or self.layout.quant is not None):
             n = self.config.chunk_blocks
             shape = self.layout.entry_shape(n)
-            expected = ExpectedEntry(root, self.layout.dtype, shape, n, hasher.key_id)
+            expected = ExpectedEntry(root, self.layout.dtype, shape, n, hasher.key_id, codec)
         return Scope(salt, hasher, root, expected)

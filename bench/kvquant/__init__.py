@@ -27,7 +27,9 @@ import tempfile
 import torch
 from tqdm import tqdm
 
+from bench.kvquant.pool import pool_rows, print_pool_table
 from bench.kvquant.text import TEXT
+from hashing import KV_CACHE_DTYPES
 from kvstore.config import CODEC_NAMES, CODEC_TOLERANCE, CacheConfig
 
 BLOCK_SIZE = 16
@@ -37,7 +39,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench kvquant", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2", help="smollm2, tiny, dummy:NAME, a .gguf file "
                    "or a model directory")  # fmt: skip
-    p.add_argument("--codecs", default="none,int8,fp8", help="comma-separated tier codecs")
+    p.add_argument("--codecs", default="none,int8,fp8", help="comma-separated tier codecs "
+                   "(empty: none of them)")  # fmt: skip
+    p.add_argument("--kv-cache-dtypes", default="auto,int8,fp8_e4m3", help="comma-separated "
+                   "device pools, each against auto (empty: none of them)")  # fmt: skip
     p.add_argument("--chunk", type=int, default=128, help="tokens scored per chunk (whole blocks)")
     p.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt")
     p.add_argument("--prompts", type=int, default=None, help="the first N demo prompts (all 8)")
@@ -48,6 +53,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for codec in args.codecs:
         if codec not in CODEC_NAMES:
             p.error(f"--codecs: unknown codec {codec!r}; choose from {','.join(CODEC_NAMES)}")
+    args.kv_cache_dtypes = [d.strip() for d in args.kv_cache_dtypes.split(",") if d.strip()]
+    for dtype in args.kv_cache_dtypes:
+        if dtype not in KV_CACHE_DTYPES:
+            p.error(
+                f"--kv-cache-dtypes: unknown {dtype!r}; choose from {','.join(KV_CACHE_DTYPES)}"
+            )
     if args.chunk <= 0 or args.chunk % BLOCK_SIZE:
         p.error(f"--chunk: a positive multiple of the block size ({BLOCK_SIZE})")
     if args.max_tokens <= 0:
@@ -225,11 +236,16 @@ def run(args: argparse.Namespace) -> dict:
     for codec in tqdm(args.codecs, desc="codecs"):
         row = {"codec": codec} | perplexity(lm, ids, codec, args.chunk, reference, kv)
         rows.append(row | agreement(lm, codec, prompts, refs, args.max_tokens))
+    pools = pool_rows(lm, args.kv_cache_dtypes, ids, prompts, args.max_tokens) if (
+        args.kv_cache_dtypes) else []  # fmt: skip
     return {"model": args.model, "text_tokens": len(ids), "max_tokens": args.max_tokens,
-            "prompt_tokens": [len(p) for p in prompts], "results": rows}  # fmt: skip
+            "prompt_tokens": [len(p) for p in prompts], "results": rows,
+            "pools": pools}  # fmt: skip
 
 
 def print_table(report: dict) -> None:
+    if not report["results"]:
+        return
     from rich.console import Console
     from rich.table import Table
 
@@ -264,5 +280,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(report))
     else:
         print_table(report)
+        print_pool_table(report)
     control = [r for r in report["results"] if r["codec"] == "none"]
-    return 0 if all(r["identical"] == r["prompts"] for r in control) else 1
+    exact = all(r["identical"] == r["prompts"] for r in control)
+    # within a pool's dtype, a hit reads what its miss read: the same tokens
+    return 0 if exact and all(r["hit_equals_miss"] == r["prompts"] for r in report["pools"]) else 1

@@ -39,6 +39,7 @@ from bench.ttft.point import (
 )
 from engine.extras import require
 from engine.loop.threads import on_own_thread
+from hashing import KV_CACHE_DTYPES
 from kvstore.config import CODEC_NAMES, CODEC_TOLERANCE, ConfigError
 from kvstore.device.pool import resolve_device
 
@@ -68,6 +69,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    "when fetching beats recomputing (tier_read_gate)")  # fmt: skip
     p.add_argument("--codec", default="none", help="comma-separated tier codecs (none, fp16, "
                    "bf16, lz4, zstd, int8, fp8): each spill tier runs under each")  # fmt: skip
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="the pool's storage (a quantized pool's tier entries are its blocks: "
+                   "--codec none)")  # fmt: skip
     p.add_argument("--lmdb-dir", default=None)
     p.add_argument("--json", action="store_true")
     p.add_argument("--sweep", action="store_true", help="prompt lengths x cached fractions")
@@ -93,6 +97,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             p.error(f"--codec: unknown codec {codec!r}; choose from {','.join(CODEC_NAMES)}")
     if any(t.endswith(":layers") for t in args.tiers) and args.codecs != ["none"]:
         p.error("--codec: layer-by-layer loads read codec none only (docs/FORMAT.md)")
+    if args.kv_cache_dtype != "auto" and (
+        args.codecs != ["none"] or any(":" in t for t in args.tiers)
+    ):
+        p.error(
+            "--kv-cache-dtype: its tiers hold its blocks as they are (--codec none, whole reads)"
+        )
     args.points = [int(c) for c in args.cached.split(",") if c.strip()]
     for tier in args.tiers:
         name, _, how = tier.partition(":")
@@ -141,8 +151,11 @@ def main(argv: list[str], model=None) -> int:
     else:
         print_table(points, args, EXTRA_COLUMNS)
         print_gate(points)
-    # a lossy codec may move the first token (its contract: docs/FORMAT.md); others may not
-    exact = [p for p in points if CODEC_TOLERANCE[p["codec"]] <= CODEC_TOLERANCE["none"]]
+    # a lossy codec or pool may move the first token (its contract: docs/FORMAT.md)
+    lossless = args.kv_cache_dtype == "auto"
+    exact = [
+        p for p in points if lossless and CODEC_TOLERANCE[p["codec"]] <= CODEC_TOLERANCE["none"]
+    ]
     return 0 if all(p["same_first_token"] for p in exact) else 1
 
 

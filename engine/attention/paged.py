@@ -26,20 +26,26 @@ from torch.nn.functional import scaled_dot_product_attention as sdpa
 
 from engine.attention.eager import Extras, attend_eager
 from engine.attention.step_batch import Reads, StepBatch
+from kvstore.device.quant_kv import QuantizedLayer
 
 
 class PagedAttentionError(RuntimeError):
     """The model called attention in a way the paged path cannot serve (the runner falls back)."""
 
 
-def _read(kv_layer: torch.Tensor, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _read(
+    kv_layer: torch.Tensor | QuantizedLayer, tables: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V through block tables: tables [n] -> [heads, n * bs, dim]; tables [B, n] ->
     [B, heads, n * bs, dim]. One gather from a [2, heads, blocks, bs, dim] view of the layer
     writes the blocks already position-major, so K and V are views of it (the layer itself
     is a strided slice of the pool: gathering whole blocks from it and transposing after
     took ~20x longer on CPU)."""
     lead, n = tables.shape[:-1], tables.shape[-1]
-    out = kv_layer.permute(1, 2, 0, 3, 4).index_select(2, tables.reshape(-1))
+    if isinstance(kv_layer, QuantizedLayer):  # dequantized, float32: callers round once
+        out = kv_layer.read(tables.reshape(-1))
+    else:
+        out = kv_layer.permute(1, 2, 0, 3, 4).index_select(2, tables.reshape(-1))
     _, heads, _, bs, dim = out.shape  # [2, heads, B * n, bs, dim]
     out = out.view(2, heads, *lead, n * bs, dim)
     if lead:
@@ -166,7 +172,10 @@ class PagedAttention:
             batch.layer_wait(layer_idx)
         new = torch.stack((key[0], value[0]), dim=0).permute(2, 0, 1, 3)  # [T, 2, Hkv, D]
         writes = batch.plane_writes() if plane else batch.write_blocks
-        layer[writes, :, :, batch.write_offsets] = new.to(layer.dtype)
+        if isinstance(layer, QuantizedLayer):  # quantized here; every read dequantizes
+            layer.write(writes, batch.write_offsets, new)
+        else:
+            layer[writes, :, :, batch.write_offsets] = new.to(layer.dtype)
         if batch.mirror is not None:  # one decode row: its K/V is also kept contiguous
             seen = batch.mirror.write(layer_idx, batch.decode_rows[0].start, new[0])
             if window is None and extras.plain:

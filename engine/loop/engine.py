@@ -47,7 +47,7 @@ from engine.model.loading import LoadedModel, hybrid_window, shared_window
 from hashing import Namespace, validate_salt
 from kvstore.block_tables import BlockTables
 from kvstore.cache import PrefixCache
-from kvstore.config import CacheConfig
+from kvstore.config import CacheConfig, ConfigError
 from kvstore.fleet.events import EventSink
 
 log = logging.getLogger("kvstore.engine")
@@ -111,6 +111,13 @@ class Engine:
         # step: one thread does the model's parallel work (engine/loop/threads.py)
         self.stepper: Stepper | None = None  # the loop's steps, once its runner started
         self.runner, self.fallback_reason = self._start_loop(kernel)
+        if self.runner is None and self.cache.pool.scales is not None:
+            self.close()  # one request at a time would attend unquantized K/V: hit != miss
+            raise ConfigError(
+                "kv_cache_dtype",
+                f"a quantized pool needs paged attention, which model {model.name} cannot run "
+                f"({self.fallback_reason}): give kv_cache_dtype auto",
+            )
         self.sync = SyncPaths(
             runner=self.runner, tables=self.tables, sequential=self.sequential, calls=self._calls,
             forward_lock=self._forward_lock, refuse=self._refusal, encode=self.encode,

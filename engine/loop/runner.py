@@ -31,6 +31,7 @@ from engine.loop.prefill_clock import PrefillClock, prompt_tokens
 from engine.model.linear import install_linears, uninstall_linears
 from engine.model.loading import LoadedModel, has_window, with_cache
 from kvstore.block_tables import BlockTables
+from kvstore.config import CODEC_TOLERANCE, POOL_CODECS
 from kvstore.device.pool import BlockPool
 from kvstore.units import cdiv
 
@@ -101,8 +102,11 @@ class PagedRunner:
     def _open(self) -> None:
         self.attention = PagedAttention(self.pool.layer_views(), _layer_of)
         self.dispatch = install_dispatch(self.model.model)
-        # window layers read the pool (their blocks may be dropped): no mirror for them
-        self.mirror = None if has_window(self.model.model.config) else DecodeMirror(self.kv)
+        # window layers read the pool (their blocks may be dropped), a quantized pool's reads
+        # dequantize: no mirror for either
+        quantized = self.pool.scales is not None
+        mirrored = not has_window(self.model.model.config) and not quantized
+        self.mirror = DecodeMirror(self.kv) if mirrored else None
 
     def use_graphs(self, sampled: torch.Tensor, required: bool = False) -> None:
         """Replay decode steps of up to len(`sampled`) rows (the device's sampled tokens,
@@ -245,6 +249,8 @@ class StepCacheRunner(PagedRunner):
 
     def _open(self) -> None:
         self.mirror = None  # attention here is the model's own code: nothing writes one
+        if self.pool.scales is not None:  # its Cache would hand the model raw pool values
+            raise PagedAttentionError("a quantized pool needs the attention interface")
         config = self.model.model.config
         if has_window(config) or self.pool.window is not None:  # the 4D mask given would
             # replace the model's window masks
@@ -328,7 +334,7 @@ def self_test(runner: PagedRunner, block_ids: list[int]) -> str | None:
     a = [(7 * i + 3) % model.vocab_size for i in range(2 * bs + 3)]
     b = [(5 * i + 1) % model.vocab_size for i in range(bs + 2)]
     table_a, table_b = block_ids[:3], block_ids[3:5]
-    tol = tolerance_for(model.dtype)
+    tol, quantized = tolerance_for(model.dtype), runner.pool.scales is not None
     runner.calls = 0
     try:
         first = runner.forward(
@@ -351,6 +357,9 @@ def self_test(runner: PagedRunner, block_ids: list[int]) -> str | None:
     with runner.linear_step():
         want = [_reference(model, ids) for ids in (a[:-1], b[:3], a, b, c)]
     worst = max(float((g - w).abs().max()) for g, w in zip(got, want, strict=True))
+    if quantized:  # plain forwards read exact K/V: the codec's tolerance, at the logits' scale
+        scale = max(1.0, max(float(w.abs().max()) for w in want))
+        tol = max(tol, CODEC_TOLERANCE[POOL_CODECS[runner.pool.kv_cache_dtype]] * scale)
     return None if worst <= tol else f"logits differ from a plain forward by {worst:.2e}"
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING
 
-from hashing.namespace import validate_salt
+from hashing.namespace import KV_CACHE_DTYPES, validate_salt
 
 if TYPE_CHECKING:
     from hashing import Namespace
@@ -24,6 +24,8 @@ CODEC_TOLERANCE = {
     **{"int8": 4 * _BF16, "fp8": 16 * _BF16},
 }
 WRITE_POLICIES = ("write-through", "write-back", "selective", "off")
+# a quantized pool's blocks go to the tiers as they are: entries of this codec
+POOL_CODECS = {"int8": "int8", "fp8_e4m3": "fp8"}
 
 
 class ConfigError(ValueError):
@@ -61,6 +63,7 @@ class CacheConfig:
     retention_quota_blocks: int | None = None  # most device blocks one tenant may retain
     tail_blocks: int | None = None  # partial last blocks kept for the next turn; None: auto
     window_share: float = 0.5  # a hybrid model's window-layer slots per pool block, in (0, 1]
+    kv_cache_dtype: str = "auto"  # the pool's storage: the model's dtype, int8 or fp8_e4m3
     # --- spill tiers (all off by default) ---
     memory_cache_gb: float = 0.0  # host-RAM tier; 0 = off
     lmdb_dir: str | None = None
@@ -104,6 +107,7 @@ class CacheConfig:
             raise ConfigError("eviction_policy", f"must be one of {POLICY_NAMES}")
         if self.codec not in CODEC_NAMES:
             raise ConfigError("codec", f"must be one of {CODEC_NAMES}, got {self.codec!r}")
+        self._check_kv_cache_dtype()
         for name in ("redis_write_policy", "lmdb_write_policy", "memory_write_policy"):
             if getattr(self, name) not in WRITE_POLICIES:
                 raise ConfigError(name, f"must be one of {WRITE_POLICIES}")
@@ -115,6 +119,24 @@ class CacheConfig:
                 "must start with redis://, rediss:// (TLS), unix:// (a socket path), "
                 "redis+cluster:// or rediss+cluster://",  # never the URL: it may hold a password
             )
+
+    def _check_kv_cache_dtype(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError("kv_cache_dtype", f"must be one of {KV_CACHE_DTYPES}")
+        pool_codec = POOL_CODECS.get(self.kv_cache_dtype)
+        if pool_codec is None:
+            return
+        if self.codec not in ("none", pool_codec):
+            why = f"a {self.kv_cache_dtype} pool's blocks reach the tiers as they are"
+            raise ConfigError("codec", f"{why}: give none or {pool_codec}, not {self.codec!r}")
+        if self.chunk_blocks != 1 or self.layer_loads:
+            why = "a quantized pool reads and writes its tiers a block at a time and whole"
+            raise ConfigError("kv_cache_dtype", f"{why}: chunk_blocks 1, layer_loads off")
+
+    @property
+    def entry_codec(self) -> str:
+        """The codec of the tier entries: the pool's for a quantized pool, else `codec`."""
+        return POOL_CODECS.get(self.kv_cache_dtype, self.codec)
 
     def _check_numbers(self) -> None:
         if not isinstance(self.key_bytes, int) or not 1 <= self.key_bytes <= 16:
@@ -180,7 +202,9 @@ class CacheConfig:
                 "block_size",
                 f"namespace block_size {namespace.block_size} != config {self.block_size}",
             )
-        for name, field, default in (("codec", "codec", "none"), ("tenant_salt", "salt", "")):
+        for name, field, default in (("entry_codec", "codec", "none"),
+                                     ("kv_cache_dtype", "kv_cache_dtype", "auto"),
+                                     ("tenant_salt", "salt", "")):  # fmt: skip
             ns_value, cfg_value = getattr(namespace, field), getattr(self, name)
             if ns_value != cfg_value and default not in (ns_value, cfg_value):
                 raise ConfigError(name, f"namespace has {ns_value!r}, config has {cfg_value!r}")

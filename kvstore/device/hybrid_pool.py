@@ -88,6 +88,12 @@ class HybridPool(BlockPool):
         window_layers: Sequence[int],
         num_window_slots: int | None = None,
     ):
+        if namespace.kv_cache_dtype != "auto":
+            raise ConfigError(
+                "kv_cache_dtype",
+                "a model with sliding-window layers keeps them in a window plane, which holds "
+                "the model's dtype only: give kv_cache_dtype auto",
+            )
         num_layers = namespace.num_layers
         self.window_layers = _check_window_layers(window_layers, num_layers)
         self.full_layers = [i for i in range(num_layers) if i not in self.window_layers]

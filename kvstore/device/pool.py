@@ -16,6 +16,7 @@ import torch
 
 from hashing import Namespace
 from kvstore.config import CacheConfig, ConfigError
+from kvstore.device.quant_kv import QuantizedLayer, dequantize, pool_views, quantize_tokens
 from kvstore.device.staging import HostStaging, InPlace, Stage
 from kvstore.device.window_plane import WindowPlane
 from kvstore.layout import KVLayout, LayerKV, layers_to_blocks, split_layers, tensor_bytes
@@ -81,16 +82,24 @@ class BlockPool:
 
     def __init__(self, num_blocks: int, namespace: Namespace, device: torch.device):
         self.layout = KVLayout.of(namespace)
+        self.kv_cache_dtype = namespace.kv_cache_dtype  # auto, or a quantized pool's
         self.num_blocks = num_blocks
         self.block_size = self.layout.block_size
         self.device = device
-        self.dtype = self.layout.dtype
+        self.dtype = self.layout.dtype  # what attention computes in and loads return
         self.bytes_per_block = self.layout.bytes_per_block
-        # [num_blocks, layers, 2, kv_heads, block_size, head_dim]; torch.empty commits no pages
-        self.kv = torch.empty(self._block_rows(), dtype=self.dtype, device=device)
+        self.scales: torch.Tensor | None = None  # a quantized pool's [n, layers, 2, heads, bs]
+        if self.layout.quant is None:
+            # [num_blocks, layers, 2, kv_heads, block_size, head_dim]; empty commits no pages
+            self.kv = torch.empty(self._block_rows(), dtype=self.dtype, device=device)
+            self.rows = self.kv  # a row per block: what a tail copies and a tier moves
+        else:  # each row a quantized entry payload of one block (kvstore/device/quant_kv.py)
+            shape = (num_blocks, self.bytes_per_block)
+            self.rows = torch.zeros(shape, dtype=torch.uint8, device=device)
+            self.kv, self.scales = pool_views(self.rows, self.layout)
         # flat and writable, in the entry payload's byte order (a big-endian host has none)
         little_cpu = device.type == "cpu" and sys.byteorder == "little"
-        self._raw = tensor_bytes(self.kv) if little_cpu else None
+        self._raw = tensor_bytes(self.rows) if little_cpu else None
         # a GPU pool: tier reads land in host staging, verified there in one pass, and reach
         # the pool in a transfer per tier (with a copy per block, a 112-block hit took 13 ms
         # over the ideal on an H100: docs/BENCHMARKS.md)
@@ -111,8 +120,8 @@ class BlockPool:
 
     @property
     def nbytes(self) -> int:
-        """The pool's KV bytes."""
-        return self.kv.numel() * self.kv.element_size()
+        """The pool's KV bytes (a quantized pool's scales included)."""
+        return self.rows.numel() * self.rows.element_size()
 
     @property
     def num_free_blocks(self) -> int:
@@ -135,6 +144,9 @@ class BlockPool:
     def layer_views(self) -> list[tuple[torch.Tensor, bool]]:
         """Per model layer: its K/V in the pool, [num_blocks or num_slots, 2, kv_heads,
         block_size, head_dim], and whether that is a window plane (addressed by slot)."""
+        if self.scales is not None:
+            layers = range(self.layout.num_layers)
+            return [(QuantizedLayer(self.kv[:, i], self.scales[:, i]), False) for i in layers]
         return [(self.kv[:, i], False) for i in range(self.layout.num_layers)]
 
     def whole(self, block_ids: Sequence[int | None]) -> list[int | None]:
@@ -143,7 +155,7 @@ class BlockPool:
 
     def zero(self, block_ids: Sequence[int]) -> None:
         """Zero blocks (every part they hold)."""
-        self.kv[self._ids(block_ids)] = 0
+        self.rows[self._ids(block_ids)] = 0
 
     def zero_window(self, block_ids: Sequence[int]) -> None:
         """Zero the window parts of blocks (a hybrid pool's)."""
@@ -165,7 +177,7 @@ class BlockPool:
         if not self.stages_on_host:
             return nullcontext(InPlace(self.destinations))
         if self._staging is None:
-            self._staging = HostStaging(self.kv, self.layout)
+            self._staging = HostStaging(self.rows)
         return self._staging.lookup(max_blocks)
 
     @property
@@ -209,24 +221,44 @@ class BlockPool:
     def gather(self, block_ids: Sequence[int], window_from: int | None = None) -> list[LayerKV]:
         """Per-layer (K, V) of the blocks in order, each [1, kv_heads, n * block_size, head_dim]
         (`window_from` as in `read_blocks`)."""
-        n = len(block_ids)
+        n, ids = len(block_ids), self._ids(block_ids)
         layers, _, heads, bs, dim = self.layout.block_shape
         # one copy: index the block axis of a [layers, 2, heads, blocks, bs, dim] view
-        out = torch.index_select(self.kv.permute(1, 2, 3, 0, 4, 5), 3, self._ids(block_ids))
-        return split_layers(out.view(layers, 2, heads, n * bs, dim))
+        out = torch.index_select(self.kv.permute(1, 2, 3, 0, 4, 5), 3, ids)
+        if self.scales is not None:
+            scales = torch.index_select(self.scales.permute(1, 2, 3, 0, 4), 3, ids)
+            out = dequantize(out, scales, self.dtype)
+        return split_layers(out.reshape(layers, 2, heads, n * bs, dim))
 
     def scatter(
         self, block_ids: Sequence[int], kv: Sequence[LayerKV], start_token: int = 0
     ) -> None:
         """Write tokens [start_token, start_token + n * block_size) of per-layer K/V into blocks."""
-        if block_ids:
-            blocks = layers_to_blocks(kv, start_token, len(block_ids), self.block_size)
+        if not block_ids:
+            return
+        blocks = layers_to_blocks(kv, start_token, len(block_ids), self.block_size)
+        if self.scales is None:
             self.write_blocks(block_ids, blocks)
+            return
+        values, scales = quantize_tokens(blocks.to(self.device), self.layout.quant)  # type: ignore[arg-type]
+        ids = self._ids(block_ids)  # bytes: index_copy_ has no CPU float8 kernel
+        self.kv.view(torch.uint8).index_copy_(0, ids, values.view(torch.uint8))
+        self.scales.index_copy_(0, ids, scales)
 
     def read_blocks(self, block_ids: Sequence[int], window_from: int | None = None) -> torch.Tensor:
         """Independent copy of whole blocks: [n, layers, 2, kv_heads, block_size, head_dim]
-        (`window_from`: a hybrid pool's, where window parts start)."""
-        return self.kv.index_select(0, self._ids(block_ids))
+        (`window_from`: a hybrid pool's, where window parts start); a quantized pool's rows
+        [n, bytes_per_block], the tier entries' payloads as they are."""
+        return self.rows.index_select(0, self._ids(block_ids))
+
+    def read_kv_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """Whole blocks as K/V of the model's dtype: [n, layers, 2, kv_heads, block_size,
+        head_dim] (a quantized pool's dequantized)."""
+        if self.scales is None:
+            return self.read_blocks(block_ids)
+        ids = self._ids(block_ids)
+        values, scales = self.kv.index_select(0, ids), self.scales.index_select(0, ids)
+        return dequantize(values, scales, self.dtype)
 
     def write_blocks(
         self, block_ids: Sequence[int], blocks: torch.Tensor | Sequence[torch.Tensor]
@@ -234,10 +266,10 @@ class BlockPool:
         """Inverse of read_blocks; `blocks` may also be a list of [layers, 2, heads, bs, dim]."""
         if not isinstance(blocks, torch.Tensor):
             for block_id, block in zip(block_ids, blocks, strict=True):
-                self.kv[block_id].copy_(block)
+                self.rows[block_id].copy_(block)
             return
-        blocks = blocks.to(self.device, self.dtype)
-        self.kv.index_copy_(0, self._ids(block_ids), blocks)
+        blocks = blocks.to(self.device, self.rows.dtype)
+        self.rows.index_copy_(0, self._ids(block_ids), blocks)
 
     def free_block_ids(self) -> list[int]:
         return list(self._free)

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 
 import torch
 
-from kvstore.layout import KVLayout, tensor_bytes
+from kvstore.layout import tensor_bytes
 
 Destination = torch.Tensor | memoryview
 
@@ -57,9 +57,12 @@ class InPlace(Stage):
 class HostStaging:
     """The reusable host buffer of a staged pool's lookups, and its copy stream."""
 
-    def __init__(self, kv: torch.Tensor, layout: KVLayout):
-        self.kv, self.layout, self.device = kv, layout, kv.device
-        self._buffer: torch.Tensor | None = None  # [rows, *block_shape]
+    def __init__(self, rows: torch.Tensor):
+        """`rows`: the pool's storage, one row per block ([num_blocks, *row]: a block's
+        K/V, or a quantized pool's payload bytes)."""
+        self.kv, self.device = rows, rows.device
+        self.row_bytes = rows[0].numel() * rows.element_size()
+        self._buffer: torch.Tensor | None = None  # [rows, *row]
         self._lock = threading.Lock()
         on_cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if on_cuda else None
@@ -78,12 +81,12 @@ class HostStaging:
         """At least `n` rows, pinned on CUDA (grown, never shrunk)."""
         if self._buffer is None or len(self._buffer) < n:
             pin = self.device.type == "cuda"
-            shape = (max(n, 1), *self.layout.block_shape)
-            self._buffer = torch.empty(shape, dtype=self.layout.dtype, pin_memory=pin)
+            shape = (max(n, 1), *self.kv.shape[1:])
+            self._buffer = torch.empty(shape, dtype=self.kv.dtype, pin_memory=pin)
         return self._buffer
 
     def upload(self, rows: torch.Tensor, block_ids: Sequence[int]) -> None:
-        """`rows` ([n, *block_shape], host) into pool blocks `block_ids`, in one transfer."""
+        """`rows` ([n, *row], host) into pool blocks `block_ids`, in one transfer."""
         if self._stream is None:
             ids = torch.as_tensor(block_ids, dtype=torch.long)
             self.kv.index_copy_(0, ids, rows.to(self.device))
@@ -103,7 +106,7 @@ class _StagedLookup(Stage):
     def __init__(self, staging: HostStaging, buffer: torch.Tensor):
         self.staging, self.buffer, self._next = staging, buffer, 0
         self._bytes = tensor_bytes(buffer)
-        self._size = staging.layout.bytes_per_block
+        self._size = staging.row_bytes
 
     def destinations(self, block_ids: Sequence[int]) -> list[Destination]:
         first, size = self._next, self._size

@@ -83,13 +83,14 @@ class TailCache:
     first out; every method runs under the cache's (re-entrant) lock.
 
     `allocate(n)` gives up to n fresh blocks of the caller's (evicting as needed), `free`
-    drops a reference; `kv` is the pool's block tensor."""
+    drops a reference; `rows` is the pool's storage, a row per block (`BlockPool.rows`)."""
 
     def __init__(
         self,
         capacity: int,
         lock: threading.RLock,
-        kv: torch.Tensor,
+        rows: torch.Tensor,
+        block_size: int,
         allocate: Callable[[int], list[int]],
         free: Callable[[Sequence[int]], None],
         metrics: CacheMetrics,
@@ -97,8 +98,8 @@ class TailCache:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
             raise ValueError(f"tail capacity must be an int >= 0, got {capacity!r}")
         self.capacity = capacity
-        self.block_size = int(kv.shape[4])
-        self._lock, self._kv = lock, kv  # [num_blocks, layers, 2, kv_heads, block_size, head_dim]
+        self.block_size = block_size
+        self._lock, self._kv = lock, rows  # a block's K/V, or a quantized pool's payload
         self._allocate, self._free, self._metrics = allocate, free, metrics
         # (prefix digest, tail token bytes) -> Tail, oldest first
         self._tails: OrderedDict[tuple[bytes, bytes], Tail] = OrderedDict()

@@ -40,8 +40,10 @@ class ExpectedEntry:
     `kv()` verifies an entry the reader knows exactly (ids, parent, shape, token ids and
     lengths in one comparison of the whole header, then the checksum); on None the caller
     falls back to `decode_entry`, which says why (or accepts an entry of another codec).
-    `encode()` writes such an entry from its parts, without per-field validation. With a
-    quantized `codec` ("int8", "fp8") only `dequantize_verified` applies.
+    `encode()` writes such an entry from its parts, without per-field validation, and
+    `copy_verified` copies its payload as it is: with a quantized `codec` ("int8", "fp8")
+    that payload is a quantized pool's block (scales and values, checked that the scales
+    are ones a writer makes); `dequantize_verified` reads one into K/V (`kv()` does not).
     """
 
     def __init__(
@@ -91,10 +93,9 @@ class ExpectedEntry:
         out: bytearray | memoryview | None = None,
     ) -> bytes | memoryview:
         """`encode_entry` of the expected entry, from its parts: `tokens` as little-endian
-        uint32 bytes, `payload` the raw KV bytes in C order (as `encode_entry` with `out`)."""
+        uint32 bytes, `payload` the payload as stored: the raw KV bytes in C order (codec
+        none), or a quantized pool's block as it is (as `encode_entry` with `out`)."""
         sizes = (len(key), len(digest), len(parent), len(tokens), payload.nbytes)
-        if self.codec != "none":
-            raise EntryError("input", "encode() writes codec none; encode_entry quantizes")
         if sizes != self._part_sizes:
             raise EntryError("input", f"parts have sizes {sizes}, the template {self._part_sizes}")
         header = self.header(key, digest, parent, tokens)
@@ -112,8 +113,6 @@ class ExpectedEntry:
         `payload` hold theirs back to back. Sizes are checked once, not per entry."""
         n = len(keys)
         step, size = 4 * self.shape[3], self._part_sizes[-1]
-        if self.codec != "none":
-            raise EntryError("input", "encode_many() writes codec none; encode_entry quantizes")
         if len(tokens) != n * step or payload.nbytes != n * size:
             raise EntryError("input", f"{n} entries need {n * step} token and {n * size} KV bytes")
         if {len(x) for x in (*keys, *digests, *parents)} != {ID_BYTES}:
@@ -150,7 +149,7 @@ class ExpectedEntry:
         garbage) if `data` is anything else."""
         data = _as_bytes(data)
         header = self.header(key, digest, parent, tokens)
-        if self.codec != "none" or not self.has_header(data, header):
+        if not self.has_header(data, header):
             return False
         out = dst if isinstance(dst, memoryview) else self._tensor_out(dst)
         n = self.header_bytes
@@ -159,10 +158,17 @@ class ExpectedEntry:
         out[:] = memoryview(data)[n:-CHECKSUM_BYTES]
         h = xxhash.xxh3_64(header)  # == the entry's header
         h.update(out)
-        return h.intdigest() == _U64.unpack_from(data, self.total_bytes - CHECKSUM_BYTES)[0]
+        if h.intdigest() != _U64.unpack_from(data, self.total_bytes - CHECKSUM_BYTES)[0]:
+            return False
+        if self.codec == "none":
+            return True
+        bits, _ = split_payload(out, self.shape, QUANT_DTYPES[self.codec])
+        return scales_ok(bits, QUANT_DTYPES[self.codec])  # a quantized pool's row as it is
 
     def _tensor_out(self, dst: torch.Tensor) -> memoryview | None:
         """The raw bytes of `dst` if the payload can be copied into them as they are."""
+        if self.codec != "none":  # a quantized pool hands out its rows' bytes
+            return None
         if sys.byteorder != "little" or dst.dtype != self.dtype or dst.numel() != self.numel:
             return None
         if dst.device.type != "cpu" or not dst.is_contiguous():

@@ -72,18 +72,19 @@ class Tiers:
         self.chunk_blocks = config.chunk_blocks
         self.policies = WritePolicies(config, self.stores, write_back_at_commit)
         self.gate = ReadGate(
-            _entry_bytes_per_block(pool.layout, config.chunk_blocks, config.codec),
+            _entry_bytes_per_block(pool.layout, config.chunk_blocks, config.entry_codec),
             pool.block_size,
             metrics,
             config.tier_read_gate,
             config.tier_reprobe_s,
         )
+        dequantizes = config.codec if pool.layout.quant is None else "none"  # a row as it is
         self.reader = TierReader(
-            self.stores, pool.layout, config.chunk_blocks, metrics, self.gate, config.codec
+            self.stores, pool.layout, config.chunk_blocks, metrics, self.gate, dequantizes
         )
         self.events = [_events(s, events, pool.block_size, self.chunk_blocks) for s in stores]
         self.writer = TierWriter(
-            self.stores, config.codec, config.write_queue_blocks, metrics, events=self.events
+            self.stores, config.entry_codec, config.write_queue_blocks, metrics, events=self.events
         )
         _flush_at_exit(self)
         warn_unreachable(self.stores)
@@ -213,7 +214,7 @@ class Tiers:
     def entry_bytes_per_block(self) -> float:
         """Bytes a block takes in a tier under the codec, its entry's header and checksum
         included: exact, or for lz4/zstd the mean of what was written so far."""
-        codec = self.config.codec
+        codec = self.config.entry_codec
         written = self.writer.bytes_per_block() if codec in ("lz4", "zstd") else None
         return written or _entry_bytes_per_block(self.pool.layout, self.chunk_blocks, codec)
 

@@ -250,6 +250,9 @@ class TierReader:
             if n == 1 and self._copy_verified(read, value, end, dst[done]):
                 done += 1  # copied, then verified from the hot copy
                 continue
+            if self.layout.quant is not None:  # a row as it is, or nothing: say why, stop
+                self._verified_kv(read, value, first, end)
+                break
             kv = self._verified_kv(read, value, first, end)
             if kv is None:
                 break  # a miss from this chunk on

@@ -9,7 +9,7 @@ from bench.kvquant import main
 
 def test_the_control_codec_matches_no_cache_and_int8_moves_the_logits(capsys) -> None:
     argv = ["--model", "tiny", "--codecs", "none,int8", "--chunk", "1024", "--prompts", "2",
-            "--max-tokens", "4", "--json"]  # fmt: skip
+            "--max-tokens", "4", "--kv-cache-dtypes", "", "--json"]  # fmt: skip
     assert main(argv) == 0
     report = json.loads(capsys.readouterr().out)
     none, int8 = report["results"]
@@ -31,8 +31,22 @@ def test_the_control_codec_matches_no_cache_and_int8_moves_the_logits(capsys) ->
         assert 0 <= d["token"] < 4 and d["top2_gap"] >= 0
 
 
+def test_a_quantized_pools_hits_read_what_its_misses_read(capsys) -> None:
+    argv = ["--model", "tiny", "--codecs", "", "--kv-cache-dtypes", "auto,int8", "--prompts",
+            "2", "--max-tokens", "4", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    auto, int8 = json.loads(capsys.readouterr().out)["pools"]
+    assert (auto["ppl_change"], auto["max_logit_change"], auto["identical_to_auto"]) == (0, 0, 2)
+    assert int8["hit_equals_miss"] == auto["hit_equals_miss"] == 2
+    assert int8["max_logit_change"] > 1e-2 and int8["ppl"] != auto["ppl"]
+    # tiny's block: 8 layers x (K, V) x 2 heads x 16 tokens x 64 values, 4 bytes each
+    # (131072) or 1 byte and a 2-byte scale per 64 (33792): 8192 and 31775 blocks in 1 GiB
+    assert (auto["blocks"], int8["blocks"]) == (8192, 31775)
+
+
 def test_bad_arguments_are_refused_with_what_to_fix(capsys) -> None:
     for argv, why in ((["--codecs", "int4"], "unknown codec 'int4'"),
+                      (["--kv-cache-dtypes", "int4"], "unknown 'int4'"),
                       (["--chunk", "10"], "multiple of the block size")):  # fmt: skip
         try:
             main(argv)

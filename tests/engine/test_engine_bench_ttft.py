@@ -87,3 +87,14 @@ def test_ttft_bench_refuses_a_codec_it_cannot_run(capsys, argv, why) -> None:
     with pytest.raises(SystemExit):
         main(argv)
     assert why in capsys.readouterr().err
+
+
+def test_ttft_bench_on_a_quantized_pool_moves_its_blocks_as_they_are(capsys, tmp_path) -> None:
+    argv = ["--tier", "device,lmdb", "--kv-cache-dtype", "int8", "--lmdb-dir", str(tmp_path),
+            "--prompt-tokens", "64", "--cached", "48", "--runs", "1", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    points = json.loads(capsys.readouterr().out)["points"]
+    assert [(p["tier"], p["cached_tokens"], p["read_skipped"]) for p in points] == [
+        ("device", 48, 0),
+        ("lmdb", 48, 0),
+    ]

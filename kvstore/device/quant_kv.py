@@ -1,0 +1,76 @@
+"""A quantized device pool's K/V (`kv_cache_dtype` int8 or fp8_e4m3), in torch on the pool's
+device: quantized where K/V are written, dequantized where they are read.
+
+A block is a quantized entry payload of one block (kvstore/entry/quant.py, docs/FORMAT.md):
+bfloat16 scales [layers, 2, kv_heads, block_size], padding, then values [layers, 2,
+kv_heads, block_size, head_dim] of one byte. The same steps as the entry codec's numpy: a
+token's bytes here are the bytes the codec writes for it, so a pool block goes to a tier as
+it is, and comes back the same.
+
+A scale is per token (and layer, K/V, head), never per block: a token's bytes depend on its
+own K/V only, so they are the same whether its block was written by one prefill or a token
+at a time by decode steps, and a hit reads exactly what the miss that wrote it read.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from kvstore.layout import KVLayout
+
+QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+MIN_SCALE = 2.0**-126  # bfloat16's smallest normal: a scale is never 0
+
+
+def pool_views(rows: torch.Tensor, layout: KVLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values [n, layers, 2, heads, bs, dim] of layout.quant, scales [n, layers, 2, heads,
+    bs] bfloat16): strided views of `rows` ([n, bytes_per_block] uint8), no copy."""
+    n, scales_at = rows.shape[0], layout.scale_bytes
+    count = 2 * int(torch.Size(layout.scale_shape).numel())
+    scales = rows[:, :count].view(torch.bfloat16).view(n, *layout.scale_shape)
+    values = rows[:, scales_at:].view(layout.quant).view(n, *layout.block_shape)  # type: ignore[arg-type]
+    return values, scales
+
+
+def quantize_tokens(x: torch.Tensor, quant: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values `quant` [..., dim], scales bfloat16 [...]) of K/V `x` [..., dim]: a scale per
+    token and head, `amax / QMAX` rounded to bfloat16 (at least 2**-126; 1 for zeros)."""
+    qmax = QMAX[quant]
+    amax = x.abs().amax(dim=-1).float()
+    scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+    scale = scale.to(torch.bfloat16).clamp_min(MIN_SCALE)
+    q = (x.float() / scale.float().unsqueeze(-1)).clamp(-qmax, qmax)
+    return (q.round() if quant == torch.int8 else q).to(quant), scale
+
+
+def dequantize(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`values x scales` in float32, rounded once to `dtype`: [..., dim] from [..., dim] and
+    [...] (the entry codec's arithmetic, kvstore/entry/quant.py)."""
+    return (values.float() * scales.float().unsqueeze(-1)).to(dtype)
+
+
+class QuantizedLayer(NamedTuple):
+    """One layer of a quantized pool, as paged attention sees it: values [num_blocks, 2,
+    kv_heads, block_size, head_dim] and scales [num_blocks, 2, kv_heads, block_size]."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
+    def write(self, blocks: torch.Tensor, offsets: torch.Tensor, new: torch.Tensor) -> None:
+        """New tokens' K/V `new` [T, 2, kv_heads, head_dim] into (blocks[t], offsets[t])."""
+        q, s = quantize_tokens(new, self.values.dtype)
+        self.values[blocks, :, :, offsets] = q
+        self.scales[blocks, :, :, offsets] = s
+
+    def read(self, tables: torch.Tensor) -> torch.Tensor:
+        """Blocks `tables` (flat) as [2, heads, n, bs, dim] float32, dequantized (the caller
+        rounds once to its dtype)."""
+        values = self.values.permute(1, 2, 0, 3, 4).index_select(2, tables)
+        scales = self.scales.permute(1, 2, 0, 3).index_select(2, tables)
+        return dequantize(values, scales, torch.float32)

@@ -1,0 +1,166 @@
+"""A quantized device pool (`kv_cache_dtype` int8, fp8_e4m3): its capacity, what a load
+returns, its blocks as the tier codec's payloads, and its tier round trips byte for byte."""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import xxhash
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
+
+from test_cache_tiers import BS, NS, kv_for, tier_config, tokens
+
+from hashing import Namespace
+from kvstore.cache import PrefixCache
+from kvstore.config import CacheConfig, ConfigError
+from kvstore.device.hybrid_pool import HybridPool
+from kvstore.device.pool import pool_blocks
+from kvstore.entry import CHECKSUM_BYTES, BlockEntry, encode_entry, read_header
+
+TINY = Namespace("tiny", "float32", 8, 2, 64, 16)  # the yardstick's KV shape
+
+
+def reference(x: torch.Tensor, kv_dtype: str) -> torch.Tensor:
+    """An independent round trip of K/V [..., dim]: a bfloat16 scale per token and head."""
+    qmax = 127.0 if kv_dtype == "int8" else 448.0
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax)).bfloat16().float()
+    q = (x / scale).clamp(-qmax, qmax)
+    q = q.round() if kv_dtype == "int8" else q.to(torch.float8_e4m3fn).float()
+    return q * scale
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
+def test_the_same_memory_holds_twice_bf16s_blocks_and_four_times_float32s(kv_dtype) -> None:
+    config = CacheConfig(block_size=16, device_cache_gb=0.01)
+    quantized = pool_blocks(config, dataclasses.replace(TINY, kv_cache_dtype=kv_dtype))
+    bf16 = pool_blocks(config, dataclasses.replace(TINY, kv_dtype="bfloat16"))
+    fp32 = pool_blocks(config, TINY)
+    # a block: 16 tokens x 2 heads x (K, V) x 8 layers, each 64 values of 1 byte and a
+    # 2-byte scale = 33792 bytes, against 65536 (bfloat16) and 131072 (float32)
+    assert (quantized, bf16, fp32) == (317, 163, 81)
+    assert quantized / bf16 >= 1.9 and quantized / fp32 >= 3.8
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
+def test_a_load_returns_each_tokens_quantized_kv_and_a_block_is_the_codecs_payload(
+    kv_dtype,
+) -> None:
+    ns = dataclasses.replace(NS, kv_cache_dtype=kv_dtype)
+    config = CacheConfig(block_size=BS, device_blocks=16, kv_cache_dtype=kv_dtype)
+    prompt = tokens(3 * BS + 1, seed=2)
+    kv = kv_for(prompt)
+    with PrefixCache(config, ns) as cache:
+        assert cache.store(prompt, kv) == 3
+        hit = cache.lookup(prompt)
+        loaded = cache.load(hit)
+        for (k, v), (k2, v2) in zip(kv, loaded.layers, strict=True):
+            assert torch.equal(k2, reference(k[:, :, : 3 * BS], kv_dtype))
+            assert torch.equal(v2, reference(v[:, :, : 3 * BS], kv_dtype))
+        row = cache.pool.read_blocks(hit.block_ids[:1])[0]
+        cache.release(hit)
+    # block 0 as an entry the tier codec writes from the same K/V: its payload is the row
+    block0 = torch.stack([torch.stack((k[0, :, :BS], v[0, :, :BS])) for k, v in kv])
+    codec = {"int8": "int8", "fp8_e4m3": "fp8"}[kv_dtype]
+    zeros = bytes(16)
+    entry = encode_entry(BlockEntry(ns.root(), zeros, zeros, zeros, prompt[:BS], block0), codec)
+    h = read_header(entry)
+    payload = entry[h.header_bytes : h.header_bytes + h.stored_bytes]
+    assert bytes(row.numpy()) == payload
+
+
+@pytest.fixture(params=["memory", "lmdb", "redis"])
+def tier(request):
+    return request.param
+
+
+@pytest.fixture
+def redis_url(tier, request):
+    return request.getfixturevalue("redis_server").url if tier == "redis" else None
+
+
+def quantized_cache(tier: str, tmp_path, redis_url, kv_dtype: str = "int8") -> PrefixCache:
+    config = tier_config(tier, tmp_path, redis_url, kv_cache_dtype=kv_dtype)
+    return PrefixCache(config, NS)
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
+def test_a_quantized_pools_blocks_go_to_a_tier_and_come_back_byte_for_byte(
+    tier, redis_url, tmp_path, kv_dtype
+) -> None:
+    prompt = tokens(6 * BS + 2, seed=8)
+    with quantized_cache(tier, tmp_path, redis_url, kv_dtype) as cache:
+        cache.store(prompt, kv_for(prompt))
+        hit = cache.lookup(prompt)
+        before = cache.pool.read_blocks(hit.block_ids).clone()
+        cache.release(hit)
+        cache.flush(10)
+        cache.evict_device()
+        entry = cache.tiers.stores[0].get_many([cache.hasher.hash_blocks(prompt)[0]])[0]
+        assert read_header(entry).codec == {"int8": "int8", "fp8_e4m3": "fp8"}[kv_dtype]
+        hit = cache.lookup(prompt)
+        assert hit.tier_tokens == {tier: 6 * BS}
+        after = cache.pool.read_blocks(hit.block_ids)
+        assert torch.equal(after, before)  # as they were: no second quantization
+        cache.pool.rows[hit.block_ids[2], -1] ^= 1  # control: one value bit of one block
+        assert not torch.equal(cache.pool.read_blocks(hit.block_ids), before)
+        cache.release(hit)
+        assert cache.metrics.get("promoted_blocks_total") == 6
+
+
+def test_a_damaged_scale_in_a_tier_is_deleted_counted_and_a_miss(tier, redis_url, tmp_path):
+    prompt = tokens(5 * BS + 1, seed=9)
+    with quantized_cache(tier, tmp_path, redis_url) as cache:
+        cache.store(prompt, kv_for(prompt))
+        cache.flush(10)
+        cache.evict_device()
+        store, key = cache.tiers.stores[0], cache.hasher.hash_blocks(prompt)[2]
+        data = bytearray(store.get_many([key])[0])
+        nan = struct.unpack("<I", struct.pack("<f", float("nan")))[0] >> 16
+        struct.pack_into("<H", data, read_header(data).header_bytes, nan)
+        body = bytes(data[:-CHECKSUM_BYTES])
+        store.delete([key])
+        store.put_many([(key, body + xxhash.xxh3_64_intdigest(body).to_bytes(8, "little"))])
+        hit = cache.lookup(prompt)
+        assert hit.num_cached_tokens == 2 * BS  # stops at the block whose scale is bad
+        cache.release(hit)
+        assert store.get_many([key]) == [None]
+        assert cache.metrics.get("verify_failures_total", tier=tier, reason="format") == 1
+        cache.check_integrity()
+
+
+def test_a_quantized_namespace_never_shares_an_auto_ones_keys() -> None:
+    int8 = dataclasses.replace(NS, kv_cache_dtype="int8")
+    fp8 = dataclasses.replace(NS, kv_cache_dtype="fp8_e4m3")
+    assert len({NS.root(), int8.root(), fp8.root()}) == 3
+    assert b"kv_cache_dtype" not in NS.framed()  # auto's roots are those of before the field
+    config = CacheConfig(block_size=BS, kv_cache_dtype="int8")
+    bound = config.bind(NS)
+    assert (bound.kv_cache_dtype, bound.codec) == ("int8", "int8")
+
+
+@pytest.mark.parametrize(
+    ("fields", "field", "why"),
+    [
+        ({"codec": "lz4"}, "codec", "give none or int8"),
+        ({"chunk_blocks": 2}, "kv_cache_dtype", "chunk_blocks 1"),
+        ({"layer_loads": True}, "kv_cache_dtype", "layer_loads off"),
+        ({"kv_cache_dtype": "int4"}, "kv_cache_dtype", "must be one of"),
+    ],
+)
+def test_settings_a_quantized_pool_cannot_keep_are_refused_by_name(fields, field, why) -> None:
+    with pytest.raises(ConfigError, match=why) as info:
+        CacheConfig(**{"kv_cache_dtype": "int8", **fields})
+    assert info.value.field == field
+
+
+def test_a_hybrid_pool_refuses_a_quantized_namespace() -> None:
+    ns = dataclasses.replace(NS, kv_cache_dtype="int8")
+    with pytest.raises(ConfigError, match="window plane"):
+        HybridPool(8, ns, torch.device("cpu"), window_layers=[0])

@@ -1,0 +1,71 @@
+"""The engine on a quantized pool (`kv_cache_dtype` int8, fp8_e4m3): a hit reads exactly
+what the miss that wrote it read, on every architecture the engine batches; the models it
+cannot serve that way are refused by name."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from arch_configs import ALL_ARCHS, arch_config
+from engine_helpers import close_to_reference, micro_cache_config, micro_model, reference_logits
+
+from engine.loop.engine import Engine
+from engine.loop.request import SamplingParams
+from engine.loop.scheduler_config import SchedulerConfig
+from engine.model.loading import wrap_model
+from engine.model.tiny import byte_tokenizer, random_model
+from kvstore.config import CODEC_TOLERANCE, ConfigError
+
+GREEDY = SamplingParams(max_new_tokens=10, ignore_eos=True)
+# sliding-window layers beside full ones live in a window plane of the model's dtype; the
+# step cache hands the model's own attention raw pool values
+REFUSED = {"cohere2", "gemma2", "gemma3_text", "gpt_oss", "qwen2-hybrid", "bloom", "falcon",
+           "falcon-alibi"}  # fmt: skip
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, 256, n).tolist()
+
+
+@pytest.mark.parametrize("arch", ALL_ARCHS)
+def test_each_batched_architecture_hits_what_its_miss_read(arch: str) -> None:
+    model = wrap_model(random_model(arch_config(arch), seed=0), byte_tokenizer(), arch)
+    config = micro_cache_config(kv_cache_dtype="int8")
+    sched = SchedulerConfig(max_num_batched_tokens=16)  # chunked prefill beside decodes
+    if arch in REFUSED:
+        with pytest.raises(ConfigError, match="kv_cache_dtype") as info:
+            Engine(model, config, scheduler_config=sched).close()
+        assert "auto" in str(info.value)
+        return
+    prompts = [tokens(n, seed=60 + n) for n in (6, 13, 9, 23)]
+    with Engine(model, config, scheduler_config=sched) as engine:
+        assert engine.mode == "paged"
+        cold = engine.generate(prompts, GREEDY)
+        warm = engine.generate(prompts, GREEDY)
+    assert [r.output_token_ids for r in warm] == [r.output_token_ids for r in cold]
+    assert [r.cached_tokens for r in warm] == [4, 12, 8, 20]
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
+def test_a_hit_equals_its_miss_within_fp32_and_no_cache_within_the_codec(kv_dtype) -> None:
+    model = micro_model(seed=1)
+    prompt = tokens(45, seed=3)
+    config = micro_cache_config(kv_cache_dtype=kv_dtype)
+    with Engine(model, config) as engine:
+        miss, cached_miss = engine.prefill_logits(prompt)
+        hit, cached_hit = engine.prefill_logits(prompt)
+        assert (cached_miss, cached_hit) == (0, 44)
+        assert close_to_reference(hit, miss)  # the exact contract: both read the same K/V
+        codec = {"int8": "int8", "fp8_e4m3": "fp8"}[kv_dtype]
+        ref = reference_logits(model, prompt)[-1]
+        assert close_to_reference(hit, ref, CODEC_TOLERANCE[codec])
+        assert not close_to_reference(hit, ref)  # quantized: not the unquantized logits
+        # control: one cached block's values changed, the hit no longer equals the miss
+        found = engine.cache.lookup(prompt)
+        try:
+            engine.cache.pool.kv[found.block_ids[3]] = torch.zeros_like(engine.cache.pool.kv[0])
+        finally:
+            engine.cache.release(found)
+        perturbed, _ = engine.prefill_logits(prompt)
+        assert not close_to_reference(perturbed, miss)
