@@ -22,9 +22,9 @@ from kvstore.stores import SpillStore, make_stores
 TIER_FIELDS = ("entries", "bytes", "capacity_bytes")  # what `stats` reports of each tier
 # the cache settings that choose a namespace and reach its shared tiers (the others are the
 # device pool's and the writers': these commands have neither)
-TIER_SETTINGS = ("block_size", "secret", "tenant_salt", "codec", "chunk_blocks", "lmdb_dir",
-                 "lmdb_map_size_gb", "redis_url", "lookup_deadline_ms", "breaker_failures",
-                 "breaker_cooldown_s")  # fmt: skip
+TIER_SETTINGS = ("block_size", "secret", "tenant_salt", "codec", "kv_cache_dtype",
+                 "chunk_blocks", "lmdb_dir", "lmdb_map_size_gb", "redis_url",
+                 "lookup_deadline_ms", "breaker_failures", "breaker_cooldown_s")  # fmt: skip
 
 
 def _arguments(parser: argparse.ArgumentParser) -> None:

@@ -156,3 +156,15 @@ def redis_tls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]
         raise
     yield server
     server.stop()
+
+
+@pytest.fixture(params=["memory", "lmdb", "redis"])
+def tier(request: pytest.FixtureRequest) -> str:
+    """Each spill tier in turn (a module or folder with a `tier` of its own overrides it)."""
+    return request.param
+
+
+@pytest.fixture
+def redis_url(tier: str, request: pytest.FixtureRequest) -> str | None:
+    """The private redis-server's URL when `tier` is redis, else None."""
+    return request.getfixturevalue("redis_server").url if tier == "redis" else None

@@ -35,7 +35,8 @@ from bench.faults.storage import collisions, corruption, lmdb_full, redis_evicti
 from bench.faults.tenants import tenant_isolation
 from bench.faults.timing import timing_side_channel
 from bench.launch import RedisServer
-from kvstore.config import CODEC_NAMES, CODEC_TOLERANCE
+from hashing import KV_CACHE_DTYPES
+from kvstore.config import CODEC_NAMES, CODEC_TOLERANCE, POOL_CODECS
 
 SCENARIOS: dict[str, Callable[[Context], FaultOutcome | LoadOutcome | None]] = {
     "corrupt-lmdb": lambda ctx: corruption(ctx, "lmdb"),
@@ -64,15 +65,15 @@ CODEC_SCENARIOS = ("corrupt-lmdb", "corrupt-redis", "collisions", "redis-evictio
 
 
 def run(
-    scale: str, names: list[str] | None = None, codec: str = "none"
+    scale: str, names: list[str] | None = None, codec: str = "none", kv_cache_dtype: str = "auto"
 ) -> list[FaultOutcome | LoadOutcome]:
-    """Run the scenarios (all by default) with a private redis-server and temp dirs; `codec`:
-    the tier entries' (CODEC_SCENARIOS only)."""
+    """Run the scenarios (all by default) with a private redis-server and temp dirs; `codec`
+    and `kv_cache_dtype`: the tier entries' and the pool's (CODEC_SCENARIOS only)."""
     torch.manual_seed(0)
     torch.set_num_threads(1)  # a micro model: thread hand-offs cost more than they give
     with tempfile.TemporaryDirectory(prefix="bench-faults-") as tmp:
         server = RedisServer(Path(tmp)).start()
-        ctx = Context(micro_model(), server, Path(tmp), SCALES[scale], codec)
+        ctx = Context(micro_model(), server, Path(tmp), SCALES[scale], codec, kv_cache_dtype)
         try:
             found = [SCENARIOS[name](ctx) for name in names or SCENARIOS]
         finally:
@@ -90,9 +91,12 @@ def markdown(
     elapsed_s: float,
     out: str | None = None,
     codec: str = "none",
+    kv_cache_dtype: str = "auto",
 ) -> str:
     command = f"python -m bench faults --scale {scale}" + (f" --out {out}" if out else "")
     command += f" --codec {codec}" if codec != "none" else ""
+    command += f" --kv-cache-dtype {kv_cache_dtype}" if kv_cache_dtype != "auto" else ""
+    codec = POOL_CODECS.get(kv_cache_dtype, codec)  # the tolerance outputs are held to
     lines = [
         "# Reliability: fault injection",
         "",
@@ -162,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--codec", choices=CODEC_NAMES, default="none", help="the tier "
                         "entries' codec; not none: the in-process scenarios only, each output "
                         "held to the codec's tolerance")  # fmt: skip
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                        help="the device pool's storage; not auto: as --codec")  # fmt: skip
     parser.add_argument(
         "--soak",
         type=positive_seconds,
@@ -172,15 +178,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.soak is not None:
         return run_soak(args.soak, args.out, args.json)
-    if args.codec != "none":
+    if args.codec != "none" or args.kv_cache_dtype != "auto":
         others = sorted(set(args.only or ()) - set(CODEC_SCENARIOS))
         if others or args.out:
-            parser.error(f"--codec {args.codec}: scenarios {', '.join(CODEC_SCENARIOS)} only, "
-                         "and no --out (docs/RELIABILITY.md is the codec none run)")  # fmt: skip
+            parser.error(f"--codec / --kv-cache-dtype: scenarios {', '.join(CODEC_SCENARIOS)} "
+                         "only, and no --out (docs/RELIABILITY.md is the auto, codec none "
+                         "run)")  # fmt: skip
         args.only = args.only or list(CODEC_SCENARIOS)
     start = time.perf_counter()
-    outcomes = run(args.scale, args.only, args.codec)
-    report = markdown(outcomes, args.scale, time.perf_counter() - start, args.out, args.codec)
+    outcomes = run(args.scale, args.only, args.codec, args.kv_cache_dtype)
+    elapsed = time.perf_counter() - start
+    report = markdown(outcomes, args.scale, elapsed, args.out, args.codec, args.kv_cache_dtype)
     soak_section = _soak_section(args.out)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

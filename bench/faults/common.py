@@ -26,7 +26,7 @@ from engine.model.loading import (
 )
 from engine.model.tiny import micro_config
 from hashing import KEY_ID_BYTES
-from kvstore.config import CODEC_TOLERANCE, CacheConfig
+from kvstore.config import CODEC_TOLERANCE, POOL_CODECS, CacheConfig
 from kvstore.entry import FIXED_HEADER_BYTES, ID_BYTES
 
 BS = 4
@@ -82,6 +82,12 @@ class Context(NamedTuple):
     workdir: Path
     scale: Scale
     codec: str = "none"  # the tier entries' (in-process scenarios: CODEC_SCENARIOS)
+    kv_cache_dtype: str = "auto"  # the device pool's (the same scenarios)
+
+    @property
+    def lossy(self) -> str:
+        """The codec whose tolerance outputs are held to: a quantized pool's, else `codec`."""
+        return POOL_CODECS.get(self.kv_cache_dtype, self.codec)
 
 
 # ----------------------------------------------------------------------------- the model
@@ -94,7 +100,7 @@ def micro_model(seed: int = 1) -> LoadedModel:
 
 def cache_config(ctx: Context, **overrides: object) -> CacheConfig:
     values = {"block_size": BS, "device": "cpu", "device_blocks": 256, "codec": ctx.codec,
-              **overrides}  # fmt: skip
+              "kv_cache_dtype": ctx.kv_cache_dtype, **overrides}  # fmt: skip
     values.setdefault("lookup_deadline_ms", 100.0)
     return CacheConfig(**values)
 
@@ -134,7 +140,7 @@ def outcome(
 ) -> FaultOutcome:
     values = {"lost_entries": 0, "corrupt_injected": 0, "corrupt_detected": 0, **kw}
     ok = sum(r is not None for r in results)
-    wrong = count_wrong(ctx.model, prompts, results, ctx.codec)
+    wrong = count_wrong(ctx.model, prompts, results, ctx.lossy)
     wrong += int(values.pop("wrong_outputs_extra", 0))
     return FaultOutcome(  # type: ignore[arg-type]
         name=name,

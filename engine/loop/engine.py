@@ -277,6 +277,12 @@ class Engine:
         tenant: str = "",
     ) -> GenerateResult:
         """One request, synchronously, on the per-request path (validated token ids)."""
+        if self.cache.pool.scales is not None:  # that path's prompt attends exact K/V
+            raise ConfigError(
+                "kv_cache_dtype",
+                "the per-request path attends exact K/V, so its misses would not be what a "
+                "quantized pool's hits read: use generate or submit, or kv_cache_dtype auto",
+            )
         return self.sync.run(token_ids, params, cache_salt, on_token, tenant)
 
     def prefill(self, token_ids: list[int], cache_salt: str = "") -> PrefillResult:

@@ -48,6 +48,7 @@ from engine.contract import tolerance_for
 from engine.loop.overlap import Feed
 from engine.model.loading import LoadedModel, model_window
 from kvstore.device.pool import BlockPool
+from kvstore.device.quant_kv import dequantize
 from kvstore.units import cdiv
 
 log = logging.getLogger("kvstore.engine")
@@ -341,8 +342,11 @@ class DecodeGraphs:
         n = len(rows)
         blocks, offsets = self.buffers.header(2)[:n], self.buffers.header(3)[:n]
         own = blocks != self.runner.scratch_block
-        kv = self.runner.pool.kv  # [num_blocks, layers, 2, heads, block_size, dim]
-        return kv[blocks[own], :, :, :, offsets[own]]
+        pool = self.runner.pool
+        kv = pool.kv[blocks[own], :, :, :, offsets[own]]  # of [blocks, layers, 2, heads, bs, dim]
+        if pool.scales is None:
+            return kv
+        return dequantize(kv, pool.scales[blocks[own], :, :, :, offsets[own]], torch.float32)
 
     def _disable(self, why: str) -> None:
         self.disabled = why

@@ -55,6 +55,8 @@ def cache_info(engine: Engine, config: ServerConfig) -> dict:
     if config.kv_events_port is not None:
         events = {"port": config.kv_events_port, "replay_port": config.kv_events_replay_port}
     namespace = dataclasses.asdict(engine.cache.namespace)
+    if namespace["kv_cache_dtype"] == "auto":  # as its root leaves it out: older routers too
+        del namespace["kv_cache_dtype"]
     tiers = engine.cache.tiers.stores if engine.cache.tiers else []
     return {
         "block_size": engine.cache.block_size,

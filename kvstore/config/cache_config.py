@@ -202,12 +202,18 @@ class CacheConfig:
                 "block_size",
                 f"namespace block_size {namespace.block_size} != config {self.block_size}",
             )
+        if namespace.kv_cache_dtype not in ("auto", self.kv_cache_dtype):  # its pool is ours
+            raise ConfigError(
+                "kv_cache_dtype",
+                f"namespace has {namespace.kv_cache_dtype!r}, config has {self.kv_cache_dtype!r}",
+            )
         for name, field, default in (("entry_codec", "codec", "none"),
                                      ("kv_cache_dtype", "kv_cache_dtype", "auto"),
                                      ("tenant_salt", "salt", "")):  # fmt: skip
             ns_value, cfg_value = getattr(namespace, field), getattr(self, name)
             if ns_value != cfg_value and default not in (ns_value, cfg_value):
-                raise ConfigError(name, f"namespace has {ns_value!r}, config has {cfg_value!r}")
+                why = f"namespace has {ns_value!r}, config has {cfg_value!r}"
+                raise ConfigError("codec" if name == "entry_codec" else name, why)
             if cfg_value != default:
                 namespace = replace(namespace, **{field: cfg_value})
         return namespace

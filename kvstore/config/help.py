@@ -71,10 +71,11 @@ FIELD_HELP = {
     "kv_cache_dtype": "the device pool's storage: `auto` (the model's dtype), `int8` or "
     "`fp8_e4m3` (vLLM's names): values of one byte with a bfloat16 scale per token, layer, "
     "K/V and KV head, quantized when written and dequantized where attention reads them; "
-    "about twice bfloat16's blocks and four times float32's in the same memory. Hits and "
-    "misses read the same quantized values; the output differs from `auto` within the "
-    "codec's tolerance (docs/FORMAT.md). The tiers store the blocks as they are (codec "
-    "`int8`/`fp8`); part of the namespace",
+    "about twice bfloat16's blocks and four times float32's in the same memory. On the "
+    "engine's paged paths hits and misses read the same quantized values; the output "
+    "differs from `auto` within the codec's tolerance (docs/ARCHITECTURE.md, \"Quantized "
+    'pool"). The tiers store the blocks as they are (codec `int8`/`fp8`); part of the '
+    "namespace",
     "codec": "payload codec of tier entries: `none`, `fp16`/`bf16` (lossy downcast of fp32 "
     "KV), `lz4`, `zstd` (lossless), `int8`/`fp8` (lossy: about a quarter of fp32's bytes, "
     "a bfloat16 scale per token, layer, K/V and KV head; docs/FORMAT.md); part of the "

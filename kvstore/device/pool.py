@@ -94,7 +94,8 @@ class BlockPool:
             self.kv = torch.empty(self._block_rows(), dtype=self.dtype, device=device)
             self.rows = self.kv  # a row per block: what a tail copies and a tier moves
         else:  # each row a quantized entry payload of one block (kvstore/device/quant_kv.py)
-            shape = (num_blocks, self.bytes_per_block)
+            shape = (num_blocks, self.bytes_per_block)  # zeros: commits its memory now, and
+            # a block never written reads as zeros, never as a NaN scale
             self.rows = torch.zeros(shape, dtype=torch.uint8, device=device)
             self.kv, self.scales = pool_views(self.rows, self.layout)
         # flat and writable, in the entry payload's byte order (a big-endian host has none)
@@ -167,7 +168,7 @@ class BlockPool:
         [layers, 2, kv_heads, block_size, head_dim]."""
         raw, size = self._raw, self.bytes_per_block
         if raw is None:
-            return [self.kv[i] for i in block_ids]
+            return [self.rows[i] for i in block_ids]
         return [raw[i * size : (i + 1) * size] for i in block_ids]
 
     def staged_reads(self, max_blocks: int) -> AbstractContextManager[Stage]:
@@ -240,7 +241,8 @@ class BlockPool:
         if self.scales is None:
             self.write_blocks(block_ids, blocks)
             return
-        values, scales = quantize_tokens(blocks.to(self.device), self.layout.quant)  # type: ignore[arg-type]
+        blocks = blocks.to(self.device, self.dtype)  # as the paged path: the model's dtype first
+        values, scales = quantize_tokens(blocks, self.layout.quant)  # type: ignore[arg-type]
         ids = self._ids(block_ids)  # bytes: index_copy_ has no CPU float8 kernel
         self.kv.view(torch.uint8).index_copy_(0, ids, values.view(torch.uint8))
         self.scales.index_copy_(0, ids, scales)

@@ -48,7 +48,10 @@ def quantize_tokens(x: torch.Tensor, quant: torch.dtype) -> tuple[torch.Tensor, 
 def dequantize(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`values x scales` in float32, rounded once to `dtype`: [..., dim] from [..., dim] and
     [...] (the entry codec's arithmetic, kvstore/entry/quant.py)."""
-    return (values.float() * scales.float().unsqueeze(-1)).to(dtype)
+    x = values.float() * scales.float().unsqueeze(-1)
+    if dtype == torch.float16:  # a scale rounded up may carry a value just past 65504
+        x = x.clamp(-65504.0, 65504.0)
+    return x.to(dtype)
 
 
 class QuantizedLayer(NamedTuple):
@@ -65,7 +68,7 @@ class QuantizedLayer(NamedTuple):
     def write(self, blocks: torch.Tensor, offsets: torch.Tensor, new: torch.Tensor) -> None:
         """New tokens' K/V `new` [T, 2, kv_heads, head_dim] into (blocks[t], offsets[t])."""
         q, s = quantize_tokens(new, self.values.dtype)
-        self.values[blocks, :, :, offsets] = q
+        self.values.view(torch.uint8)[blocks, :, :, offsets] = q.view(torch.uint8)  # bytes
         self.scales[blocks, :, :, offsets] = s
 
     def read(self, tables: torch.Tensor) -> torch.Tensor:

@@ -75,16 +75,6 @@ def test_a_load_returns_each_tokens_quantized_kv_and_a_block_is_the_codecs_paylo
     assert bytes(row.numpy()) == payload
 
 
-@pytest.fixture(params=["memory", "lmdb", "redis"])
-def tier(request):
-    return request.param
-
-
-@pytest.fixture
-def redis_url(tier, request):
-    return request.getfixturevalue("redis_server").url if tier == "redis" else None
-
-
 def quantized_cache(tier: str, tmp_path, redis_url, kv_dtype: str = "int8") -> PrefixCache:
     config = tier_config(tier, tmp_path, redis_url, kv_cache_dtype=kv_dtype)
     return PrefixCache(config, NS)
@@ -133,6 +123,45 @@ def test_a_damaged_scale_in_a_tier_is_deleted_counted_and_a_miss(tier, redis_url
         assert store.get_many([key]) == [None]
         assert cache.metrics.get("verify_failures_total", tier=tier, reason="format") == 1
         cache.check_integrity()
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("model_dtype", ["float32", "bfloat16"])
+def test_a_pool_block_is_the_codecs_payload_for_zeros_tiny_and_wide_values(
+    kv_dtype, model_dtype
+) -> None:
+    """Tokens of all zeros, of values under the smallest scale, and of a wide range, in a
+    float32 or bfloat16 model's pool: the pool's torch steps and the codec's numpy ones."""
+    ns = dataclasses.replace(NS, kv_dtype=model_dtype, kv_cache_dtype=kv_dtype)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[model_dtype]
+    prompt = tokens(BS + 1, seed=12)
+    kv = [(k.to(dtype), v.to(dtype)) for k, v in kv_for(prompt)]
+    kv[0][0][0, :, 0] = 0  # token 0 of layer 0's K: all zeros
+    kv[0][1][0, :, 1] = 1e-39  # token 1 of layer 0's V: under bfloat16's smallest scale
+    kv[1][0][0, :, 2] *= 1e4  # token 2 of layer 1's K: wide
+    config = CacheConfig(block_size=BS, device_blocks=8, kv_cache_dtype=kv_dtype)
+    with PrefixCache(config, ns) as cache:
+        cache.store(prompt, kv)
+        hit = cache.lookup(prompt)
+        row = cache.pool.read_blocks(hit.block_ids)[0]
+        cache.release(hit)
+    block = torch.stack([torch.stack((k[0, :, :BS], v[0, :, :BS])) for k, v in kv])
+    codec, zeros = {"int8": "int8", "fp8_e4m3": "fp8"}[kv_dtype], bytes(16)
+    entry = encode_entry(BlockEntry(ns.root(), zeros, zeros, zeros, prompt[:BS], block), codec)
+    h = read_header(entry)
+    assert bytes(row.numpy()) == entry[h.header_bytes : h.header_bytes + h.stored_bytes]
+
+
+def test_a_quantized_namespace_binds_only_a_config_of_its_dtype() -> None:
+    int8 = dataclasses.replace(NS, kv_cache_dtype="int8")
+    for config in (
+        CacheConfig(block_size=BS),
+        CacheConfig(block_size=BS, kv_cache_dtype="fp8_e4m3"),
+    ):
+        with pytest.raises(ConfigError, match="namespace has 'int8'") as info:
+            config.bind(int8)
+        assert info.value.field == "kv_cache_dtype"
+    assert CacheConfig(block_size=BS, kv_cache_dtype="int8").bind(int8).codec == "int8"
 
 
 def test_a_quantized_namespace_never_shares_an_auto_ones_keys() -> None:

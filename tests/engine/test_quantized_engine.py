@@ -69,3 +69,22 @@ def test_a_hit_equals_its_miss_within_fp32_and_no_cache_within_the_codec(kv_dtyp
             engine.cache.release(found)
         perturbed, _ = engine.prefill_logits(prompt)
         assert not close_to_reference(perturbed, miss)
+
+
+def test_the_per_request_path_is_refused_on_a_quantized_pool() -> None:
+    """It would attend exact K/V: its misses would not be what the pool's hits read."""
+    with Engine(micro_model(seed=1), micro_cache_config(kv_cache_dtype="int8")) as engine:
+        with pytest.raises(ConfigError, match="per-request path"):
+            engine.run(tokens(20, seed=4), GREEDY)
+        assert engine.generate([tokens(20, seed=4)], GREEDY)[0].output_token_ids
+
+
+def test_health_names_a_quantized_pool_and_leaves_auto_out_for_older_routers() -> None:
+    from engine.server.config import ServerConfig
+    from engine.server.service import cache_info
+
+    for kv_dtype in ("auto", "int8"):
+        with Engine(micro_model(seed=1), micro_cache_config(kv_cache_dtype=kv_dtype)) as e:
+            namespace = cache_info(e, ServerConfig(served_model_name="micro"))["namespace"]
+        assert namespace.get("kv_cache_dtype", "auto") == kv_dtype
+        assert ("kv_cache_dtype" in namespace) == (kv_dtype != "auto")

@@ -43,16 +43,6 @@ def tier_config(tier: str, tmp_path, redis_url: str | None = None, **kw) -> Cach
     return CacheConfig(**base)
 
 
-@pytest.fixture(params=["memory", "lmdb", "redis"])
-def tier(request):
-    return request.param
-
-
-@pytest.fixture
-def redis_url(tier, request):
-    return request.getfixturevalue("redis_server").url if tier == "redis" else None
-
-
 def held_only_in_tiers(cache: PrefixCache, prompt: np.ndarray) -> None:
     """Store the prompt's K/V, write it to the tiers, and drop it from the device."""
     cache.store(prompt, kv_for(prompt))

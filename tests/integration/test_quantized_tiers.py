@@ -32,16 +32,6 @@ def quantized_reference(kv, codec: str):
     return out
 
 
-@pytest.fixture(params=["memory", "lmdb", "redis"])
-def tier(request):
-    return request.param
-
-
-@pytest.fixture
-def redis_url(tier, request):
-    return request.getfixturevalue("redis_server").url if tier == "redis" else None
-
-
 @pytest.mark.parametrize("codec", ["int8", "fp8"])
 def test_a_quantized_tier_hit_loads_exactly_the_quantized_kv(tier, redis_url, tmp_path, codec):
     prompt = tokens(6 * BS + 2, seed=5)

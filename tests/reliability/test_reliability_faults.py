@@ -56,12 +56,21 @@ def test_damaged_int8_entries_are_deleted_and_foreign_ones_kept(ctx, tier):
     assert (o.figures["repaired"], o.figures["foreign_kept"]) == (4, 6)
 
 
+@pytest.mark.parametrize("tier", ["lmdb", "redis"])
+def test_damaged_entries_of_an_int8_pool_are_deleted_and_foreign_ones_kept(ctx, tier):
+    """The same faults over a quantized pool's blocks, as its tiers hold them."""
+    o = corruption(ctx._replace(kv_cache_dtype="int8"), tier)
+    assert_must_haves(o)
+    assert (o.corrupt_injected, o.figures["hits_cut_at_damage"]) == (10, 10)
+    assert (o.figures["repaired"], o.figures["foreign_kept"]) == (4, 6)
+
+
 def test_a_codec_run_refuses_the_scenarios_it_cannot_reach(capsys):
     from bench.faults import main
 
     with pytest.raises(SystemExit):
         main(["--codec", "int8", "--only", "http-fuzz"])
-    assert "--codec int8: scenarios corrupt-lmdb" in capsys.readouterr().err
+    assert "--codec / --kv-cache-dtype: scenarios corrupt-lmdb" in capsys.readouterr().err
 
 
 def test_forced_lookup_key_collisions_never_serve_another_prefix(ctx):
