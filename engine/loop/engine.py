@@ -26,6 +26,7 @@ from engine.loop.outcomes import Outcomes
 from engine.loop.overlap import DeviceTokens, Overlap
 from engine.loop.prefill_clock import PrefillClock
 from engine.loop.prompt import prompt_ids
+from engine.loop.quantized import refuse_per_request, unpaged_refusal
 from engine.loop.request import (
     EngineClosedError,
     GenerateResult,
@@ -47,7 +48,7 @@ from engine.model.loading import LoadedModel, hybrid_window, shared_window
 from hashing import Namespace, validate_salt
 from kvstore.block_tables import BlockTables
 from kvstore.cache import PrefixCache
-from kvstore.config import CacheConfig, ConfigError
+from kvstore.config import CacheConfig
 from kvstore.fleet.events import EventSink
 
 log = logging.getLogger("kvstore.engine")
@@ -111,13 +112,11 @@ class Engine:
         # step: one thread does the model's parallel work (engine/loop/threads.py)
         self.stepper: Stepper | None = None  # the loop's steps, once its runner started
         self.runner, self.fallback_reason = self._start_loop(kernel)
-        if self.runner is None and self.cache.pool.scales is not None:
-            self.close()  # one request at a time would attend unquantized K/V: hit != miss
-            raise ConfigError(
-                "kv_cache_dtype",
-                f"a quantized pool needs paged attention, which model {model.name} cannot run "
-                f"({self.fallback_reason}): give kv_cache_dtype auto",
-            )
+        paged, why = self.runner is not None, self.fallback_reason
+        refusal = unpaged_refusal(self.cache.pool, paged, model.name, why)
+        if refusal is not None:
+            self.close()
+            raise refusal
         self.sync = SyncPaths(
             runner=self.runner, tables=self.tables, sequential=self.sequential, calls=self._calls,
             forward_lock=self._forward_lock, refuse=self._refusal, encode=self.encode,
@@ -277,12 +276,7 @@ class Engine:
         tenant: str = "",
     ) -> GenerateResult:
         """One request, synchronously, on the per-request path (validated token ids)."""
-        if self.cache.pool.scales is not None:  # that path's prompt attends exact K/V
-            raise ConfigError(
-                "kv_cache_dtype",
-                "the per-request path attends exact K/V, so its misses would not be what a "
-                "quantized pool's hits read: use generate or submit, or kv_cache_dtype auto",
-            )
+        refuse_per_request(self.cache.pool)
         return self.sync.run(token_ids, params, cache_salt, on_token, tenant)
 
     def prefill(self, token_ids: list[int], cache_salt: str = "") -> PrefillResult:
