@@ -24,9 +24,7 @@ from engine.loop.group import SequenceGroup
 from engine.loop.logprobs import PromptLogprobCache, check_logprobs
 from engine.loop.outcomes import Outcomes
 from engine.loop.overlap import DeviceTokens, Overlap
-from engine.loop.prefill_clock import PrefillClock
 from engine.loop.prompt import prompt_ids
-from engine.loop.quantized import refuse_per_request, unpaged_refusal
 from engine.loop.request import (
     EngineClosedError,
     GenerateResult,
@@ -36,33 +34,23 @@ from engine.loop.request import (
     SamplingParams,
     TokenCallback,
 )
-from engine.loop.runner import PagedRunner, start_paged
+from engine.loop.runner import PagedRunner
 from engine.loop.scheduler import QueueStats, Scheduler
 from engine.loop.scheduler_config import SchedulerConfig
 from engine.loop.sequential import SequentialPath
+from engine.loop.startup import cache_for, refuse_per_request, start_runner, unpaged_refusal
 from engine.loop.step import Stepper
 from engine.loop.sync_paths import PrefillResult, SyncPaths
 from engine.loop.threads import LoopCalls, ThreadConfig, ThreadGovernor
 from engine.model.linear import LinearConfig
-from engine.model.loading import LoadedModel, hybrid_window, shared_window
-from hashing import Namespace, validate_salt
+from engine.model.loading import LoadedModel
+from hashing import validate_salt
 from kvstore.block_tables import BlockTables
-from kvstore.cache import PrefixCache
 from kvstore.config import CacheConfig
 from kvstore.fleet.events import EventSink
 
 log = logging.getLogger("kvstore.engine")
 T = TypeVar("T")
-
-
-def _cache_for(
-    model: LoadedModel, config: CacheConfig, namespace: Namespace, events: EventSink | None
-) -> PrefixCache:
-    """The model's cache: a window model's requests drop the blocks that leave their window,
-    a hybrid model's the window layers' part of them (docs/ARCHITECTURES.md)."""
-    hybrid = hybrid_window(model.model.config)
-    window, layers = hybrid if hybrid is not None else (shared_window(model.model.config), None)
-    return PrefixCache(config, namespace, events=events, window=window, window_layers=layers)
 
 
 class Engine:
@@ -92,7 +80,7 @@ class Engine:
         kernel = (linear_config or LinearConfig()).resolve(model.model)
         # the cache binds the config's codec and tenant salt into the namespace
         namespace = model.namespace(cache_config.block_size)
-        self.cache = _cache_for(model, cache_config, namespace, events)
+        self.cache = cache_for(model, cache_config, namespace, events)
         self.tables = BlockTables(self.cache)
         self.prompt_logprobs = PromptLogprobCache.of(cache_config, prompt_logprob_blocks)
         steps = scheduler_config or SchedulerConfig()
@@ -308,13 +296,11 @@ class Engine:
                 torch.cuda.set_device(self.model.device)
             if self.model.device.type == "cpu":
                 self.governor = ThreadGovernor(self.thread_config, threads)
-            started_runner = start_paged(self.model, self.tables, kernel)
+            started_runner = start_runner(
+                self.model, self.tables, kernel, self.cache.observe_prefill,
+                self.graph_config, self.device_tokens.sampled,
+            )  # fmt: skip
             runner = started_runner[0]
-            if runner is not None:  # the read gate weighs tier reads against its prefills
-                runner.prefill_clock = PrefillClock(self.cache.observe_prefill, runner.pool.device)
-            if runner is not None and runner.graphable and self.graph_config.enabled:
-                required = self.graph_config.mode == "on"
-                runner.use_graphs(self.device_tokens.sampled, required)
             if runner is not None:
                 self.stepper = Stepper(
                     scheduler=self.scheduler, runner=runner, tables=self.tables,

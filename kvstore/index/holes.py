@@ -13,7 +13,7 @@ from array import array
 from kvstore.index.tree import HOLE, TreeNode
 from kvstore.units import cdiv
 
-__all__ = ["fill_holes", "minus", "punch_run", "punch_spans", "widen"]
+__all__ = ["fill_holes", "minus", "punch_run", "punch_spans", "punchable_ids", "widen"]
 
 
 def fill_holes(node: TreeNode, ids: list[int | None]) -> tuple[list[int], list[int]]:
@@ -65,3 +65,8 @@ def minus(a: int, b: int, ranges: list[tuple[int, int]]) -> list[tuple[int, int]
     for lo, hi in ranges:
         parts = [p for x, y in parts for p in ((x, min(y, lo)), (max(x, hi), y)) if p[0] < p[1]]
     return parts
+
+
+def punchable_ids(path: list[TreeNode], lo: int, hi: int, keep: int, align: int = 1) -> list[int]:
+    """The held ids a punch of blocks [lo, hi) of `path` would drop (`punch_spans`)."""
+    return [i for run, a, b in punch_spans(path, lo, hi, keep, align) for i in run.held(a, b)]

@@ -1,14 +1,18 @@
-"""Reading a cached prompt back from the tree: the runs from the root to a node, and the
-keys, token ids and block ids along them (a write-back tier reads an evicted run's prompt)."""
+"""Reading the tree back: the runs from the root to a node and the keys, token ids and block
+ids along them (a write-back tier reads an evicted run's prompt), and the blocks every run
+holds (the accounting checks)."""
 
 from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
 
 import numpy as np
 
 from hashing import HASH_BYTES
 from kvstore.index.tree import TreeNode
 
-__all__ = ["path_block_ids", "path_keys", "path_to", "path_token_ids"]
+__all__ = ["held_by_owner", "held_ids", "path_block_ids", "path_keys", "path_to", "path_token_ids"]
 
 
 def path_to(root: TreeNode, node: TreeNode) -> list[TreeNode]:
@@ -47,3 +51,19 @@ def path_block_ids(path: list[TreeNode], upto: int | None) -> list[int | None]:
     for n in path[:-1]:
         ids += n.ids()
     return ids + (path[-1].ids(0, upto) if path else [])
+
+
+def held_ids(nodes: Iterable[TreeNode]) -> list[int]:
+    """Every block id the runs hold (holes left out)."""
+    ids: list[int] = []
+    for node in nodes:
+        ids += node.held()
+    return ids
+
+
+def held_by_owner(nodes: Iterable[TreeNode]) -> Counter[str]:
+    """Blocks the runs hold, per run owner (`TreeNode.owner`)."""
+    owned: Counter[str] = Counter()
+    for node in nodes:
+        owned[node.owner] += node.num_held
+    return owned

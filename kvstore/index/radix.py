@@ -37,10 +37,10 @@ import numpy as np
 from hashing import HASH_BYTES
 from kvstore.fleet.events import BlockStored, EventSink
 from kvstore.index import paths
-from kvstore.index.holes import fill_holes, punch_run, punch_spans
+from kvstore.index.holes import fill_holes, punch_run, punch_spans, punchable_ids
 from kvstore.index.integrity import check_counts, check_tree
 from kvstore.index.match import num_matching, pack_query
-from kvstore.index.policies import IntegrityError, Policy, make_policy
+from kvstore.index.policies import IntegrityError, Policy, as_policy
 from kvstore.index.tree import (
     HOLE,
     MatchResult,
@@ -74,14 +74,8 @@ class RadixIndex:
         """`events` gets every block stored and removed (kvstore.fleet.events), in order."""
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-        if isinstance(policy, str):
-            policy = make_policy(policy)
-        if not isinstance(policy, Policy):
-            raise TypeError(
-                f"policy must be a Policy or a policy name, got {type(policy).__name__}"
-            )
         self.block_size = block_size
-        self.policy = policy
+        self.policy = as_policy(policy)
         self.events = events
         self.root = TreeNode(0, None, 0, b"", b"", array("q"))
         self._nodes: dict[int, TreeNode] = {}  # node id -> node, root excluded
@@ -367,8 +361,7 @@ class RadixIndex:
     def punchable(self, node: TreeNode, lo: int, hi: int, keep: int, align: int = 1) -> list[int]:
         """The held ids `punch` would drop, left in place (a hybrid model's cache lets go of
         their window layers' part only)."""
-        spans = punch_spans(self._path(node), lo, hi, keep, align)
-        return [i for run, a, b in spans for i in run.held(a, b)]
+        return punchable_ids(self._path(node), lo, hi, keep, align)
 
     # --- paths -------------------------------------------------------------------------------
     def _path(self, node: TreeNode) -> list[TreeNode]:
@@ -388,17 +381,11 @@ class RadixIndex:
 
     def held_by_owner(self) -> Counter[str]:
         """Blocks held per run owner (`TreeNode.owner`)."""
-        owned: Counter[str] = Counter()
-        for node in self._nodes.values():
-            owned[node.owner] += node.num_held
-        return owned
+        return paths.held_by_owner(self._nodes.values())
 
     def all_block_ids(self) -> list[int]:
         """Every block id the index holds."""
-        ids: list[int] = []
-        for node in self._nodes.values():
-            ids += node.held()
-        return ids
+        return paths.held_ids(self._nodes.values())
 
     def snapshot(self) -> list[BlockStored]:
         """Every cached run as a stored event, parents before children (a consumer that

@@ -40,7 +40,11 @@ from kvstore.stores.lmdb_env import SharedEnv, acquire, release
 from kvstore.stores.lmdb_pages import batches as _batches
 from kvstore.stores.lmdb_pages import data_pages as _data_pages
 from kvstore.stores.lmdb_pages import expiry_ms as _ms
+from kvstore.stores.lmdb_pages import page_counts as _page_counts
+from kvstore.stores.lmdb_pages import pages as _pages
 from kvstore.stores.lmdb_pages import reserve as _reserve
+from kvstore.stores.lmdb_pages import tree_pages as _tree_pages
+from kvstore.stores.lmdb_pages import used_pages as _used_pages
 from kvstore.stores.lmdb_records import advance as _advance
 from kvstore.stores.lmdb_records import append as _append
 from kvstore.stores.lmdb_records import insert as _insert
@@ -98,30 +102,6 @@ class LmdbStore(SpillStore):
         except lmdb.MapResizedError:
             shared.env.set_mapsize(0)
             return fn(shared)
-
-    def _pages(self, shared: SharedEnv) -> tuple[int, int]:
-        """(page size, map size in pages)."""
-        psize = shared.env.stat()["psize"]
-        return psize, shared.env.info()["map_size"] // psize
-
-    @staticmethod
-    def _page_counts(txn: lmdb.Transaction, shared: SharedEnv) -> tuple[int, int]:
-        """(live pages, of which branch and leaf pages: the ones a write copies)."""
-        live = tree = 0
-        for db in shared.all_dbs:
-            st = txn.stat(db)
-            tree += st["branch_pages"] + st["leaf_pages"]
-            live += st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]
-        return live, tree
-
-    @classmethod
-    def _used_pages(cls, txn: lmdb.Transaction, shared: SharedEnv) -> int:
-        return cls._page_counts(txn, shared)[0]
-
-    @classmethod
-    def _tree_pages(cls, shared: SharedEnv) -> int:
-        with shared.env.begin() as txn:
-            return cls._page_counts(txn, shared)[1]
 
     # --------------------------------------------------------------- reads
 
@@ -199,8 +179,8 @@ class LmdbStore(SpillStore):
         if not items:
             return 0
         items = [(self._prefix + key, value) for key, value in items]
-        psize, map_pages = self._pages(self._handle())
-        tree = self._run(self._tree_pages)
+        psize, map_pages = _pages(self._handle())
+        tree = self._run(_tree_pages)
         budget = (self.high_water - self.low_water) * map_pages  # pages one batch may cost
         sized = [((k, v), _data_pages(len(k), len(v), psize)) for k, v in items]
         fits = [(item, c) for item, c in sized if int(c) <= budget]
@@ -241,9 +221,9 @@ class LmdbStore(SpillStore):
         force: bool,
         changes: Changes,
     ) -> int:
-        _, map_pages = self._pages(shared)
+        _, map_pages = _pages(shared)
         with shared.env.begin() as txn:
-            live, tree = self._page_counts(txn, shared)
+            live, tree = _page_counts(txn, shared)
         need = data_pages + _reserve(len(batch), tree)
         if force or live + need > self.high_water * map_pages:
             target = max(0, int(self.low_water * map_pages - need))
@@ -282,7 +262,7 @@ class LmdbStore(SpillStore):
         cursor = txn.cursor(db=shared.order)
         evicted, passes, now_ms = 0, txn.stat(shared.expiry)["entries"], int(self.clock() * 1000)
         while evicted < chunk:
-            if self._used_pages(txn, shared) <= target or not cursor.first():
+            if _used_pages(txn, shared) <= target or not cursor.first():
                 break
             key = cursor.value()
             cursor.delete()
@@ -346,11 +326,11 @@ class LmdbStore(SpillStore):
     def stats(self) -> StoreStats:
         def measure(shared: SharedEnv) -> tuple[int, int, int]:
             with shared.env.begin() as txn:
-                entries, used = txn.stat(shared.blocks)["entries"], self._used_pages(txn, shared)
+                entries, used = txn.stat(shared.blocks)["entries"], _used_pages(txn, shared)
                 return entries, used, self._num_retained(txn, shared)
 
         shared = self._handle()
-        psize, map_pages = self._pages(shared)
+        psize, map_pages = _pages(shared)
         entries, used, retained = self._run(measure)
         return self._stats(entries, used * psize, map_pages * psize, retained=retained)
 

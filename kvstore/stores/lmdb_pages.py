@@ -1,9 +1,39 @@
-"""LMDB page arithmetic behind `LmdbStore`'s writes (what an entry and a batch cost in pages,
-and batches that fit a budget), and its expiry records' encoding."""
+"""LMDB page arithmetic behind `LmdbStore`'s writes (the pages an environment has and uses,
+what an entry and a batch cost in pages, and batches that fit a budget), and its expiry
+records' encoding."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+
+import lmdb
+
+from kvstore.stores.lmdb_env import SharedEnv
+
+
+def pages(shared: SharedEnv) -> tuple[int, int]:
+    """(page size, map size in pages)."""
+    psize = shared.env.stat()["psize"]
+    return psize, shared.env.info()["map_size"] // psize
+
+
+def page_counts(txn: lmdb.Transaction, shared: SharedEnv) -> tuple[int, int]:
+    """(live pages, of which branch and leaf pages: the ones a write copies)."""
+    live = tree = 0
+    for db in shared.all_dbs:
+        st = txn.stat(db)
+        tree += st["branch_pages"] + st["leaf_pages"]
+        live += st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]
+    return live, tree
+
+
+def used_pages(txn: lmdb.Transaction, shared: SharedEnv) -> int:
+    return page_counts(txn, shared)[0]
+
+
+def tree_pages(shared: SharedEnv) -> int:
+    with shared.env.begin() as txn:
+        return page_counts(txn, shared)[1]
 
 
 def expiry_ms(value: bytes | None) -> int:

@@ -22,6 +22,7 @@ __all__ = [
     "Policy",
     "S3FIFOPolicy",
     "SLRUPolicy",
+    "as_policy",
     "make_policy",
 ]
 
@@ -46,3 +47,12 @@ def make_policy(name: str, capacity_blocks: int | None = None) -> Policy:
             f"unknown eviction policy {name!r}; choose one of {list(POLICIES)}"
         ) from None
     return cls(capacity_blocks)
+
+
+def as_policy(policy: Policy | str) -> Policy:
+    """`policy` itself, or a fresh one by name; TypeError for anything else."""
+    if isinstance(policy, str):
+        policy = make_policy(policy)
+    if not isinstance(policy, Policy):
+        raise TypeError(f"policy must be a Policy or a policy name, got {type(policy).__name__}")
+    return policy
