@@ -2,8 +2,8 @@
 
 A request salt (a per-request `cache_salt`, e.g. a tenant's) narrows the namespace: its
 blocks hash differently, so only requests with the same salt can share them. A `Scope`
-holds that salt's hasher and the namespace root its tier entries carry; with codec "none"
-also the exact entry it reads and writes (`ExpectedEntry`, the fast verify path).
+holds that salt's hasher and the namespace root its tier entries carry, and for entries of a
+fixed size the exact entry it reads and writes (`ExpectedEntry`, the fast verify path).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import numpy as np
 from hashing import BlockHash, BlockHasher, Namespace, combine_salts
 from kvstore.config import CacheConfig
 from kvstore.entry import ExpectedEntry
+from kvstore.entry.quant import QUANT_DTYPES
 from kvstore.layout import KVLayout
 
 MAX_SCOPES = 4096  # request salts whose scopes are kept
@@ -32,6 +33,8 @@ class Scope(NamedTuple):
     # the entries it writes when a pool block is their payload as it is (codec "none", or a
     # quantized pool's codec): fast verify and encode
     expected: ExpectedEntry | None
+    # the entries of a quantized codec an unquantized pool reads: fast verify, dequantized
+    dequantized: ExpectedEntry | None = None
 
     def keys(self, tokens: np.ndarray, known: Sequence[BlockHash] = ()) -> list[BlockHash]:
         """Lookup keys of the full blocks of `tokens`; the leading `known` keys (of a lookup)
@@ -74,10 +77,11 @@ class Scopes:
         if salt:
             ns = ns.with_salt(combine_salts(ns.salt, salt))
         hasher = BlockHasher(ns, self.config.secret_bytes, self.config.key_bytes)
-        root, expected = ns.root(), None
+        root, template = ns.root(), None
         codec = self.config.entry_codec  # a quantized pool's blocks are its entries' payloads
-        if self.with_entries and (codec == "none" or self.layout.quant is not None):
+        if self.with_entries and codec in ("none", *QUANT_DTYPES):  # entries of a fixed size
             n = self.config.chunk_blocks
             shape = self.layout.entry_shape(n)
-            expected = ExpectedEntry(root, self.layout.dtype, shape, n, hasher.key_id, codec)
-        return Scope(salt, hasher, root, expected)
+            template = ExpectedEntry(root, self.layout.dtype, shape, n, hasher.key_id, codec)
+        as_is = codec == "none" or self.layout.quant is not None
+        return Scope(salt, hasher, root, *((template, None) if as_is else (None, template)))

@@ -78,10 +78,7 @@ class Tiers:
             config.tier_read_gate,
             config.tier_reprobe_s,
         )
-        dequantizes = config.codec if pool.layout.quant is None else "none"  # a row as it is
-        self.reader = TierReader(
-            self.stores, pool.layout, config.chunk_blocks, metrics, self.gate, dequantizes
-        )
+        self.reader = TierReader(self.stores, pool.layout, config.chunk_blocks, metrics, self.gate)
         self.events = [_events(s, events, pool.block_size, self.chunk_blocks) for s in stores]
         self.writer = TierWriter(
             self.stores, config.entry_codec, config.write_queue_blocks, metrics, events=self.events

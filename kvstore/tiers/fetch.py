@@ -22,11 +22,10 @@ import numpy as np
 import torch
 
 from hashing import BlockHasher
-from kvstore.entry import EntryError, ExpectedEntry, decode_entry
-from kvstore.entry.quant import QUANT_DTYPES
+from kvstore.entry import EntryError, decode_entry
 from kvstore.layout import KVLayout, as_block, entry_to_blocks, token_bytes
 from kvstore.metrics import CacheMetrics
-from kvstore.scopes import MAX_SCOPES, Scope
+from kvstore.scopes import Scope
 from kvstore.stores import SpillStore
 from kvstore.tiers.gate import ReadGate
 from kvstore.tiers.layered import (
@@ -40,7 +39,6 @@ from kvstore.tiers.layered import (
 from kvstore.tiers.rejects import Rejections
 from kvstore.units import cdiv
 
-MAX_TEMPLATES = MAX_SCOPES  # quantized expected entries kept: one per scope, as scopes are
 Allocate = Callable[[int], list[torch.Tensor | memoryview]]  # up to n destination blocks
 
 
@@ -70,15 +68,12 @@ class TierReader:
         chunk_blocks: int,
         metrics: CacheMetrics,
         gate: ReadGate,
-        codec: str = "none",
     ):
         """`gate`: whether a tier is worth reading now (kvstore/tiers/gate.py); it is told
-        what each whole read took. `codec`: the entries' (a quantized one is dequantized
-        straight into the destination)."""
+        what each whole read took."""
         self.stores, self.layout, self.metrics = stores, layout, metrics
-        self.chunk_blocks, self.gate, self.codec = chunk_blocks, gate, codec
+        self.chunk_blocks, self.gate = chunk_blocks, gate
         self.rejections = Rejections(metrics)
-        self._quantized: dict[tuple[bytes, bytes], ExpectedEntry] = {}  # per scope
 
     def fetch_into(
         self,
@@ -273,26 +268,11 @@ class TierReader:
         self, read: _Read, value: bytes | memoryview, end: int, dst: torch.Tensor | memoryview
     ) -> bool:
         args = self._entry_args(read, end - 1, end)
-        quantized = self._quantized_template(read.scope)
+        quantized = read.scope.dequantized  # an unquantized pool reading int8 / fp8 entries
         if quantized is not None:
             return quantized.dequantize_verified(value, *args, as_block(dst, self.layout))
         expected = read.scope.expected
         return expected is not None and expected.copy_verified(value, *args, dst)
-
-    def _quantized_template(self, scope: Scope) -> ExpectedEntry | None:
-        """The expected entry of a quantized codec under `scope`; None for other codecs."""
-        if self.codec not in QUANT_DTYPES:
-            return None
-        ident = (scope.root, scope.hasher.key_id)
-        template = self._quantized.get(ident)
-        if template is None:
-            if len(self._quantized) >= MAX_TEMPLATES:
-                self._quantized.clear()
-            shape, n = self.layout.entry_shape(self.chunk_blocks), self.chunk_blocks
-            root, key_id = ident
-            template = ExpectedEntry(root, self.layout.dtype, shape, n, key_id, self.codec)
-            self._quantized[ident] = template
-        return template
 
     def _verified_kv(
         self, read: _Read, value: bytes | memoryview, first: int, end: int
@@ -303,7 +283,7 @@ class TierReader:
             kv = read.scope.expected.kv(value, *args)
             if kv is not None:
                 return kv
-        quantized = self._quantized_template(read.scope)
+        quantized = read.scope.dequantized
         if quantized is not None:
             kv = torch.empty(quantized.shape, dtype=self.layout.dtype)
             if quantized.dequantize_verified(value, *args, kv):
