@@ -51,7 +51,7 @@ def cache_config_for(
 
     base = {"block_size": args.block_size, "device": args.device, "device_blocks": num_blocks + 8,
             "tier_read_gate": args.read_gate == "on", "codec": codec,
-            "kv_cache_dtype": getattr(args, "kv_cache_dtype", "auto")}  # fmt: skip
+            "kv_cache_dtype": args.kv_cache_dtype}  # fmt: skip
     tier, _, how = tier.partition(":")  # "memory:layers" / "memory:whole": layer_loads
     if how:  # on / off; plain: the default
         base["layer_loads"] = how == "layers"
@@ -227,7 +227,7 @@ def print_table(
 
     on = "GPU" if args.device == "cuda" else f"{args.threads} threads"
     title = f"TTFT, {args.model} model fp32, {on}, median of {args.runs}"
-    pool = getattr(args, "kv_cache_dtype", "auto")
+    pool = args.kv_cache_dtype
     title += "" if pool == "auto" else f", {pool} pool"
     table = Table(title=title)
     cols = ("tier", "prompt", "cached", "no cache ms", "ideal ms", "kvstore ms", "ratio",
