@@ -36,6 +36,7 @@ from kvstore.scopes import Scopes
 from kvstore.stores import SpillStore, make_stores
 from kvstore.tenants import TenantBlocks
 from kvstore.tiers import Tiers
+from kvstore.tiers.handover import Cached, HandOver, hand_over
 from kvstore.units import cdiv
 
 
@@ -301,6 +302,25 @@ class PrefixCache:
         with self._lock:
             return self.retention.release(keys, tokens)
 
+    def hand_over(
+        self,
+        token_ids: Sequence[int] | np.ndarray,
+        cache_salt: str = "",
+        keys: Sequence[BlockHash] = (),
+        timeout_s: float | None = None,
+    ) -> HandOver:
+        """Make the whole blocks of token_ids readable from every shared tier before
+        returning, for a decode replica to load (kvstore/tiers/handover.py); bounded by
+        `timeout_s` (default `flush_timeout_s`). `keys` as in `lookup`."""
+        tokens = as_token_array(token_ids)
+        scope = self.scopes.get(cache_salt)
+        keys = scope.keys(tokens, keys)
+        timeout_s = self.config.flush_timeout_s if timeout_s is None else timeout_s
+        if not self.tiers:
+            return HandOver(len(keys), 0, 0, False)
+        cached = Cached(self._lock, lambda: self.index.peek_prefix(keys, tokens).block_ids)
+        return hand_over(self.tiers, scope, keys, tokens, cached, timeout_s)
+
     def snapshot_events(self) -> list[BlockStored]:
         """The device index now, as stored events (for a consumer that starts late)."""
         with self._lock:
@@ -321,17 +341,10 @@ class PrefixCache:
         """
         if hit.released:
             raise ValueError("load_into() of a released CacheHit")
-        n = len(hit.block_ids)
         if not self.kind.copies_whole(hit):
             raise ValueError("load_into() of a sliding-window hit: copy its blocks with load()")
-        if len(block_table) < n:
-            raise ValueError(f"block_table has {len(block_table)} entries, the hit needs {n}")
-        shape = self.pool.layout.block_shape
-        if dst.shape[1:] != shape or dst.dtype != self.pool.dtype:
-            raise ValueError(f"dst must be [N, {', '.join(map(str, shape))}] {self.pool.dtype}")
-        table = torch.as_tensor(list(block_table[:n]), dtype=torch.long, device=dst.device)
-        dst.index_copy_(0, table, self.pool.read_kv_blocks(hit.block_ids).to(dst.device))
-        return n * self.block_size
+        self.pool.copy_into(hit.block_ids, dst, block_table)
+        return len(hit.block_ids) * self.block_size
 
     def check_integrity(self, held: Mapping[int, int] | None = None) -> None:
         """Index invariants plus pool accounting (`DeviceIndex.check`), and retention's

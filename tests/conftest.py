@@ -62,6 +62,15 @@ def redis_server_factory(tmp_path: Path) -> Iterator[Callable[..., RedisServer]]
         server.stop()
 
 
+@pytest.fixture(scope="module")
+def module_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A private redis-server for one test module (under a fleet the module starts once)."""
+    workdir, binary = tmp_path_factory.mktemp("redis"), require_binary("redis-server")
+    server = RedisServer(workdir, binary=binary).start()
+    yield server
+    server.stop()
+
+
 @pytest.fixture
 def redis_server(redis_server_factory: Callable[..., RedisServer]) -> RedisServer:
     """A fresh, empty redis-server for this test (kill/restart/pause it freely)."""

@@ -26,7 +26,7 @@ import torch
 
 from bench.faults import concurrent, load_report, soak
 from bench.faults.common import SCALES, Context, FaultOutcome, micro_model
-from bench.faults.fleet_kill import router_replica_killed
+from bench.faults.fleet_kill import router_replica_killed, split_replica_killed
 from bench.faults.http import http_fuzz
 from bench.faults.load_report import LoadOutcome
 from bench.faults.outage import redis_outage
@@ -54,6 +54,8 @@ SCENARIOS: dict[str, Callable[[Context], FaultOutcome | LoadOutcome | None]] = {
     "leaks": leaks,
     **concurrent.SCENARIOS,
     "load-router-kill": router_replica_killed,
+    "load-split-kill-prefill": lambda ctx: split_replica_killed(ctx, "prefill"),
+    "load-split-kill-decode": lambda ctx: split_replica_killed(ctx, "decode"),
 }
 
 

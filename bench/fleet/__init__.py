@@ -4,6 +4,8 @@ replicas, on a multi-session chat workload.
     python -m bench fleet [--model tiny] [--replicas 3] [--sessions 12] [--turns 4]
         [--think-s 1.0] [--scenarios private,shared,kill,host-tiers,host-kill]
         [--out DIR] [--json]
+    python -m bench fleet --scenarios split,split-kill-prefill,split-kill-decode
+        --replicas 2 --sessions 8 --max-tokens 128 [--burst-every-s 3] [--burst-tokens 2048]
 
 Scenarios (each route gets fresh replicas, caches and Redis; routes run one after another):
 - `private`: each replica has its own device pool and LMDB, no shared tier;
@@ -16,7 +18,11 @@ Scenarios (each route gets fresh replicas, caches and Redis; routes run one afte
   router fed by device events alone (route `kv-device`, `kvstore router
   --device-events-only`): a chat whose blocks left the device for the host tier of its
   replica is a hit there, and a cold miss anywhere else;
-- `host-kill`: `host-tiers` with the kv router, and replica 0 SIGKILLed as in `kill`.
+- `host-kill`: `host-tiers` with the kv router, and replica 0 SIGKILLed as in `kill`;
+- `split`, `split-kill-prefill`, `split-kill-decode`: prefill and decode replicas against as
+  many `both` replicas, under streaming chats and bursts of long prompts (bench/fleet/split.py);
+- `handover-sweep`: what a hand-over costs and saves per prompt length
+  (bench/fleet/handover_sweep.py).
 
 Each session is a chat: a shared system prompt, a long first message of its own (a document
 the session is about), then short follow-ups; every turn resends the whole history with the
@@ -40,12 +46,21 @@ from pathlib import Path
 from tqdm import tqdm
 
 from bench.fleet.cluster import Fleet, FleetSpec
+from bench.fleet.handover_sweep import add_sweep_arguments, print_sweep, run_sweep
 from bench.fleet.report import print_report, summarize, write_plot
+from bench.fleet.split import (
+    SPLIT_SCENARIOS,
+    add_split_arguments,
+    print_split,
+    run_scenario,
+    write_split_plot,
+)
 from bench.load.runner import Request, run_level, warm_up
 from bench.load.servers import prepare_model
 from bench.load.workload import ChatSession, make_sessions, warmup_session, words
 
-SCENARIOS = ("private", "shared", "kill", "host-tiers", "host-kill")
+SCENARIOS = ("private", "shared", "kill", "host-tiers", "host-kill", *SPLIT_SCENARIOS,
+             "handover-sweep")  # fmt: skip
 ROUTES = {"host-tiers": ("kv", "kv-device"), "kill": ("kv",), "host-kill": ("kv",)}
 DEFAULT_ROUTES = ("kv", "round-robin")
 
@@ -173,7 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=1.0,
         help="each replica's host-memory tier in the host-tier scenarios",
     )
-    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS[:5]),
+                        help=f"any of {', '.join(SCENARIOS)}")  # fmt: skip
+    add_split_arguments(parser)
+    add_sweep_arguments(parser)
     parser.add_argument("--prefill-weight", type=float, default=None)
     parser.add_argument("--decode-weight", type=float, default=None)
     parser.add_argument("--seed", type=int, default=0)
@@ -191,6 +209,8 @@ def _check(args: argparse.Namespace) -> str | None:
             return f"unknown scenario {name.strip()!r}; choose from {SCENARIOS}"
     if args.replicas < 2 or args.sessions < 1 or args.turns < 1:
         return "needs --replicas >= 2, --sessions >= 1 and --turns >= 1"
+    if not 1 <= args.prefill_replicas < args.replicas:
+        return "needs 1 <= --prefill-replicas < --replicas (the rest decode)"
     return None
 
 
@@ -206,15 +226,29 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = prepare_model(args.model, Path(tmp))
         base = Path(args.workdir or tmp)
         base.mkdir(parents=True, exist_ok=True)
-        runs = []
+        runs, split, sweep = [], [], None
         for scenario in scenarios:
+            if scenario == "handover-sweep":
+                sweep = run_sweep(args, model_dir, base)
+                continue
+            if scenario in SPLIT_SCENARIOS:
+                split += run_scenario(args, model_dir, base, scenario)
+                continue
             for route in ROUTES.get(scenario, DEFAULT_ROUTES):
                 runs.append(run_route(args, model_dir, base, scenario, route))
-    report = {"config": vars(args), "runs": runs, "wall_s": time.perf_counter() - start}
+    report = {"config": vars(args), "runs": runs, "split_runs": split, "handover_sweep": sweep,
+              "wall_s": time.perf_counter() - start}  # fmt: skip
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "fleet.json").write_text(json.dumps(report, indent=2))
-        write_plot(report, out / "fleet.png")
-    print(json.dumps(report, indent=2) if args.json else print_report(report))
+        if runs:
+            write_plot(report, out / "fleet.png")
+        if split:
+            write_split_plot(split, out / "fleet-split.png")
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        tables = (print_report(report) if runs else "", print_split(split), print_sweep(sweep))
+        print("\n\n".join(t for t in tables if t))
     return 0

@@ -3,7 +3,9 @@ optionally one shared redis-server, and `kvstore router` in front; all stopped o
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +32,12 @@ class FleetSpec:
     memory_cache_gb: float | None = None  # a private host-memory tier instead of LMDB
     prefill_weight: float | None = None
     decode_weight: float | None = None
+    roles: tuple[str, ...] = ()  # each replica's --role (empty: all `both`)
+    pin_cores: bool = False  # replica i on core i (mod the cores), by taskset
+    handover_min_tokens: int | None = None  # the router's, when set
+
+    def role(self, i: int) -> str:
+        return self.roles[i] if self.roles else "both"
 
 
 def _env() -> dict[str, str]:
@@ -38,10 +46,22 @@ def _env() -> dict[str, str]:
     return kvstore_env() | threads
 
 
-def replica_command(spec: FleetSpec, port: int, events: int, tier: list[str]) -> list:
-    """`bench load`'s kvstore command, publishing its KV events, over its tier."""
+def replica_command(spec: FleetSpec, port: int, events: int, tier: list[str], i: int = 0) -> list:
+    """`bench load`'s kvstore command, publishing its KV events, over its tier, in its role
+    (pinned to a core of its own when the spec asks and taskset exists)."""
     events_flags = ["--kv-events-port", str(events), "--kv-events-replay-port", str(free_port())]
-    return [*kvstore_command(spec.model_dir, port, spec.device_blocks), *events_flags, *tier]
+    command = [*kvstore_command(spec.model_dir, port, spec.device_blocks), *events_flags, *tier]
+    command += ["--role", spec.role(i)]
+    return [*pinned(i), *command] if spec.pin_cores else command
+
+
+def pinned(i: int) -> list[str]:
+    """`taskset -c CORE` for replica i (CORE: the i-th of this process's cores, round
+    robin); empty where taskset is missing."""
+    if shutil.which("taskset") is None:
+        return []
+    cores = sorted(os.sched_getaffinity(0))
+    return ["taskset", "-c", str(cores[i % len(cores)])]
 
 
 def router_command(spec: FleetSpec, port: int, replicas: list[str]) -> list:
@@ -52,6 +72,8 @@ def router_command(spec: FleetSpec, port: int, replicas: list[str]) -> list:
         weights += ["--decode-weight", str(spec.decode_weight)]
     if spec.route == "kv-device":
         weights.append("--device-events-only")
+    if spec.handover_min_tokens is not None:
+        weights += ["--handover-min-tokens", str(spec.handover_min_tokens)]
     urls = [arg for url in replicas for arg in ("--replica", url)]
     policy = "kv" if spec.route == "kv-device" else spec.route
     return [sys.executable, "-m", "engine.cli", "router", "--model", str(spec.model_dir),
@@ -84,7 +106,7 @@ class Fleet:
             self.redis = RedisServer(spec.workdir / "redis").start()
         for i in range(spec.replicas):
             port, events = free_port(), free_port()
-            args = replica_command(spec, port, events, self._tier(i))
+            args = replica_command(spec, port, events, self._tier(i), i)
             log = spec.workdir / f"replica-{i}.log"
             proc = ServerProcess(args, port, log, env, f"replica {i}", READY_TIMEOUT_S)
             self.replicas.append(proc.start())
@@ -117,6 +139,11 @@ class Fleet:
             for tier, value in HITS.findall(page):
                 total[tier] = total.get(tier, 0.0) + float(value)
         return total
+
+    def metrics(self, i: int | None = None) -> str:
+        """Replica i's /metrics page (None: the router's)."""
+        url = self.url if i is None else self.replicas[i].url
+        return httpx.get(f"{url}/metrics", timeout=10.0).text
 
     def routed(self) -> list[int]:
         body = httpx.get(f"{self.url}/health", timeout=10.0).json()

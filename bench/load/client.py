@@ -8,9 +8,10 @@ kvstore a role chunk with empty content at its first token, so only text is comp
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 
@@ -26,6 +27,12 @@ class ChatOutcome(Outcome):
     turn: int = 0
     text: str = ""
     cached_reported: bool = False
+    token_times: list[float] = field(default_factory=list)  # perf_counter of each text chunk
+    error_event: bool = False  # the stream ended with an error event (not cut silently)
+
+    def gaps_s(self) -> list[float]:
+        """Inter-token latencies: the time between consecutive text chunks."""
+        return [b - a for a, b in itertools.pairwise(self.token_times)]
 
 
 def _headers(api_key: str | None) -> dict[str, str]:
@@ -55,12 +62,14 @@ def _read_events(response: httpx.Response, out: ChatOutcome, start: float) -> No
             return
         chunk = json.loads(data)
         if "error" in chunk:
-            out.error = _error_text(chunk["error"])
+            out.error, out.error_event = _error_text(chunk["error"]), True
             return
         for choice in chunk.get("choices") or []:
             if text := (choice.get("delta") or {}).get("content"):
+                now = time.perf_counter()
                 if out.ttft_s is None:
-                    out.ttft_s = time.perf_counter() - start
+                    out.ttft_s = now - start
+                out.token_times.append(now)
                 out.text += text
         if chunk.get("usage"):
             _take_usage(out, chunk["usage"])

@@ -123,7 +123,7 @@ class Outcomes:
         self.scheduler.finish(request)
         result = GenerateResult(
             prompt_tokens=len(request.token_ids),
-            cached_tokens=request.num_cached_tokens,
+            cached_tokens=request.reported_cached(request.num_cached_tokens),
             output_token_ids=list(request.output),
             text=text,
             ttft_s=request.first_token - request.scheduled,

@@ -220,6 +220,14 @@ class Request:
     # slot in the device's sampled tokens
     num_pending: int = 0
     pending_slot: int | None = None
+    # a hand-over's (engine/server/handover.py): the prompt tokens cached before its prefill
+    # replica computed the rest, which is what its usage reports
+    handed_over: int | None = None
+
+    def reported_cached(self, loaded: int) -> int:
+        """The cached tokens its answer reports when `loaded` came from the cache: a
+        hand-over reports what one replica would have, not what its prefill replica wrote."""
+        return loaded if self.handed_over is None else min(loaded, self.handed_over)
 
     @property
     def num_tokens(self) -> int:

@@ -138,8 +138,11 @@ class SequentialPath:
         except BaseException as e:
             outcomes.fail(request, e)
             return
+        request.num_cached_tokens = result.cached_tokens
+        cached = request.reported_cached(result.cached_tokens)
+        result = result._replace(queue_s=request.scheduled - request.arrival, cached_tokens=cached)
         outcomes.done(request, result)
-        request.future.set_result(result._replace(queue_s=request.scheduled - request.arrival))
+        request.future.set_result(result)
 
     def _forward(self, ids: list[int], past: DynamicCache) -> torch.Tensor:
         return forward_on(self.model.model, ids, past)

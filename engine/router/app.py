@@ -29,12 +29,14 @@ from starlette.responses import JSONResponse, Response
 from engine.api.auth import Authenticator, authenticate, engine_salt
 from engine.api.errors import ApiError, bad_request, stream_error
 from engine.api.prompts import prompt_ids
+from engine.api.roles import HANDOVER_HEADER, PREFILL_REPLICA_HEADER
 from engine.api.routes import API_PATHS, add_api_routes, add_count_tokens_route, read_request
 from engine.api.sse import ClosingStream
 from engine.router.affinity import CacheKeys
 from engine.router.config import SESSION_HEADER, RouterConfig
 from engine.router.fleet import Fleet, NoReplicaError, Replica
 from engine.router.metrics import RouterMetrics
+from engine.router.pairing import Pairing
 from hashing import BlockHash
 
 MAX_SESSIONS = 100_000  # session ids whose replica is remembered
@@ -71,6 +73,8 @@ class Router:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64,
                               keepalive_expiry=2.0)  # fmt: skip
         self.client = httpx.AsyncClient(timeout=timeout, limits=limits)
+        self.pairing = Pairing(self.fleet, self.client, config.handover_min_tokens,
+                               self.metrics.registry)  # fmt: skip
 
     def authenticate(self, request: Request) -> str | None:
         return authenticate(self.auth, request)
@@ -88,15 +92,21 @@ class Router:
         cache_key = _cache_key(req, salt)
         tried: list[Replica] = []
         busy: Response | None = None  # the last 429: answered if every replica is full
+        handed: tuple[int, Replica] | None = None  # (cached tokens, prefill replica)
         while True:
             try:
-                replica, entry = self._pick(ids, keys, session, tried, cache_key)
+                exclude = tried + self.pairing.not_serving()
+                replica, cached = self._pick(ids, keys, session, exclude, cache_key)
             except ApiError:
                 if busy is None:
                     raise
                 return busy
+            if handed is None and self.pairing.worth(replica, len(ids) - cached):
+                handed = await self.pairing.prefill(ids, keys, req, headers, replica)
+            sent, where = _handover_headers(headers, handed)
+            entry = self.fleet.sent(replica, 0 if handed else len(ids) - cached, keys)
             try:
-                response = await self._send(replica, path, body, headers, bool(req.stream))
+                response = await self._send(replica, path, body, sent, bool(req.stream), where)
             except Retry as e:
                 self.fleet.dead(replica, str(e))
                 self.metrics.retries.inc()
@@ -122,37 +132,44 @@ class Router:
         ids: list[int],
         keys: list[BlockHash],
         session: str | None,
-        tried: list,
+        exclude: list,
         cache_key: tuple[str, str] | None = None,
-    ) -> tuple[Replica, tuple[float, int]]:
-        """The replica for the request, and its entry in that replica's unseen load."""
+    ) -> tuple[Replica, int]:
+        """The replica for the request (none of `exclude`), and the prompt tokens it holds
+        by its events."""
         pinned = self.sessions.get(session) if session else None
-        if pinned is not None and pinned.alive and pinned not in tried:
+        if pinned is not None and pinned.alive and pinned not in exclude:
             self.sessions.move_to_end(session)
             self.fleet.counts["session"] += 1
-            return pinned, self.fleet.sent(pinned, len(ids), keys)
-        keyed = self.cache_keys.pinned(cache_key, tried)
+            return pinned, 0
+        keyed = self.cache_keys.pinned(cache_key, exclude)
         if keyed is not None:  # its prompts share a prefix: what it holds is not queued work
             cached = self.fleet.cached_tokens(keyed, len(ids), keys)
             self.metrics.predicted_cached.inc(cached)
-            return keyed, self.fleet.sent(keyed, len(ids) - cached, keys)
+            return keyed, cached
         try:
-            replica, choice = self.fleet.choose(len(ids), keys, tried)
+            replica, choice = self.fleet.choose(len(ids), keys, exclude)
         except NoReplicaError as e:
             raise ApiError(503, f"{e}: retry later", type="server_error") from None
         cached = choice.num_cached_tokens if choice is not None else 0
         self.metrics.predicted_cached.inc(cached)
-        entry = self.fleet.sent(replica, len(ids) - cached, keys)
         self.cache_keys.pin(cache_key, replica)
         if session:
             self.sessions[session] = replica
             if len(self.sessions) > MAX_SESSIONS:
                 self.sessions.popitem(last=False)
-        return replica, entry
+        return replica, cached
 
     async def _send(
-        self, replica: Replica, path: str, body: bytes, headers: dict, stream: bool
+        self,
+        replica: Replica,
+        path: str,
+        body: bytes,
+        headers: dict,
+        stream: bool,
+        where: dict[str, str] | None = None,
     ) -> Response:
+        """The replica's answer, with `where` among its headers."""
         request = self.client.build_request("POST", replica.url + path, content=body,
                                             headers=headers)  # fmt: skip
         try:
@@ -176,7 +193,7 @@ class Router:
             raise
         if whole:
             await upstream.aclose()
-        where = {REPLICA_HEADER: replica.url}
+        where = {REPLICA_HEADER: replica.url} | (where or {})
         media = upstream.headers.get("content-type", "application/json")
         if upstream.status_code == 429:  # its queue is full: another replica may take it
             retry_after = upstream.headers.get("retry-after", "1")
@@ -229,6 +246,18 @@ class Router:
     async def close(self) -> None:
         await self.fleet.close()
         await self.client.aclose()
+
+
+def _handover_headers(
+    headers: dict[str, str], handed: tuple[int, Replica] | None
+) -> tuple[dict[str, str], dict[str, str]]:
+    """The request's headers to its replica, and the answer's own: a handed-over request
+    tells its replica the prompt tokens cached before the prefill, and its client where the
+    prompt was prefilled."""
+    if handed is None:
+        return headers, {}
+    cached, prefill = handed
+    return headers | {HANDOVER_HEADER: str(cached)}, {PREFILL_REPLICA_HEADER: prefill.url}
 
 
 def _cache_key(req: Any, salt: str) -> tuple[str, str] | None:

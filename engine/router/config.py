@@ -16,6 +16,7 @@ from kvstore.fleet.routing import RoutingConfig
 
 POLICIES = ("kv", "round-robin")
 SESSION_HEADER = "x-session-id"
+HANDOVER_MIN_TOKENS = 256  # measured: docs/BENCHMARKS.md "Prefill and decode replicas"
 SECRET_ENV = "KVSTORE_SECRET"  # the replicas' secret: the router derives tenant salts as they do
 
 
@@ -48,6 +49,9 @@ class RouterConfig:
     max_body_bytes: int = 4 << 20
     log_level: str = "info"
     secret: str = field(default="", repr=False)  # KVSTORE_SECRET: derives tenants' salts
+    # a prompt with at least this many tokens uncached where it is served is prefilled on a
+    # prefill replica first, when one shares a tier with it (engine/router/pairing.py)
+    handover_min_tokens: int = HANDOVER_MIN_TOKENS
 
     def __post_init__(self) -> None:
         if not self.replicas:
@@ -68,6 +72,9 @@ class RouterConfig:
             raise ConfigError("tier_events", f"must be True or False, got {self.tier_events!r}")
         for key in self.api_keys:
             check_api_key(key)
+        minimum = self.handover_min_tokens
+        if isinstance(minimum, bool) or not isinstance(minimum, int) or minimum < 0:
+            raise ConfigError("handover_min_tokens", f"must be an int >= 0, got {minimum!r}")
 
     @property
     def secret_bytes(self) -> bytes:
@@ -143,6 +150,16 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
         help="route by the replicas' device pools alone, ignoring their spill tiers' events "
         "(the baseline `bench fleet --scenarios host-tiers` compares against)",
     )
+    parser.add_argument(
+        "--handover-min-tokens",
+        type=int,
+        default=HANDOVER_MIN_TOKENS,
+        metavar="N",
+        help="with `--role prefill` replicas in the fleet: a prompt with at least N tokens "
+        "uncached on the replica that serves it is prefilled on a prefill replica first and "
+        f"handed over through their shared tier (default {HANDOVER_MIN_TOKENS}; 0: every "
+        "prompt)",
+    )
     parser.add_argument("--api-key", default=None, help=f"API key (default: ${API_KEY_ENV})")
     parser.add_argument("--api-keys-file", default=None, help='JSON {"key": "tenant", ...}')
     parser.add_argument("--log-level", default="info", help="uvicorn's and kvstore's level")
@@ -176,4 +193,5 @@ def router_config_from_args(
         tier_events=not args.device_events_only,
         log_level=args.log_level,
         secret=env.get(SECRET_ENV, ""),
+        handover_min_tokens=args.handover_min_tokens,
     )

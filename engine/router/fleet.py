@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from engine.api.errors import ApiError
+from engine.api.roles import ROLES
 from engine.router.config import RouterConfig
 from hashing import BlockHash, BlockHasher, Namespace, as_token_array, combine_salts
 from kvstore.fleet.events import SPILL_MEDIA, BlockSet, MediaBlocks
@@ -56,6 +57,7 @@ class Replica:
     info: dict | None = None  # /health's "cache": block size, namespace, events ports (None: down)
     read_costs: dict[str, float] = field(default_factory=dict)  # medium -> its measured cost
     model: str | None = None  # the model name it serves (/health's "model")
+    role: str = "both"  # its /health's "role" (engine/router/pairing.py)
     events: object | None = None  # its EventSubscriber, when it publishes events and is up
 
     @property
@@ -87,6 +89,7 @@ class Replica:
         self.alive, self.failures = self.status in SERVING, 0
         if isinstance(body.get("model"), str):
             self.model = body["model"]
+        self.role = body["role"] if body.get("role") in ROLES else "both"
         self.read_costs = measured_costs(body.get("read_costs"))
 
 

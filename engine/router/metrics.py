@@ -102,6 +102,7 @@ class RouterMetrics:
             events = "stale" if stale else "fresh"
         return {
             "url": replica.url,
+            "role": replica.role,
             "alive": replica.alive,
             "status": replica.status,
             "routed": replica.routed,

@@ -34,6 +34,7 @@ from engine.server.config import (
     ServerConfig,
     check_port_free,
     check_ports_free,
+    check_role,
     server_config_from_args,
 )
 from engine.server.heap import QuietTrimmer, cap_malloc_arenas
@@ -81,7 +82,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     @app.get("/health")
     async def health() -> JSONResponse:
         queue, state = engine.queue_stats(), await run_in_threadpool(service.health)
-        body = {"status": state.status, "model": config.served_model_name}
+        body = {"status": state.status, "model": config.served_model_name, "role": config.role}
         body |= {"waiting": queue.waiting, "running": queue.running}
         body |= {"queued_tokens": queue.queued_tokens, "running_tokens": queue.running_tokens}
         body["tiers"] = state.tiers
@@ -179,7 +180,9 @@ def run_server(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     engines: list[Engine] = []  # the snapshot callback reads the engine made below
-    device = check_cache_config(config_from_args(args))
+    cache_config = config_from_args(args)
+    check_role(config, bool(cache_config.redis_url or cache_config.lmdb_dir))
+    device = check_cache_config(cache_config)
     publisher = start_publisher(config, device, lambda: engines[0].cache.snapshot_events())
     try:
         _, engine = load_engine(args, events=publisher)

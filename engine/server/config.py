@@ -20,6 +20,7 @@ from engine.api.keys import (
     check_api_key,
     check_tenant,
 )
+from engine.api.roles import ROLES
 from kvstore.config import ConfigError
 
 
@@ -71,6 +72,9 @@ class ServerConfig:
     kv_events_port: int | None = None  # ZMQ PUB of the index's events (None: not published)
     # ZMQ ROUTER answering replays; None with kv_events_port: kv_events_port + 1
     kv_events_replay_port: int | None = None
+    # "prefill": hands each answered prompt over to the shared tier before answering;
+    # "decode": takes hand-overs; "both": neither (a router pairs the first two)
+    role: str = "both"
 
     def __post_init__(self) -> None:
         _check_int("port", self.port, 0)
@@ -93,6 +97,8 @@ class ServerConfig:
         drain = self.drain_timeout_s
         if isinstance(drain, bool) or not isinstance(drain, int | float) or not 0 <= drain <= 3600:
             raise ConfigError("drain_timeout_s", f"must be 0..3600 seconds, got {drain!r}")
+        if self.role not in ROLES:
+            raise ConfigError("role", f"choose from {', '.join(ROLES)}, got {self.role!r}")
         if self.log_level not in ("critical", "error", "warning", "info", "debug"):
             raise ConfigError("log_level", f"unknown level {self.log_level!r}")
         self._check_events()
@@ -183,6 +189,14 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         "batches (default: --kv-events-port + 1)",
     )
     group.add_argument(
+        "--role",
+        default="both",
+        choices=ROLES,
+        help="prefill: write each prompt's blocks to the shared tier before answering; "
+        "decode: take requests whose prompt a prefill replica handed over; both (default): "
+        "serve whole requests. A router pairs prefill and decode replicas (docs/DEPLOY.md)",
+    )
+    group.add_argument(
         "--log-level",
         default="info",
         help="critical, error, warning, info or debug: uvicorn's and kvstore's messages",
@@ -211,4 +225,15 @@ def server_config_from_args(
         log_level=args.log_level,
         kv_events_port=args.kv_events_port,
         kv_events_replay_port=args.kv_events_replay_port,
+        role=args.role,
     )
+
+
+def check_role(config: ServerConfig, shared_tier: bool) -> None:
+    """A prefill or decode replica hands KV over through a tier other processes read."""
+    if config.role != "both" and not shared_tier:
+        raise ConfigError(
+            "role",
+            f"--role {config.role} hands KV over through a shared tier: give --redis-url "
+            "(or --lmdb-dir, on one host) the same on the prefill and the decode replicas",
+        )

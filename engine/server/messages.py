@@ -41,6 +41,7 @@ class Service(Protocol):
     tokenizer: Any
     auth: Any
     metrics: Any
+    handovers: Any  # engine/server/handover.py
 
     def authenticate(self, request: HTTPRequest) -> str | None: ...
     def check_model(self, name: str | None) -> None: ...
@@ -81,6 +82,7 @@ class Messages:
         job = Request(ids, self.sampling_params(req, len(ids)), salt, tenant,
                       on_done=service.metrics.observe)  # fmt: skip
         job.retention = tuple(Retain(n, ttl_s) for n, ttl_s in kept)
+        service.handovers.receive(request, job)
         bridge = TokenBridge(asyncio.get_running_loop()) if req.stream else None
         if bridge is not None:
             job.on_token = bridge.push
@@ -127,7 +129,8 @@ class Messages:
         try:
             while (token := await bridge.get()) is not DONE:
                 if not events.started:
-                    for event in events.start(self.usage(job, job.num_cached_tokens, 1)):
+                    cached = job.reported_cached(job.num_cached_tokens)
+                    for event in events.start(self.usage(job, cached, 1)):
                         yield event
                 for event in events.delta(streamer.push(token)):  # type: ignore[arg-type]
                     yield event

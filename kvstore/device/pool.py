@@ -262,6 +262,19 @@ class BlockPool:
         values, scales = self.kv.index_select(0, ids), self.scales.index_select(0, ids)
         return dequantize(values, scales, self.dtype)
 
+    def copy_into(
+        self, block_ids: Sequence[int], dst: torch.Tensor, block_table: Sequence[int]
+    ) -> None:
+        """Blocks block_ids into a caller's paged buffer, block i to dst[block_table[i]]
+        (ValueError for a buffer of another layout or dtype, or a short table)."""
+        n, shape = len(block_ids), self.layout.block_shape
+        if len(block_table) < n:
+            raise ValueError(f"block_table has {len(block_table)} entries, the hit needs {n}")
+        if dst.shape[1:] != shape or dst.dtype != self.dtype:
+            raise ValueError(f"dst must be [N, {', '.join(map(str, shape))}] {self.dtype}")
+        table = torch.as_tensor(list(block_table[:n]), dtype=torch.long, device=dst.device)
+        dst.index_copy_(0, table, self.read_kv_blocks(block_ids).to(dst.device))
+
     def write_blocks(
         self, block_ids: Sequence[int], blocks: torch.Tensor | Sequence[torch.Tensor]
     ) -> None:

@@ -83,6 +83,8 @@ class Tiers:
         self.writer = TierWriter(
             self.stores, config.entry_codec, config.write_queue_blocks, metrics, events=self.events
         )
+        # stores other processes read (Redis, LMDB): what a hand-over writes (handover.py)
+        self.shared = tuple(i for i, s in enumerate(self.stores) if s.identity() is not None)
         _flush_at_exit(self)
         warn_unreachable(self.stores)
 
@@ -173,24 +175,24 @@ class Tiers:
         token_ids: np.ndarray,
         start: int,
         block_ids: Sequence[int | None],
-    ) -> None:
+    ) -> int:
         """Queue the whole chunks of keys that hold blocks keys[start:], for `targets`; the
-        chunks are copied out of the pool now."""
+        chunks are copied out of the pool now. Returns the blocks queued."""
         n = self.chunk_blocks
         first, end = start // n * n, len(keys) // n * n
         if not targets or end <= start:
-            return
+            return 0
         ids = self.pool.whole(block_ids[first:end])  # None: a hole, or a hybrid model's
         # block without its window part; chunks with one were written before it went
         if None in ids:
             last_hole = first + len(ids) - 1 - ids[::-1].index(None)
             first = (last_hole // n + 1) * n
         if end <= first:
-            return
+            return 0
         bs, hasher = self.pool.block_size, scope.hasher
         digests = hasher.digest_blocks(token_ids, num_blocks=end)
         last = range(first + n - 1, end, n)  # the last block of each chunk
-        self.writer.submit(
+        queued = self.writer.submit(
             PendingWrite(
                 [keys[i] for i in last],
                 [digests[i] for i in last],
@@ -202,6 +204,27 @@ class Tiers:
                 keys[first:end] if any(self.events) else (),
             )
         )
+        return end - first if queued else 0
+
+    def write_shared(
+        self,
+        scope: Scope,
+        keys: list[bytes],
+        token_ids: np.ndarray,
+        start: int,
+        block_ids: Sequence[int],
+    ) -> int:
+        """Queue blocks keys[start:] (held as `block_ids`) for every shared store, whatever
+        their write policies say (a hand-over); returns the blocks queued."""
+        return self._submit(scope, self.shared, keys, token_ids, start, block_ids)
+
+    def shared_prefix(self, keys: Sequence[bytes]) -> int:
+        """Leading blocks of `keys` that every shared store holds (whole entries; one round
+        trip each; a store that fails holds none)."""
+        n = self.chunk_blocks
+        entries = list(keys[n - 1 :: n])
+        counts = [self.stores[i].count_prefix(entries) for i in self.shared]
+        return min(counts, default=0) * n
 
     # --- state -----------------------------------------------------------------------------
 

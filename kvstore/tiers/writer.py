@@ -66,6 +66,13 @@ class PendingRetain(NamedTuple):
     num_blocks: int = 0  # takes no room in the queue's block bound
 
 
+class PendingMark(NamedTuple):
+    """Set `done` when the writer reaches it: every write queued before it has finished."""
+
+    done: threading.Event
+    num_blocks: int = 0  # takes no room in the queue's block bound
+
+
 class TierWriter:
     """One background thread that encodes queued writes and puts them to their stores."""
 
@@ -83,7 +90,7 @@ class TierWriter:
         self._stores, self._codec, self._arena_bytes = stores, codec, arena_bytes
         self._events = list(events) or [None] * len(stores)
         self._max_blocks, self._metrics = max_blocks, metrics
-        self._queue: deque[PendingWrite | PendingRetain] = deque()
+        self._queue: deque[PendingWrite | PendingRetain | PendingMark] = deque()
         self._pending_blocks = 0  # queued + in flight
         self._pending_jobs = 0  # writes and retains, queued + in flight
         self._cond = threading.Condition()
@@ -93,7 +100,7 @@ class TierWriter:
         self._thread = threading.Thread(target=self._run, name="kvstore-tier-writer", daemon=True)
         self._thread.start()
 
-    def submit(self, write: PendingWrite | PendingRetain) -> bool:
+    def submit(self, write: PendingWrite | PendingRetain | PendingMark) -> bool:
         n = write.num_blocks
         with self._cond:
             if self._closed or self._pending_blocks + n > self._max_blocks:
@@ -109,6 +116,13 @@ class TierWriter:
         """Wait until every queued write is done; False if `timeout` ran out first."""
         with self._cond:
             return self._cond.wait_for(lambda: self._pending_jobs == 0, timeout)
+
+    def barrier(self, timeout: float) -> bool:
+        """Wait until every write queued before this call has finished (later ones may still
+        run: unlike `flush`, a busy writer cannot hold it up); False if `timeout` ran out
+        first or the writer is closed."""
+        mark = PendingMark(threading.Event())
+        return self.submit(mark) and mark.done.wait(timeout)
 
     def close(self, timeout: float) -> bool:
         """Flush (bounded by `timeout`), then stop the thread; no thread outlives its cache."""
@@ -128,7 +142,9 @@ class TierWriter:
                     return
                 write = self._queue.popleft()
             try:
-                if isinstance(write, PendingRetain):
+                if isinstance(write, PendingMark):
+                    write.done.set()
+                elif isinstance(write, PendingRetain):
                     self.retain(write)
                 else:
                     self.write(write)

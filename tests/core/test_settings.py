@@ -112,7 +112,7 @@ def test_every_flag_deploy_md_documents_is_a_flag_of_kvstore_serve():
     flags = {o for a in serve._actions for o in a.option_strings}
     deploy = (ROOT / "docs" / "DEPLOY.md").read_text()
     section = deploy.split("## `kvstore serve`")[1].split("\n## ")[0]
-    assert len(documented_flags(section)) == 26  # model flags and the server's own
+    assert len(documented_flags(section)) == 27  # model flags and the server's own
     assert documented_flags(section) - flags == set()
 
 

@@ -38,7 +38,8 @@ def keyed_router(slack: float = SLACK) -> Router:
 def pick(router: Router, key: str | None, tried: list | None = None) -> str:
     """Where a 10-token prompt goes (its tokens stay queued there: never prefilled)."""
     cache_key = ("", key) if key is not None else None
-    replica, _ = router._pick(PROMPT, [], None, tried or [], cache_key)
+    replica, cached = router._pick(PROMPT, [], None, tried or [], cache_key)
+    router.fleet.sent(replica, len(PROMPT) - cached)  # as the router's request path does
     return replica.url[len("http://") : -len(":1")]
 
 

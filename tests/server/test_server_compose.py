@@ -34,6 +34,8 @@ from engine.server.config import server_config_from_args
 from kvstore.adapters.blocks import config_from_settings
 
 ENGINES = ("engine-a", "engine-b")
+SPLIT = ("prefill", "decode")  # the `split` profile's replicas, by their --role
+ROUTERS = {"router": ENGINES, "router-split": SPLIT}
 
 
 @pytest.fixture(scope="module")
@@ -60,10 +62,11 @@ def test_every_compose_command_and_flag_parses(compose, monkeypatch):
         command = compose.command(name)
         if command[:2] == ["kvstore", "router"]:
             config = router_config_from_args(parse_kvstore(command), compose.environment(name))
-            assert config.replicas == tuple(f"http://{e}:8000" for e in ENGINES)
+            assert config.replicas == tuple(f"http://{e}:8000" for e in ROUTERS[name])
         elif command[0] == "kvstore":
             kvstore_config(command, compose.environment(name), monkeypatch)  # values valid too
-            server_config_from_args(parse_kvstore(command), compose.environment(name))
+            server = server_config_from_args(parse_kvstore(command), compose.environment(name))
+            assert server.role == (name if name in SPLIT else "both")
         elif command[:3] == ["python", "-m", "bench"]:
             assert command[3] in BENCHMARKS
             importlib.import_module(f"bench.{command[3]}").build_parser().parse_args(command[4:])
@@ -80,6 +83,10 @@ def test_every_compose_command_and_flag_parses(compose, monkeypatch):
                     f"redis-server {conf}", "vllm", "lmcache", "sglang"}  # fmt: skip
     assert compose.services["redis"]["configs"] == [{"source": "redis-auth", "target": conf}]
     assert compose.services["bench"]["profiles"] == ["bench"]
+    for name in (*SPLIT, "router-split"):
+        assert compose.services[name]["profiles"] == ["split"]
+    for name in SPLIT:  # the engines' command, and a role
+        assert compose.command(name)[:-2] == compose.command("engine-a")
 
 
 # The `stacks` profile: service -> (stack, its command's first words). Each stack's own
@@ -177,15 +184,16 @@ def test_the_image_is_built_once_and_reused(compose):
     services = compose.services
     built = [name for name, s in services.items() if "build" in s and name not in STACKS]
     assert built == ["engine-a"]  # the stacks build their own images (Dockerfile.stack)
-    reusing = ("engine-b", "router", "bench")
+    reusing = ("engine-b", "router", "bench", *SPLIT, "router-split")
     assert {services[name]["image"] for name in (*ENGINES, *reusing)} == {"kvstore:latest"}
-    assert [services[name].get("pull_policy") for name in reusing] == ["never"] * 3
+    assert [services[name].get("pull_policy") for name in reusing] == ["never"] * len(reusing)
 
 
 def test_only_the_router_is_published(compose):
     published = {name: s["ports"] for name, s in compose.services.items()
                  if "ports" in s and name not in STACKS}  # fmt: skip
-    assert published == {"router": ["127.0.0.1:8000:8000"]}
+    assert published == {"router": ["127.0.0.1:8000:8000"],
+                         "router-split": ["127.0.0.1:8001:8000"]}  # fmt: skip
 
 
 def loopback_engine(compose, name, model_dir, redis_port, log_dir) -> ServerProcess:
@@ -204,15 +212,15 @@ def loopback_engine(compose, name, model_dir, redis_port, log_dir) -> ServerProc
     return ServerProcess(args, port, log_dir / f"{name}.log", clean_env(**env))
 
 
-@pytest.fixture
-def replicas(compose, model_dir, redis_server_factory, tmp_path):
-    """Redis with the compose flags and config file, then both engines; yields (redis, a, b)."""
+def compose_fleet(compose, model_dir, redis_server_factory, tmp_path, names):
+    """Redis with the compose flags and config file, then the engines `names`; yields
+    (redis, a, b)."""
     conf = tmp_path / "auth.conf"
     conf.write_text(compose.config_content("redis-auth"))
     redis_args = compose.command("redis")[2:]  # after redis-server and the config file
     password = compose.redis_password()
     redis = redis_server_factory(*redis_args, config_file=conf, password=password)
-    a, b = (loopback_engine(compose, n, model_dir, redis.port, tmp_path) for n in ENGINES)
+    a, b = (loopback_engine(compose, n, model_dir, redis.port, tmp_path) for n in names)
     try:
         with ThreadPoolExecutor(2) as pool:
             list(pool.map(lambda s: s.start().wait_ready(), (a, b)))
@@ -222,9 +230,19 @@ def replicas(compose, model_dir, redis_server_factory, tmp_path):
         b.stop()
 
 
-def completion(server, key: str, prompt: list[int]) -> dict:
+@pytest.fixture
+def replicas(compose, model_dir, redis_server_factory, tmp_path):
+    yield from compose_fleet(compose, model_dir, redis_server_factory, tmp_path, ENGINES)
+
+
+@pytest.fixture
+def split_replicas(compose, model_dir, redis_server_factory, tmp_path):
+    yield from compose_fleet(compose, model_dir, redis_server_factory, tmp_path, SPLIT)
+
+
+def completion(server, key: str, prompt: list[int], **extra) -> dict:
     body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True}  # fmt: skip
+            "return_token_ids": True} | extra  # fmt: skip
     headers = {"Authorization": f"Bearer {key}"}
     response = httpx.post(f"{server.url}/v1/completions", json=body, headers=headers, timeout=60)
     assert response.status_code == 200, response.text
@@ -262,15 +280,15 @@ def test_replica_b_hits_what_replica_a_wrote_through_to_redis(compose, replicas,
         router.stop()
 
 
-def loopback_router(compose, model_dir, a, b, log_dir) -> ServerProcess:
-    """The compose router command on loopback, in front of the two loopback engines."""
-    command, port = compose.command("router"), free_port()
+def loopback_router(compose, model_dir, a, b, log_dir, name: str = "router") -> ServerProcess:
+    """The compose router command of `name` on loopback, in front of two loopback engines."""
+    command, port = compose.command(name), free_port()
     for flag, value in [("--host", "127.0.0.1"), ("--port", str(port)),
                         ("--model", str(model_dir))]:  # fmt: skip
         command = replace_flag(command, flag, value)
     urls = iter([a.url, b.url])
-    command = [next(urls) if c.startswith("http://engine-") else c for c in command]
-    env = clean_env(**compose.environment("router"))
+    command = [next(urls) if c.startswith("http://") else c for c in command]
+    env = clean_env(**compose.environment(name))
     proc = ServerProcess([kvstore_script(), *command[1:]], port, log_dir / "router.log", env,
                          "kvstore router")  # fmt: skip
     return proc.start().wait_ready()
@@ -292,3 +310,27 @@ def run_compose_bench(compose, router, key) -> None:
     assert (report["requests"], report["errors"]) == (8, 0)
     assert report["prompt_tokens"] == sum(len(r.token_ids) for r in workload)
     assert report["per_url"][router.url]["requests"] == 8
+
+
+@pytest.mark.integration
+def test_the_split_profile_hands_a_long_prompt_over_from_prefill_to_decode(
+    compose, split_replicas, model_dir, tmp_path
+):
+    _, prefill, decode = split_replicas
+    key = compose.environment("prefill")["KVSTORE_API_KEY"]
+    block = int(flag_value(compose.command("prefill"), "--block-size"))
+    minimum = int(flag_value(compose.command("router-split"), "--handover-min-tokens"))
+    router = loopback_router(compose, model_dir, prefill, decode, tmp_path, "router-split")
+    try:
+        prompt = [(i * 7 + 3) % 256 for i in range(minimum + 3 * block)]
+        answer = completion(router, key, prompt)
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        whole = len(prompt) // block * block
+        hits = decode.metrics()['kvstore_prefix_cache_hits_tokens_total{tier="redis"}']
+        assert hits == whole
+        assert decode.metrics()['kvstore_handovers_received_total{outcome="whole"}'] == 1
+        fresh = completion(decode, key, prompt, cache_salt="uncached")  # computed whole
+        assert fresh["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert fresh["choices"][0]["token_ids"] == answer["choices"][0]["token_ids"]
+    finally:
+        router.stop()
