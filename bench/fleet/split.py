@@ -4,8 +4,11 @@ decode replicas").
 
 The load: `--sessions` streaming chats of `--max-tokens` answers, and every
 `--burst-every-s` seconds a burst of `--burst-size` prompts of `--burst-tokens` tokens (each
-its own text, `--burst-max-tokens` answers) until the chats are done. Both layouts run the
-kv router over one shared Redis, each replica pinned to a core of its own (taskset).
+its own text, `--burst-max-tokens` answers) until the chats are done. Three layouts run the
+kv router over one shared Redis, each replica pinned to a core of its own (taskset): `split`
+(`--prefill-replicas` prefill replicas, the rest of `--replicas` decode), `colocated` (as many
+`both` replicas as `split` has decode replicas: the baseline the prefill replicas are added
+to) and `colocated-all` (as many `both` replicas as `split` has in all: the same hardware).
 
 Per layout: the chats' inter-token latency p50/p90 (the time between consecutive streamed
 chunks, at the client), TTFT p50/p90 of every request and of each kind, output tok/s, the
@@ -41,19 +44,24 @@ from bench.load.workload import ChatSession, make_sessions, warmup_session, word
 SPLIT_SCENARIOS = ("split", "split-kill-prefill", "split-kill-decode")
 BURST_SEED = 17  # the bursts' word stream
 KILL_DELAY_S = 2.0
+HANDOVER_OUTCOMES = ("handed_over", "direct", "busy", "fallback")
 SERIES = re.compile(r'^(kvstore_\w+)\{(?:outcome|state)="(\w+)"\} ([0-9.e+]+)$', re.M)
 
 
 def layouts(scenario: str) -> tuple[str, ...]:
-    return ("colocated", "split") if scenario == "split" else ("split",)
+    return ("colocated", "colocated-all", "split") if scenario == "split" else ("split",)
 
 
 def roles(args: argparse.Namespace, layout: str) -> tuple[str, ...]:
+    """`split`: the prefill replicas, then the decode ones; `colocated`: as many `both`
+    replicas as `split` has decode ones (the issue's baseline: what the prefill replicas are
+    added to); `colocated-all`: as many `both` replicas as `split` has in all."""
+    decode = args.replicas - args.prefill_replicas
     if layout == "colocated":
+        return ("both",) * decode
+    if layout == "colocated-all":
         return ("both",) * args.replicas
-    return ("prefill",) * args.prefill_replicas + ("decode",) * (
-        args.replicas - args.prefill_replicas
-    )
+    return ("prefill",) * args.prefill_replicas + ("decode",) * decode
 
 
 def burst_text(index: int, num_bytes: int, seed: int) -> str:
@@ -116,9 +124,10 @@ def run_layout(
     args: argparse.Namespace, model_dir: Path, base: Path, scenario: str, layout: str
 ) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix=f"{scenario}-{layout}-", dir=base))
+    layout_roles = roles(args, layout)
     spec = FleetSpec(
-        model_dir=model_dir, replicas=args.replicas, device_blocks=args.device_blocks,
-        shared=True, route="kv", workdir=workdir, roles=roles(args, layout), pin_cores=True,
+        model_dir=model_dir, replicas=len(layout_roles), device_blocks=args.device_blocks,
+        shared=True, route="kv", workdir=workdir, roles=layout_roles, pin_cores=True,
         handover_min_tokens=args.handover_min_tokens,
     )  # fmt: skip
     sessions = make_sessions(args.sessions, args.turns, args.system_prompt_bytes, args.seed)
@@ -236,7 +245,9 @@ def compare(colocated: dict, split: dict) -> dict:
 def run_scenario(args: argparse.Namespace, model_dir: Path, base: Path, scenario: str) -> list:
     runs = [run_layout(args, model_dir, base, scenario, layout) for layout in layouts(scenario)]
     if scenario == "split":
-        runs[1]["versus_colocated"] = compare(runs[0], runs[1])
+        colocated, colocated_all, split = runs
+        split["versus_colocated"] = compare(colocated, split)
+        split["versus_colocated_all"] = compare(colocated_all, split)
     return runs
 
 
@@ -255,8 +266,7 @@ def print_split(runs: list[dict]) -> str:
     for run in runs:
         roles_text = ",".join(r[0] for r in run["roles"])
         h, d = run["handovers"], run["decode_loads"]
-        handed = "-" if not h else f"{h.get('handed_over', 0):.0f}/{h.get('direct', 0):.0f}/" \
-                 f"{h.get('fallback', 0):.0f}"  # fmt: skip
+        handed = "-" if not h else "/".join(f"{h.get(k, 0):.0f}" for k in HANDOVER_OUTCOMES)
         loads = "-" if not d else f"{d.get('whole', 0):.0f}/{d.get('partial', 0):.0f}"
         lines.append(
             f"| {run['scenario']} | {run['layout']} | {roles_text} | {run['ok']}/"
@@ -267,16 +277,22 @@ def print_split(runs: list[dict]) -> str:
             f" | {handed} | {loads} |"
         )
     for run in runs:
-        if "versus_colocated" in run:
-            v = run["versus_colocated"]
-            same, total = v["identical_answers"]
-            lines.append(
-                f"\nsplit ÷ colocated: ITL p90 {_fmt(v['itl_p90'], '.2f')}, ITL p50 "
-                f"{_fmt(v['itl_p50'], '.2f')}, TTFT p50 {_fmt(v['ttft_p50'], '.2f')}, tok/s "
-                f"{_fmt(v['tok_per_s'], '.2f')}; identical answers {same}/{total} "
-                "(hand-overs: handed over/direct/fallback)"
-            )
+        for key, name in (("versus_colocated", "colocated"), ("versus_colocated_all",
+                                                                "colocated-all")):  # fmt: skip
+            if key in run:
+                lines.append(_versus(run[key], name))
+    if any("versus_colocated" in run for run in runs):
+        lines.append("(hand-overs: handed over/direct/busy/fallback)")
     return "\n".join(lines)
+
+
+def _versus(v: dict, name: str) -> str:
+    same, total = v["identical_answers"]
+    return (
+        f"\nsplit ÷ {name}: ITL p90 {_fmt(v['itl_p90'], '.2f')}, ITL p50 "
+        f"{_fmt(v['itl_p50'], '.2f')}, TTFT p50 {_fmt(v['ttft_p50'], '.2f')}, tok/s "
+        f"{_fmt(v['tok_per_s'], '.2f')}; identical answers {same}/{total}"
+    )
 
 
 def write_split_plot(runs: list[dict], path: Path) -> None:

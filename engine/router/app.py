@@ -73,8 +73,8 @@ class Router:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64,
                               keepalive_expiry=2.0)  # fmt: skip
         self.client = httpx.AsyncClient(timeout=timeout, limits=limits)
-        self.pairing = Pairing(self.fleet, self.client, config.handover_min_tokens,
-                               self.metrics.registry)  # fmt: skip
+        handover = (config.handover_min_tokens, config.handover_max_queued_tokens)
+        self.pairing = Pairing(self.fleet, self.client, *handover, self.metrics.registry)
 
     def authenticate(self, request: Request) -> str | None:
         return authenticate(self.auth, request)

@@ -16,7 +16,7 @@ from kvstore.fleet.routing import RoutingConfig
 
 POLICIES = ("kv", "round-robin")
 SESSION_HEADER = "x-session-id"
-HANDOVER_MIN_TOKENS = 256  # measured: docs/BENCHMARKS.md "Prefill and decode replicas"
+HANDOVER_MIN_TOKENS = 512  # measured: docs/BENCHMARKS.md "Prefill and decode replicas"
 SECRET_ENV = "KVSTORE_SECRET"  # the replicas' secret: the router derives tenant salts as they do
 
 
@@ -52,6 +52,8 @@ class RouterConfig:
     # a prompt with at least this many tokens uncached where it is served is prefilled on a
     # prefill replica first, when one shares a tier with it (engine/router/pairing.py)
     handover_min_tokens: int = HANDOVER_MIN_TOKENS
+    # hand over only while some prefill replica queues fewer prompt tokens (None: always)
+    handover_max_queued_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not self.replicas:
@@ -72,9 +74,12 @@ class RouterConfig:
             raise ConfigError("tier_events", f"must be True or False, got {self.tier_events!r}")
         for key in self.api_keys:
             check_api_key(key)
-        minimum = self.handover_min_tokens
-        if isinstance(minimum, bool) or not isinstance(minimum, int) or minimum < 0:
-            raise ConfigError("handover_min_tokens", f"must be an int >= 0, got {minimum!r}")
+        for name, least in (("handover_min_tokens", 0), ("handover_max_queued_tokens", 1)):
+            value = getattr(self, name)
+            if value is None and name == "handover_max_queued_tokens":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ConfigError(name, f"must be an int >= {least}, got {value!r}")
 
     @property
     def secret_bytes(self) -> bytes:
@@ -160,6 +165,15 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
         f"handed over through their shared tier (default {HANDOVER_MIN_TOKENS}; 0: every "
         "prompt)",
     )
+    parser.add_argument(
+        "--handover-max-queued-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="hand a prompt over only while some prefill replica queues fewer than N prompt "
+        "tokens, else the replica that serves it computes it (default: no bound; the "
+        "prefill replicas' queue then absorbs a burst and the decodes stay smooth)",
+    )
     parser.add_argument("--api-key", default=None, help=f"API key (default: ${API_KEY_ENV})")
     parser.add_argument("--api-keys-file", default=None, help='JSON {"key": "tenant", ...}')
     parser.add_argument("--log-level", default="info", help="uvicorn's and kvstore's level")
@@ -194,4 +208,5 @@ def router_config_from_args(
         log_level=args.log_level,
         secret=env.get(SECRET_ENV, ""),
         handover_min_tokens=args.handover_min_tokens,
+        handover_max_queued_tokens=args.handover_max_queued_tokens,
     )

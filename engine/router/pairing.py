@@ -4,12 +4,15 @@ replicas").
 A request's serving replica is chosen as always, among the replicas that decode (`decode` and
 `both`; the `prefill` ones only when no other is up). When its prompt has at least
 `handover_min_tokens` tokens that replica would have to compute (its cached prefix, by its
-events, taken off), the router first sends the prompt, as token ids with max_tokens 1, to a
-`prefill` replica that shares a tier with it, chosen by cache overlap and load. That replica
-answers once the prompt's blocks are readable from the shared tier; the request then goes to
-the serving replica with `HANDOVER_HEADER`, loads the prompt from the tier, and streams the
-answer. A prefill replica that fails is dropped and the next one tried; when none can take
-it, the serving replica computes the prompt itself (`fallback`). The client sees one answer.
+events, taken off), and (with `handover_max_queued_tokens`) some prefill replica queues fewer
+prompt tokens than that (conditional disaggregation: an overloaded prefill tier gives the
+work back to the decode replicas instead of queueing it), the router first sends the
+prompt, as token ids with max_tokens 1, to a `prefill` replica that shares a tier with it,
+chosen by cache overlap and load. That replica answers once the prompt's blocks are readable
+from the shared tier; the request then goes to the serving replica with `HANDOVER_HEADER`,
+loads the prompt from the tier, and streams the answer. A prefill replica that fails is
+dropped and the next one tried; when none can take it, the serving replica computes the
+prompt itself (`fallback`). The client sees one answer.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from engine.router.fleet import Fleet, NoReplicaError, Replica
 from hashing import BlockHash
 
 log = logging.getLogger("kvstore.router")
-OUTCOMES = ("handed_over", "direct", "fallback")
+OUTCOMES = ("handed_over", "direct", "busy", "fallback")
 SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -66,13 +69,20 @@ class Pairing:
     """Which replicas decode, and the prefill step of a request worth handing over."""
 
     def __init__(
-        self, fleet: Fleet, client: httpx.AsyncClient, min_tokens: int, registry: CollectorRegistry
+        self,
+        fleet: Fleet,
+        client: httpx.AsyncClient,
+        min_tokens: int,
+        max_queued: int | None,
+        registry: CollectorRegistry,
     ):
-        self.fleet, self.client, self.min_tokens = fleet, client, min_tokens
+        self.fleet, self.client = fleet, client
+        self.min_tokens, self.max_queued = min_tokens, max_queued
         self.outcomes = Counter("kvstore_router_handovers", "requests with a prefill replica "
                                 "up, by how their prompt was computed (handed_over: on a "
-                                "prefill replica; direct: too few uncached tokens; fallback: "
-                                "no prefill replica could take it)", ["outcome"],
+                                "prefill replica; direct: too few uncached tokens; busy: "
+                                "every prefill replica's queue was full; fallback: no "
+                                "prefill replica could take it)", ["outcome"],
                                 registry=registry)  # fmt: skip
         for outcome in OUTCOMES:
             self.outcomes.labels(outcome)
@@ -99,12 +109,19 @@ class Pairing:
         ]
 
     def worth(self, serving: Replica, uncached: int) -> bool:
-        """Whether to hand the prompt over to `serving` (counted `direct` when a prefill
-        replica could have taken it but the prompt is too short)."""
-        if serving.role == "prefill" or not self.candidates(serving, []):
+        """Whether to hand the prompt over to `serving`: it has `min_tokens` uncached there
+        (else `direct`) and some prefill replica queues fewer than `max_queued` prompt
+        tokens (else `busy`: past that, the wait there costs the request more than its
+        prefill costs the decodes it would stall)."""
+        candidates = [] if serving.role == "prefill" else self.candidates(serving, [])
+        if not candidates:
             return False
         if uncached < self.min_tokens:
             self.outcomes.labels("direct").inc()
+            return False
+        bound = self.max_queued
+        if bound is not None and all(r.load().queued_tokens >= bound for r in candidates):
+            self.outcomes.labels("busy").inc()
             return False
         return True
 

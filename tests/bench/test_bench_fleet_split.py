@@ -49,18 +49,19 @@ def test_the_layouts_are_compared_answer_by_answer_and_as_ratios():
     runs = [colocated | {"scenario": "split", "layout": "colocated", "roles": ["both"] * 2,
                          "handovers": {}, "decode_loads": {}},
             split | {"scenario": "split", "layout": "split", "roles": ["prefill", "decode"],
-                     "handovers": {"handed_over": 3.0, "direct": 1.0, "fallback": 0.0},
+                     "handovers": {"handed_over": 3.0, "direct": 1.0, "busy": 0.0, "fallback": 0.0},
                      "decode_loads": {"whole": 3.0, "partial": 0.0},
                      "versus_colocated": versus}]  # fmt: skip
     text = print_split(runs)
-    assert "| split | split | p,d | 2/2 |" in text and "| 3/1/0 | 3/0 |" in text
+    assert "| split | split | p,d | 2/2 |" in text and "| 3/1/0/0 | 3/0 |" in text
     assert "split ÷ colocated: ITL p90 0.40" in text and "identical answers 1/2" in text
 
 
 def test_the_split_layout_gives_the_first_replicas_the_prefill_role():
     args = build_parser().parse_args(["--replicas", "3", "--prefill-replicas", "1"])
     assert roles(args, "split") == ("prefill", "decode", "decode")
-    assert roles(args, "colocated") == ("both",) * 3
+    assert roles(args, "colocated") == ("both",) * 2  # as many as decode
+    assert roles(args, "colocated-all") == ("both",) * 3
 
 
 def test_the_sweep_finds_where_a_hand_over_pays_and_where_it_adds_little():
