@@ -355,15 +355,7 @@ class PrefixCache:
 
     def stats(self) -> dict:
         with self._lock:
-            device = {
-                "blocks_total": self.pool.num_blocks,
-                "blocks_free": self.pool.num_free_blocks,
-                "blocks_cached": self.index.num_cached_blocks,
-                "blocks_evictable": self.index.num_evictable_blocks,
-                "blocks_tails": len(self.tails),
-                "blocks_reserved": self.held.num_reserved,  # e.g. an engine's scratch block
-            }
-            device |= self.kind.stats()
+            device = self.device_index.stats(len(self.tails), self.held.num_reserved)
             retention = self.retention.stats()
         tiers = self.tiers.stats() if self.tiers else {}
         return {

@@ -46,6 +46,10 @@ BURST_SEED = 17  # the bursts' word stream
 KILL_DELAY_S = 2.0
 HANDOVER_OUTCOMES = ("handed_over", "direct", "busy", "fallback")
 SERIES = re.compile(r'^(kvstore_\w+)\{(?:outcome|state)="(\w+)"\} ([0-9.e+]+)$', re.M)
+# why a decode replica may load less than it was handed: its Redis calls that failed (a
+# timeout is a miss), reads its gate skipped, entries that failed verification
+MISSES = re.compile(r'^kvstore_(store_errors_total|tier_read_skipped_total|verify_failures_total)'
+                    r'\{[^}]*tier="redis"[^}]*\} ([0-9.e+]+)$', re.M)  # fmt: skip
 
 
 def layouts(scenario: str) -> tuple[str, ...]:
@@ -191,19 +195,24 @@ def _handover_counts(fleet: Fleet, spec: FleetSpec) -> dict:
     router = {k: float(v) for name, k, v in SERIES.findall(fleet.metrics())
               if name == "kvstore_router_handovers_total"}  # fmt: skip
     loads: dict[str, float] = {}
+    misses: dict[str, float] = {}
     for i in range(spec.replicas):
         if i in fleet.killed or spec.role(i) == "prefill":
             continue
-        for name, key, value in SERIES.findall(fleet.metrics(i)):
+        page = fleet.metrics(i)
+        for name, key, value in SERIES.findall(page):
             if name == "kvstore_handovers_received_total":
                 loads[key] = loads.get(key, 0.0) + float(value)
-    return {"handovers": router, "decode_loads": loads}
+        for name, value in MISSES.findall(page):
+            misses[name] = misses.get(name, 0.0) + float(value)
+    return {"handovers": router, "decode_loads": loads, "decode_redis_misses": misses}
 
 
 def summarize(chats: Sequence[ChatOutcome], bursts: Sequence[ChatOutcome], wall_s: float) -> dict:
-    """One layout's figures. A failed request is `partial` when it streamed text first and
-    ended with an error event, `cut` when its stream ended with neither an error event nor
-    a usage after text (silently), and `lost` when it streamed nothing."""
+    """One layout's figures. A failed request is `partial` when its stream ended with an
+    error event (the documented end of a broken stream, text before it or not), `cut` when
+    it streamed text and then ended with neither an error event nor a usage (silently), and
+    `lost` when it got neither text nor an error event."""
     every = [*chats, *bursts]
     ok = [o for o in every if o.ok]
     failed = [o for o in every if not o.ok]
@@ -215,9 +224,9 @@ def summarize(chats: Sequence[ChatOutcome], bursts: Sequence[ChatOutcome], wall_
     long = [o for o in ok if o.session == -1]
     return {
         "requests": len(every), "ok": len(ok), "chats": len(chats), "bursts": len(bursts),
-        "partial": sum(1 for o in failed if o.text and o.error_event),
+        "partial": sum(1 for o in failed if o.error_event),
         "cut": sum(1 for o in failed if o.text and not o.error_event),
-        "lost": sum(1 for o in failed if not o.text),
+        "lost": sum(1 for o in failed if not o.text and not o.error_event),
         "errors": sorted({o.error for o in failed if o.error})[:5],
         "wall_s": wall_s,
         "itl_p50_ms": percentile_ms(gaps, 50), "itl_p90_ms": percentile_ms(gaps, 90),
@@ -276,6 +285,15 @@ def print_split(runs: list[dict]) -> str:
             f"{_fmt(run['burst_ttft_p50_ms'], '.0f')} | {_fmt(run['output_tok_per_s'], '.1f')}"
             f" | {handed} | {loads} |"
         )
+    for run in runs:
+        misses = run.get("decode_redis_misses") or {}
+        if any(misses.values()):
+            lines.append(
+                f"\n{run['scenario']} {run['layout']}: the decode replicas' Redis errors "
+                f"{misses.get('store_errors_total', 0):.0f}, reads skipped by the gate "
+                f"{misses.get('tier_read_skipped_total', 0):.0f}, verify failures "
+                f"{misses.get('verify_failures_total', 0):.0f}"
+            )
     for run in runs:
         for key, name in (("versus_colocated", "colocated"), ("versus_colocated_all",
                                                                 "colocated-all")):  # fmt: skip

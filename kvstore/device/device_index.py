@@ -144,6 +144,19 @@ class DeviceIndex:
             node = node.parent
         return node.key(0)
 
+    def stats(self, num_tails: int, num_reserved: int) -> dict[str, int]:
+        """The pool's blocks by state (with `num_tails` kept tails and `num_reserved`
+        blocks held back, e.g. an engine's scratch block), and the attention kind's counts.
+        Under the cache's lock."""
+        return {
+            "blocks_total": self.pool.num_blocks,
+            "blocks_free": self.pool.num_free_blocks,
+            "blocks_cached": self.index.num_cached_blocks,
+            "blocks_evictable": self.index.num_evictable_blocks,
+            "blocks_tails": num_tails,
+            "blocks_reserved": num_reserved,
+        } | self.kind.stats()
+
     def check(
         self,
         tails: Sequence[int],

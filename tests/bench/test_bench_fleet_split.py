@@ -26,16 +26,17 @@ def test_inter_token_latency_is_the_gap_between_a_chats_streamed_chunks():
     assert run["itl_p90_ms"] == pytest.approx(44.0)
 
 
-def test_a_broken_stream_is_partial_with_an_error_event_cut_without_and_lost_before_text():
+def test_a_broken_stream_is_partial_with_an_error_event_cut_without_and_lost_with_neither():
     outs = [
         chat(True, "ok", (0, 1)),
         chat(False, "half", (0,), "broke", event=True),
+        chat(False, "", (), "broke before its first token", event=True),
         chat(False, "half", (0,), "RemoteProtocolError"),
         chat(False, "", (), "refused"),
     ]
     run = summarize(outs, [chat(True, "b", (0,), session=-1)], 2.0)
-    assert (run["ok"], run["partial"], run["cut"], run["lost"]) == (2, 1, 1, 1)
-    assert (run["chats"], run["bursts"], run["burst_prompt_tokens"]) == (4, 1, 2048)
+    assert (run["ok"], run["partial"], run["cut"], run["lost"]) == (2, 2, 1, 1)
+    assert (run["chats"], run["bursts"], run["burst_prompt_tokens"]) == (5, 1, 2048)
 
 
 def test_the_layouts_are_compared_answer_by_answer_and_as_ratios():

@@ -33,6 +33,8 @@ def test_prefill_and_decode_replicas_need_a_shared_tier():
 def test_a_bad_handover_threshold_is_refused(value):
     with pytest.raises(ConfigError, match="handover_min_tokens: must be an int >= 0"):
         RouterConfig(replicas=("http://a:1",), handover_min_tokens=value)
+    with pytest.raises(ConfigError, match="handover_max_queued_tokens: must be an int >= 1"):
+        RouterConfig(replicas=("http://a:1",), handover_max_queued_tokens=value or 0)
 
 
 def test_serve_refuses_a_decode_role_without_a_shared_tier_before_loading_a_model():

@@ -18,11 +18,13 @@ PRIVATE = {"tiers": [{"name": "memory", "medium": "HOST", "shared": None}]}
 REQ = SimpleNamespace(model="m", cache_salt=None)
 
 
-def fleet(*roles: str, min_tokens: int = 100, answer=None) -> Router:
+def fleet(*roles: str, min_tokens: int = 100, max_queued=None, answer=None) -> Router:
     """A router over replicas http://<i>:1 with `roles`, all up and sharing one Redis;
     `answer(url)` answers (or fails) each prefill step."""
     urls = tuple(f"http://{i}:1" for i in range(len(roles)))
-    router = Router(RouterConfig(replicas=urls, handover_min_tokens=min_tokens), None)
+    config = RouterConfig(replicas=urls, handover_min_tokens=min_tokens,
+                          handover_max_queued_tokens=max_queued)  # fmt: skip
+    router = Router(config, None)
     for replica, role in zip(router.fleet.replicas, roles, strict=True):
         replica.alive, replica.role, replica.info = True, role, SHARED
     if answer is not None:
@@ -43,7 +45,7 @@ def outcomes(router: Router) -> dict[str, float]:
         o: router.metrics.registry.get_sample_value(
             "kvstore_router_handovers_total", {"outcome": o}
         )
-        for o in ("handed_over", "direct", "fallback")
+        for o in ("handed_over", "direct", "busy", "fallback")
     }
 
 
@@ -65,6 +67,19 @@ def test_a_prompt_is_handed_over_only_past_the_threshold_and_through_a_shared_ti
     decode.info, prefill.alive = SHARED, False
     assert not router.pairing.worth(decode, 10_000)
     assert outcomes(router)["direct"] == 1  # neither counts: no prefill replica could
+
+
+def test_with_a_queue_bound_a_prompt_stays_when_every_prefill_replica_is_full():
+    router = fleet("prefill", "prefill", "decode", max_queued=1000)
+    first, second, decode = router.fleet.replicas
+    router.fleet.sent(first, 1000)
+    assert router.pairing.worth(decode, 500)  # the second one has room
+    router.fleet.sent(second, 1200)
+    assert not router.pairing.worth(decode, 500)
+    assert outcomes(router)["busy"] == 1
+    unbounded = fleet("prefill", "decode")
+    unbounded.fleet.sent(unbounded.fleet.replicas[0], 10**6)
+    assert unbounded.pairing.worth(unbounded.fleet.replicas[1], 500)
 
 
 def test_a_failed_prefill_replica_is_dropped_and_the_next_one_prefills():
