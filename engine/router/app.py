@@ -101,9 +101,11 @@ class Router:
                 if busy is None:
                     raise
                 return busy
+            if handed is not None and not self.pairing.shares(handed[1], replica):
+                handed = None  # (a retry on a replica that cannot read that tier)
             if handed is None and self.pairing.worth(replica, len(ids) - cached):
                 handed = await self.pairing.prefill(ids, keys, req, headers, replica)
-            sent, where = _handover_headers(headers, handed)
+            sent, where = _handover_headers(headers, handed, cached)
             entry = self.fleet.sent(replica, 0 if handed else len(ids) - cached, keys)
             try:
                 response = await self._send(replica, path, body, sent, bool(req.stream), where)
@@ -141,7 +143,7 @@ class Router:
         if pinned is not None and pinned.alive and pinned not in exclude:
             self.sessions.move_to_end(session)
             self.fleet.counts["session"] += 1
-            return pinned, 0
+            return pinned, self.fleet.cached_tokens(pinned, len(ids), keys)
         keyed = self.cache_keys.pinned(cache_key, exclude)
         if keyed is not None:  # its prompts share a prefix: what it holds is not queued work
             cached = self.fleet.cached_tokens(keyed, len(ids), keys)
@@ -249,15 +251,17 @@ class Router:
 
 
 def _handover_headers(
-    headers: dict[str, str], handed: tuple[int, Replica] | None
+    headers: dict[str, str], handed: tuple[int, Replica] | None, held: int
 ) -> tuple[dict[str, str], dict[str, str]]:
     """The request's headers to its replica, and the answer's own: a handed-over request
-    tells its replica the prompt tokens cached before the prefill, and its client where the
-    prompt was prefilled."""
+    tells its replica the prompt tokens cached before the prefill (the more of what the
+    prefill replica had and what the serving one held, `held`: what one of them would have
+    reported), and its client where the prompt was prefilled."""
     if handed is None:
         return headers, {}
     cached, prefill = handed
-    return headers | {HANDOVER_HEADER: str(cached)}, {PREFILL_REPLICA_HEADER: prefill.url}
+    sent = headers | {HANDOVER_HEADER: str(max(cached, held))}
+    return sent, {PREFILL_REPLICA_HEADER: prefill.url}
 
 
 def _cache_key(req: Any, salt: str) -> tuple[str, str] | None:

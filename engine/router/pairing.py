@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from engine.router.fleet import Fleet, NoReplicaError, Replica
+from engine.router.fleet import Fleet, Replica
 from hashing import BlockHash
 
 log = logging.getLogger("kvstore.router")
@@ -101,12 +101,21 @@ class Pairing:
 
     def candidates(self, serving: Replica, tried: list[Replica]) -> list[Replica]:
         """Live prefill replicas, not tried yet, that share a tier with `serving`."""
-        tiers = shared_tiers(serving)
         return [
             r
             for r in self.fleet.replicas
-            if r.alive and r.role == "prefill" and r not in tried and tiers & shared_tiers(r)
+            if r.alive and r.role == "prefill" and r not in tried and self.shares(r, serving)
         ]
+
+    @staticmethod
+    def shares(prefill: Replica, serving: Replica) -> bool:
+        """Whether `serving` can read what `prefill` hands over (a tier both read)."""
+        return bool(shared_tiers(prefill) & shared_tiers(serving))
+
+    def with_room(self, candidates: list[Replica]) -> list[Replica]:
+        """Those whose queue is under `max_queued` prompt tokens (all: no bound)."""
+        bound = self.max_queued
+        return [r for r in candidates if bound is None or r.load().queued_tokens < bound]
 
     def worth(self, serving: Replica, uncached: int) -> bool:
         """Whether to hand the prompt over to `serving`: it has `min_tokens` uncached there
@@ -119,8 +128,7 @@ class Pairing:
         if uncached < self.min_tokens:
             self.outcomes.labels("direct").inc()
             return False
-        bound = self.max_queued
-        if bound is not None and all(r.load().queued_tokens >= bound for r in candidates):
+        if not self.with_room(candidates):
             self.outcomes.labels("busy").inc()
             return False
         return True
@@ -139,7 +147,7 @@ class Pairing:
         body = json.dumps(prefill_body(req.model, token_ids, getattr(req, "cache_salt", None)))
         tried: list[Replica] = []
         start = time.perf_counter()
-        while candidates := self.candidates(serving, tried):
+        while candidates := self.with_room(self.candidates(serving, tried)):
             replica = self._choose(len(token_ids), keys, candidates)
             try:
                 cached = await self._send(replica, body.encode(), headers, len(token_ids), keys)
@@ -155,11 +163,18 @@ class Pairing:
         return None
 
     def _choose(self, num_tokens: int, keys: list[BlockHash], candidates: list) -> Replica:
-        exclude = [r for r in self.fleet.replicas if r not in candidates]
-        try:
-            return self.fleet.choose(num_tokens, keys, exclude)[0]
-        except NoReplicaError:  # (candidates are live)
-            return candidates[0]
+        """The candidate where the prompt's first token comes soonest: the routing cost of
+        its uncached and queued tokens and its running ones (whatever the router's policy:
+        a round-robin position is the serving replicas', and stays theirs)."""
+        weights = self.fleet.config.routing
+
+        def cost(r: Replica) -> float:
+            load = r.load()
+            uncached = num_tokens - self.fleet.cached_tokens(r, num_tokens, keys)
+            prefill = weights.prefill_weight * (uncached + load.queued_tokens)
+            return prefill + weights.decode_weight * load.running_tokens
+
+        return min(candidates, key=cost)
 
     async def _send(
         self, replica: Replica, body: bytes, headers: dict, num_tokens: int, keys: list

@@ -13,6 +13,7 @@ a decode replica takes.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING
 
@@ -27,6 +28,8 @@ if TYPE_CHECKING:
     from kvstore.cache import PrefixCache
     from kvstore.tiers.handover import HandOver
 
+log = logging.getLogger("kvstore.server")
+MAX_DIGITS = 12  # a count of tokens, not a number int() must parse at any length
 HANDOVER_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 
 
@@ -59,13 +62,18 @@ class HandOvers:
 
     def hand_over(self, job: Request) -> HandOver | None:
         """On a prefill replica, make `job`'s prompt readable from the shared tier (blocking:
-        run it off the event loop); None on the other roles."""
+        run it off the event loop); None on the other roles, or when it failed (logged: the
+        answer stands, and the decode replica computes what it misses)."""
         if self.role != "prefill":
             return None
         start = time.perf_counter()
         prompt = job.token_ids
         keys = job.keys[: len(prompt) // self.block_size]
-        done = self.cache.hand_over(prompt, job.cache_salt, keys)
+        try:
+            done = self.cache.hand_over(prompt, job.cache_salt, keys)
+        except Exception:  # a tier must never fail a request
+            log.exception("hand-over of a %d-token prompt failed", len(prompt))
+            return None
         self.seconds.observe(time.perf_counter() - start)
         for state in ("present", "written", "missing"):
             self.blocks.labels(state).inc(getattr(done, state))
@@ -77,7 +85,7 @@ class HandOvers:
         value = request.headers.get(HANDOVER_HEADER)
         if value is None:
             return
-        if not value.isascii() or not value.isdigit():
+        if not value.isascii() or not value.isdigit() or len(value) > MAX_DIGITS:
             raise bad_request(f"header {HANDOVER_HEADER} must be a count of tokens, got "
                               f"{value[:40]!r}", HANDOVER_HEADER)  # fmt: skip
         job.handed_over = int(value)

@@ -215,8 +215,13 @@ class Tiers:
         block_ids: Sequence[int],
     ) -> int:
         """Queue blocks keys[start:] (held as `block_ids`) for every shared store, whatever
-        their write policies say (a hand-over); returns the blocks queued."""
-        return self._submit(scope, self.shared, keys, token_ids, start, block_ids)
+        their write policies say (a hand-over); returns the blocks queued from `start` on
+        without a gap (0 when a hole cut them: a reader that lacks the blocks before it
+        cannot reach those past it)."""
+        n = self.chunk_blocks
+        whole = len(keys) // n * n - start // n * n
+        queued = self._submit(scope, self.shared, keys, token_ids, start, block_ids)
+        return queued if queued == whole else 0
 
     def shared_prefix(self, keys: Sequence[bytes]) -> int:
         """Leading blocks of `keys` that every shared store holds (whole entries; one round

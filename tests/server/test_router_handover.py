@@ -47,9 +47,9 @@ def split_fleet(model_dir: Path, tmp_path_factory, module_redis) -> Iterator[dic
                 proc.stop()
 
 
-def complete(server: ServerProcess, prompt: str, **extra) -> httpx.Response:
+def complete(server: ServerProcess, prompt: str, headers=AUTH, **extra) -> httpx.Response:
     body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True} | extra
-    return httpx.post(f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=120)
+    return httpx.post(f"{server.url}/v1/completions", json=body, headers=headers, timeout=120)
 
 
 def reference(fleet: dict, prompt: str) -> str:
@@ -169,18 +169,32 @@ def test_a_short_prompt_goes_straight_to_a_decode_replica(split_fleet):
     assert (after["direct"], after["handed_over"]) == (before["direct"] + 1, before["handed_over"])
 
 
-def test_a_chats_next_turn_with_a_short_new_part_is_not_handed_over_again(split_fleet):
-    """Its earlier turns are in the shared tier: what is left to compute is short."""
+@pytest.mark.parametrize("session", [None, "chat-1"])
+def test_a_chats_next_turn_with_a_short_new_part_is_not_handed_over_again(split_fleet, session):
+    """Its earlier turns are in the shared tier and on its replica: what is left to compute
+    is short (with a session header too: its pinned replica's cached prefix counts)."""
     router = split_fleet["router"]
-    prompt = "a conversation that grows by a little each turn " * 4
-    first = complete(router, prompt)
+    extra = {"headers": AUTH | {"x-session-id": session}} if session else {}
+    prompt = f"a conversation ({session}) that grows by a little each turn " * 4
+    first = complete(router, prompt, **extra)
     assert PREFILL_REPLICA_HEADER in first.headers
     wait_for(lambda: all(r["events"] == "fresh" for r in health(router)["replicas"]))
     before = router_outcomes(router)
-    second = complete(router, prompt + first.json()["choices"][0]["text"] + " and more")
+    second = complete(router, prompt + first.json()["choices"][0]["text"] + " and more", **extra)
     assert second.status_code == 200, second.text
     assert PREFILL_REPLICA_HEADER not in second.headers
     assert router_outcomes(router)["direct"] == before["direct"] + 1
+    assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > len(prompt) // 2
+
+
+def test_a_handover_header_that_is_not_a_count_is_refused_with_400(split_fleet):
+    decode = split_fleet["decode-a"]
+    body = {"prompt": "x", "max_tokens": 1}
+    for value in ("-1", "1e3", "9" * 5000):
+        answer = httpx.post(f"{decode.url}/v1/completions", json=body, timeout=60,
+                            headers=AUTH | {"x-kvstore-handover": value})  # fmt: skip
+        assert answer.status_code == 400, value[:20]
+        assert "x-kvstore-handover" in answer.json()["error"]["message"]
 
 
 def test_damaged_handed_over_blocks_are_recomputed_and_counted_on_the_decode_replica(

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import httpx
 
-from engine.router.app import Router
+from engine.router.app import Router, _handover_headers
 from engine.router.config import RouterConfig
 
 SHARED = {"tiers": [{"name": "redis", "medium": "REDIS", "shared": "redis://r:6379/0"}]}
@@ -18,11 +18,13 @@ PRIVATE = {"tiers": [{"name": "memory", "medium": "HOST", "shared": None}]}
 REQ = SimpleNamespace(model="m", cache_salt=None)
 
 
-def fleet(*roles: str, min_tokens: int = 100, max_queued=None, answer=None) -> Router:
+def fleet(
+    *roles: str, min_tokens: int = 100, max_queued=None, answer=None, policy: str = "kv"
+) -> Router:
     """A router over replicas http://<i>:1 with `roles`, all up and sharing one Redis;
     `answer(url)` answers (or fails) each prefill step."""
     urls = tuple(f"http://{i}:1" for i in range(len(roles)))
-    config = RouterConfig(replicas=urls, handover_min_tokens=min_tokens,
+    config = RouterConfig(replicas=urls, handover_min_tokens=min_tokens, policy=policy,
                           handover_max_queued_tokens=max_queued)  # fmt: skip
     router = Router(config, None)
     for replica, role in zip(router.fleet.replicas, roles, strict=True):
@@ -125,3 +127,45 @@ def test_a_prompt_a_prefill_replica_refuses_is_not_sent_to_another():
     assert asyncio.run(router.pairing.prefill([1], [], REQ, {}, router.fleet.replicas[2])) is None
     assert len(calls) == 1
     assert outcomes(router)["fallback"] == 1
+
+
+def test_prefill_steps_leave_round_robin_to_the_serving_replicas():
+    router = fleet("prefill", "decode", "decode", min_tokens=0, policy="round-robin",
+                   answer=lambda url, request: usage(0))  # fmt: skip
+    served = []
+    for _ in range(4):
+        replica, cached = router._pick([1, 2, 3], [], None, router.pairing.not_serving())
+        assert router.pairing.worth(replica, 3 - cached)
+        assert asyncio.run(router.pairing.prefill([1, 2, 3], [], REQ, {}, replica))
+        served.append(replica.url)
+    assert served == ["http://1:1", "http://2:1"] * 2
+
+
+def test_a_queue_bound_also_steers_the_prefill_step_to_a_replica_under_it():
+    calls = []
+
+    def answer(url: str, request: httpx.Request) -> httpx.Response:
+        calls.append(url)
+        return usage(0)
+
+    router = fleet("prefill", "prefill", "decode", max_queued=4096, answer=answer)
+    first, second, decode = router.fleet.replicas
+    router.fleet.sent(first, 5000)  # over the bound, though the cheaper by overlap it may be
+    router.fleet.sent(second, 4000)
+    assert asyncio.run(router.pairing.prefill([1] * 8, [], REQ, {}, decode))[1] is second
+    assert calls == ["http://1:1"]
+
+
+def test_a_handed_over_request_reports_what_either_replica_held():
+    headers, where = _handover_headers({"a": "b"}, (16, SimpleNamespace(url="http://p:1")), 48)
+    assert headers == {"a": "b", "x-kvstore-handover": "48"}
+    assert where == {"x-kvstore-prefill-replica": "http://p:1"}
+    assert _handover_headers({"a": "b"}, None, 48) == ({"a": "b"}, {})
+
+
+def test_a_retry_keeps_a_hand_over_only_on_a_replica_that_reads_its_tier():
+    router = fleet("prefill", "decode", "decode")
+    prefill, reads, cannot = router.fleet.replicas
+    cannot.info = PRIVATE
+    assert router.pairing.shares(prefill, reads)
+    assert not router.pairing.shares(prefill, cannot)

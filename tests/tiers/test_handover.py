@@ -5,6 +5,7 @@ replica) loads exactly those bytes; a damaged entry is a counted miss there."""
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 
 import numpy as np
@@ -24,7 +25,11 @@ NUM_BLOCKS = 6
 def cache_over(store, policy: str = "write-through", blocks: int = 16) -> PrefixCache:
     ns = Namespace("fp", "float32", LAYERS, HEADS, DIM, BS)
     config = CacheConfig(
-        block_size=BS, device_blocks=blocks, device="cpu", redis_write_policy=policy
+        block_size=BS,
+        device_blocks=blocks,
+        device="cpu",
+        redis_write_policy=policy,
+        memory_write_policy=policy,
     )
     return PrefixCache(config, ns, stores=[store])
 
@@ -126,11 +131,24 @@ def test_a_damaged_handed_over_entry_is_a_counted_miss_on_the_decode_side(redis_
         assert counters["verify_failures_total"] == {("checksum", "redis"): 1}
 
 
-def test_a_writer_barrier_waits_for_the_writes_queued_before_it(redis_pair):
-    with cache_over(redis_pair[0]) as cache:
+class SlowStore(MemoryStore):
+    """Host memory whose puts take 50 ms each: writes stay queued long enough to see."""
+
+    def put_many(self, items):
+        time.sleep(0.05)
+        return super().put_many(items)
+
+
+def test_a_writer_barrier_waits_for_the_writes_queued_before_it():
+    store = SlowStore(1 << 22)
+    with cache_over(store) as cache:  # write-through: 6 queued writes of one block
+        prompt, _ = prefill(cache)
+        keys = cache.hasher.hash_blocks(prompt)
         writer = cache.tiers.writer
         gate = threading.Event()
-        writer.submit(PendingMark(gate))  # a mark whose event nobody waits on: passes at once
+        writer.submit(PendingMark(gate))
+        assert store.count_prefix(keys) < NUM_BLOCKS  # still queued when asked
         assert writer.barrier(10)
-        assert gate.is_set()
+        assert gate.is_set()  # the marks before it passed
+        assert store.count_prefix(keys) == NUM_BLOCKS  # and every write queued before it
     assert not writer.barrier(0.1)  # closed: refused
