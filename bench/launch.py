@@ -184,6 +184,18 @@ def _signal_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
 
 
+def metric_series(text: str) -> dict[str, float]:
+    """{series: value} of a Prometheus text page (comments skipped)."""
+    rows = (line.rpartition(" ") for line in text.splitlines() if line[:1] != "#")
+    return {series: float(value) for series, _, value in rows if series}
+
+
+def by_label(series: dict[str, float], name: str) -> dict[str, float]:
+    """The series of metric `name` (one label), by that label's value."""
+    prefix = name + "{"
+    return {k[len(prefix) :].split('"')[1]: v for k, v in series.items() if k.startswith(prefix)}
+
+
 def find_redis_server(hint: str = "") -> str:
     """The redis-server executable; SystemExit (its message ending in `hint`) if missing."""
     path = shutil.which("redis-server")

@@ -31,12 +31,12 @@ from kvstore.index.policies import make_policy
 from kvstore.index.policies.retaining import RetainingPolicy
 from kvstore.layout import LayerKV
 from kvstore.metrics import DEVICE_TIER, CacheMetrics
-from kvstore.retention import DeviceRetention, RetainResult, check_ttl
+from kvstore.retention import DeviceRetention, PrefixRetention, RetainResult
 from kvstore.scopes import Scopes
 from kvstore.stores import SpillStore, make_stores
 from kvstore.tenants import TenantBlocks
 from kvstore.tiers import Tiers
-from kvstore.tiers.handover import Cached, HandOver, hand_over
+from kvstore.tiers.handover import HandOver, HandOvers
 from kvstore.units import cdiv
 
 
@@ -106,6 +106,8 @@ class PrefixCache:
         )
         self._lock = self.device_index.lock
         self.promoter = Promoter(self.device_index, self.tiers) if self.tiers else None
+        self.handovers = HandOvers(self.tiers, self.index, self._lock)  # (tiers/handover.py)
+        self.retaining = PrefixRetention(self.retention, self.tiers, self._lock)
         self.held = HeldBlocks(self.device_index, num_tails=lambda: len(self.tails))
         capacity = tail_capacity(config.tail_blocks, self.pool.num_blocks, self.kind.keeps_tails)
         self.tails = TailCache(  # partial last blocks (tails.py)
@@ -279,15 +281,9 @@ class PrefixCache:
         """Keep the full blocks of token_ids for ttl_s seconds (kvstore/retention.py): those on
         the device within the retention caps, and every spill-tier entry of the prefix. A hit
         or a later retain refreshes it. `keys` as in `lookup`."""
-        ttl_s = check_ttl(ttl_s)
         tokens = as_token_array(token_ids)
         scope = self.scopes.get(cache_salt)
-        keys = scope.keys(tokens, keys)
-        with self._lock:
-            num_blocks, kept = self.retention.retain(keys, tokens, ttl_s, tenant)
-            ids = self.index.peek_prefix(keys, tokens).block_ids if self.tiers else []
-            entries = self.tiers.retain(scope, keys, tokens, ids, ttl_s) if self.tiers else 0
-        return RetainResult(num_blocks, kept, entries)
+        return self.retaining.retain(scope, scope.keys(tokens, keys), tokens, ttl_s, tenant)
 
     def release_retention(
         self,
@@ -298,9 +294,7 @@ class PrefixCache:
         """End the device retention of the cached full blocks of token_ids now (the spill
         tiers' entries keep their TTL); returns the blocks released."""
         tokens = as_token_array(token_ids)
-        keys = self.scopes.get(cache_salt).keys(tokens, keys)
-        with self._lock:
-            return self.retention.release(keys, tokens)
+        return self.retaining.release(self.scopes.get(cache_salt).keys(tokens, keys), tokens)
 
     def hand_over(
         self,
@@ -314,12 +308,8 @@ class PrefixCache:
         `timeout_s` (default `flush_timeout_s`). `keys` as in `lookup`."""
         tokens = as_token_array(token_ids)
         scope = self.scopes.get(cache_salt)
-        keys = scope.keys(tokens, keys)
         timeout_s = self.config.flush_timeout_s if timeout_s is None else timeout_s
-        if not self.tiers:
-            return HandOver(len(keys), 0, 0, False)
-        cached = Cached(self._lock, lambda: self.index.peek_prefix(keys, tokens).block_ids)
-        return hand_over(self.tiers, scope, keys, tokens, cached, timeout_s)
+        return self.handovers.hand_over(scope, scope.keys(tokens, keys), tokens, timeout_s)
 
     def snapshot_events(self) -> list[BlockStored]:
         """The device index now, as stored events (for a consumer that starts late)."""

@@ -13,6 +13,7 @@ entry payload's bytes when n = 1).
 
 from __future__ import annotations
 
+import math
 import sys
 import warnings
 from collections.abc import Sequence
@@ -29,8 +30,28 @@ NP_DTYPES = {torch.float32: np.dtype(np.float32), torch.float16: np.dtype(np.flo
 LayerKV = tuple[torch.Tensor, torch.Tensor]  # K, V: [1, kv_heads, tokens, head_dim]
 
 
-# a quantized pool's value dtype by Namespace.kv_cache_dtype (its scales: bfloat16)
-QUANT_POOL_DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
+# quantized KV (docs/FORMAT.md "Quantized payloads"): the value dtype of each tier codec and
+# of each quantized pool (Namespace.kv_cache_dtype); a pool block is a one-block payload
+QUANT_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+QUANT_POOL_DTYPES = {"int8": QUANT_DTYPES["int8"], "fp8_e4m3": QUANT_DTYPES["fp8"]}
+SCALE_BYTES = 2  # a bfloat16 scale per token, layer, K/V and head
+_ALIGN = 16  # the values start 16-byte aligned after the scales
+
+
+def scale_shape(shape: tuple[int, ...]) -> tuple[int, int, int, int]:
+    """A quantized payload's scales, [layers, 2, kv_heads, num_tokens], for KV `shape`
+    [layers, 2, heads, tokens, dim]."""
+    return (shape[0], shape[1], shape[2], shape[3])
+
+
+def scale_bytes(shape: tuple[int, ...]) -> int:
+    """Bytes of a quantized payload's scales section, padding included."""
+    return -(-SCALE_BYTES * math.prod(scale_shape(shape)) // _ALIGN) * _ALIGN
+
+
+def payload_size(shape: tuple[int, ...], stored: torch.dtype) -> int:
+    """Bytes of a quantized payload of KV `shape` stored as `stored`."""
+    return scale_bytes(shape) + math.prod(shape) * stored.itemsize
 
 
 @dataclass(frozen=True)
@@ -65,19 +86,19 @@ class KVLayout:
 
     @property
     def bytes_per_block(self) -> int:
-        if self.quant is not None:  # an entry payload of one block: kvstore/entry/quant.py
-            return self.scale_bytes + int(np.prod(self.block_shape))  # values: 1 byte each
+        if self.quant is not None:  # an entry payload of one block
+            return payload_size(self.block_shape, self.quant)
         return int(np.prod(self.block_shape)) * self.dtype.itemsize
 
     @property
     def scale_bytes(self) -> int:
         """A quantized block's bfloat16 scales, padded to 16 bytes (its values follow)."""
-        return -(-2 * int(np.prod(self.scale_shape)) // 16) * 16
+        return scale_bytes(self.block_shape)
 
     @property
     def scale_shape(self) -> tuple[int, int, int, int]:
         """A quantized block's scales: [layers, 2, kv_heads, block_size]."""
-        return (self.num_layers, 2, self.num_kv_heads, self.block_size)
+        return scale_shape(self.block_shape)
 
 
 # --- views between the layouts --------------------------------------------------------------

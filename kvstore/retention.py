@@ -13,8 +13,9 @@ until the TTL ends (`SpillStore.retain`), whatever the device kept.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -22,6 +23,10 @@ from hashing import BlockHash
 from kvstore.config import CacheConfig
 from kvstore.index import RadixIndex, TreeNode
 from kvstore.index.policies.retaining import RetainingPolicy
+from kvstore.scopes import Scope
+
+if TYPE_CHECKING:
+    from kvstore.tiers import Tiers
 
 
 def check_ttl(ttl_s: object) -> float:
@@ -93,3 +98,29 @@ class DeviceRetention:
             "forced_blocks_total": counts.forced,
             "deferred_evictions_total": counts.deferred,
         }
+
+
+class PrefixRetention:
+    """A prompt's retention as the cache runs it: the device's part (`device`) and every
+    spill tier's TTL (`tiers`), under the cache's `lock`."""
+
+    def __init__(self, device: DeviceRetention, tiers: Tiers | None, lock: threading.RLock):
+        self.device, self.tiers, self.lock = device, tiers, lock
+
+    def retain(
+        self, scope: Scope, keys: list[BlockHash], tokens: np.ndarray, ttl_s: float, tenant: str
+    ) -> RetainResult:
+        """Retain the prefix `keys` of `tokens` (`PrefixCache.retain`)."""
+        ttl_s = check_ttl(ttl_s)
+        with self.lock:
+            num_blocks, kept = self.device.retain(keys, tokens, ttl_s, tenant)
+            if not self.tiers:
+                return RetainResult(num_blocks, kept, 0)
+            ids = self.device.index.peek_prefix(keys, tokens).block_ids
+            entries = self.tiers.retain(scope, keys, tokens, ids, ttl_s)
+        return RetainResult(num_blocks, kept, entries)
+
+    def release(self, keys: list[BlockHash], tokens: np.ndarray) -> int:
+        """End the device retention of the prefix `keys` now; returns the blocks released."""
+        with self.lock:
+            return self.device.release(keys, tokens)

@@ -13,7 +13,6 @@ lost."""
 from __future__ import annotations
 
 import os
-import re
 import sys
 import time
 
@@ -23,10 +22,9 @@ from bench.faults.common import Context
 from bench.faults.concurrent import prompts
 from bench.faults.live import Answer, LiveServer, model_dir, run_clients, stream, wait_until
 from bench.faults.load_report import MAX_TOKENS, Checks, LoadOutcome, tally
-from bench.launch import ServerProcess, free_port
+from bench.launch import ServerProcess, by_label, free_port, metric_series
 
 REPLICAS = 3
-HANDOVERS = re.compile(r'^kvstore_router_handovers_total\{outcome="(\w+)"\} (\S+)$', re.M)
 
 
 def start_fleet(
@@ -128,10 +126,10 @@ def replica_killed(
 
 def handover_counts(router: ServerProcess) -> str:
     """The router's hand-over outcomes, as a note ("" when it paired no replicas)."""
-    text = httpx.get(f"{router.url}/metrics", timeout=10.0).text
-    found = dict(HANDOVERS.findall(text))
-    if not any(float(v) for v in found.values()):
+    page = metric_series(httpx.get(f"{router.url}/metrics", timeout=10.0).text)
+    found = by_label(page, "kvstore_router_handovers_total")
+    if not any(found.values()):
         return ""
-    counts = ", ".join(f"{float(found.get(k, 0)):.0f} {k.replace('_', ' ')}"
+    counts = ", ".join(f"{found.get(k, 0):.0f} {k.replace('_', ' ')}"
                        for k in ("handed_over", "fallback", "direct"))  # fmt: skip
     return f"; prompts: {counts}"

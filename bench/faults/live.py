@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 
 from bench.faults.common import BS, Context
-from bench.launch import ServerProcess, free_port
+from bench.launch import ServerProcess, free_port, metric_series
 from engine.model.loading import byte_tokenizer
 
 MODEL = "micro"
@@ -75,9 +75,7 @@ class LiveServer(ServerProcess):
         self.client = httpx.Client(base_url=self.url, timeout=30.0)
 
     def metrics(self) -> dict[str, float]:
-        text = self.client.get("/metrics").text
-        rows = (line.rpartition(" ") for line in text.splitlines() if line[:1] != "#")
-        return {series: float(value) for series, _, value in rows if series}
+        return metric_series(self.client.get("/metrics").text)
 
     def held_blocks(self) -> int:
         """Device blocks referenced by a request (0 once every request ended): neither free,

@@ -38,14 +38,13 @@ import argparse
 import json
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import replace
 from pathlib import Path
 
 from tqdm import tqdm
 
-from bench.fleet.cluster import Fleet, FleetSpec
+from bench.fleet.cluster import Fleet, FleetSpec, Killer, Tick
 from bench.fleet.handover_sweep import add_sweep_arguments, print_sweep, run_sweep
 from bench.fleet.report import print_report, summarize, write_plot
 from bench.fleet.split import (
@@ -101,10 +100,10 @@ def run_route(
         for proc in fleet.replicas:  # each replica's first forward, on a prompt of its own
             warm_up(replace(request, url=proc.url), warmup_session(64, args.seed + proc.port))
         total = len(sessions) * args.turns
-        killer = _Killer(fleet, total) if scenario.endswith("kill") else None
+        killer = Killer(fleet, 0 if scenario.endswith("kill") else None, total)
         desc = f"{scenario} {route}"
         with tqdm(total=total, desc=desc, unit="req", leave=False, disable=args.json) as bar:
-            tick, think = _Tick(bar, killer), _thinker(args.think_s, args.seed)
+            tick, think = Tick(bar, killer), _thinker(args.think_s, args.seed)
             outcomes, wall = run_level(request, sessions, len(sessions), tick, think)
         result = summarize(outcomes, wall, fleet.tier_hits(), fleet.routed())
     result |= {"scenario": scenario, "route": route, "killed": list(fleet.killed)}
@@ -122,34 +121,6 @@ def _thinker(mean_s: float, seed: int):
             time.sleep(np.random.default_rng([seed, 13, session.index, turn]).exponential(mean_s))
 
     return think
-
-
-class _Tick:
-    """The progress bar's `update`, which also tells the killer a request finished."""
-
-    def __init__(self, bar: tqdm, killer: _Killer | None):
-        self.bar, self.killer = bar, killer
-
-    def update(self, n: int) -> None:
-        self.bar.update(n)
-        if self.killer is not None:
-            self.killer.done()
-
-
-class _Killer:
-    """SIGKILLs replica 0 once a third of the requests finished (in its own thread, so the
-    client thread that tripped it goes on at once)."""
-
-    def __init__(self, fleet: Fleet, total: int):
-        self.fleet, self.at, self.count = fleet, max(1, total // 3), 0
-        self.lock = threading.Lock()
-
-    def done(self) -> None:
-        with self.lock:
-            self.count += 1
-            if self.count != self.at:
-                return
-        threading.Thread(target=self.fleet.kill, args=(0,), daemon=True).start()
 
 
 def build_parser() -> argparse.ArgumentParser:

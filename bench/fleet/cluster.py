@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -165,3 +166,33 @@ class Fleet:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class Killer:
+    """SIGKILLs replica `victim` (None: none) `delay_s` after a third of `total` requests
+    finished, from a thread of its own (the client thread that tripped it goes on at once)."""
+
+    def __init__(self, fleet: Fleet, victim: int | None, total: int, delay_s: float = 0.0):
+        self.fleet, self.victim, self.delay_s = fleet, victim, delay_s
+        self.at, self.count = max(1, total // 3), 0
+        self.lock = threading.Lock()
+
+    def done(self) -> None:
+        with self.lock:
+            self.count += 1
+            if self.victim is None or self.count != self.at:
+                return
+        timer = threading.Timer(self.delay_s, self.fleet.kill, args=(self.victim,))
+        timer.daemon = True
+        timer.start()
+
+
+class Tick:
+    """A progress bar's `update` that also tells the killer a request finished."""
+
+    def __init__(self, bar, killer: Killer):
+        self.bar, self.killer = bar, killer
+
+    def update(self, n: int) -> None:
+        self.bar.update(n)
+        self.killer.done()

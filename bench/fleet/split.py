@@ -24,7 +24,6 @@ stream the killed replica was sending must end with an error event, never silent
 from __future__ import annotations
 
 import argparse
-import re
 import tempfile
 import threading
 from collections.abc import Sequence
@@ -35,7 +34,8 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
-from bench.fleet.cluster import Fleet, FleetSpec
+from bench.fleet.cluster import Fleet, FleetSpec, Killer, Tick
+from bench.launch import by_label, metric_series
 from bench.load.client import ChatOutcome, send_chat
 from bench.load.report import percentile_ms, ratio
 from bench.load.runner import Request, run_level, warm_up
@@ -45,11 +45,8 @@ SPLIT_SCENARIOS = ("split", "split-kill-prefill", "split-kill-decode")
 BURST_SEED = 17  # the bursts' word stream
 KILL_DELAY_S = 2.0
 HANDOVER_OUTCOMES = ("handed_over", "direct", "busy", "fallback")
-SERIES = re.compile(r'^(kvstore_\w+)\{(?:outcome|state)="(\w+)"\} ([0-9.e+]+)$', re.M)
-# why a decode replica may load less than it was handed: its Redis calls that failed (a
-# timeout is a miss), reads its gate skipped, entries that failed verification
-MISSES = re.compile(r'^kvstore_(store_errors_total|tier_read_skipped_total|verify_failures_total)'
-                    r'\{[^}]*tier="redis"[^}]*\} ([0-9.e+]+)$', re.M)  # fmt: skip
+# why a decode replica may load less than it was handed (its Redis failures read as misses)
+REDIS_MISSES = ("store_errors_total", "tier_read_skipped_total", "verify_failures_total")
 
 
 def layouts(scenario: str) -> tuple[str, ...]:
@@ -158,53 +155,30 @@ def _drive(
         victim = 0
     elif scenario == "split-kill-decode":
         victim = args.prefill_replicas
-    killer = _Killer(fleet, victim, total)
+    killer = Killer(fleet, victim, total, KILL_DELAY_S)  # the chats run in step: by
+    # KILL_DELAY_S after a third of their turns, their next turns are streaming
     bar = tqdm(total=total, desc=scenario, unit="turn", leave=False, disable=args.json)
     with bar, Bursts(request, args, num_bytes) as bursts:
-        chats, wall = run_level(request, sessions, len(sessions), _Tick(bar, killer))
+        chats, wall = run_level(request, sessions, len(sessions), Tick(bar, killer))
     return chats, bursts.outcomes, wall
 
 
-class _Tick:
-    def __init__(self, bar: tqdm, killer: _Killer):
-        self.bar, self.killer = bar, killer
-
-    def update(self, n: int) -> None:
-        self.bar.update(n)
-        self.killer.done()
-
-
-class _Killer:
-    """SIGKILLs replica `victim` (None: none) `KILL_DELAY_S` after a third of the chats'
-    turns finished: the chats run in step, so by then their next turns are streaming."""
-
-    def __init__(self, fleet: Fleet, victim: int | None, total: int):
-        self.fleet, self.victim, self.at, self.count = fleet, victim, max(1, total // 3), 0
-        self.lock = threading.Lock()
-
-    def done(self) -> None:
-        with self.lock:
-            self.count += 1
-            if self.victim is None or self.count != self.at:
-                return
-        threading.Timer(KILL_DELAY_S, self.fleet.kill, args=(self.victim,)).start()
-
-
 def _handover_counts(fleet: Fleet, spec: FleetSpec) -> dict:
-    """The router's hand-over outcomes and the live decode replicas' loads."""
-    router = {k: float(v) for name, k, v in SERIES.findall(fleet.metrics())
-              if name == "kvstore_router_handovers_total"}  # fmt: skip
+    """The router's hand-over outcomes, and the live decode replicas' loads and the reasons
+    a load may come up short (their Redis errors, reads the gate skipped, verify failures)."""
+    router = by_label(metric_series(fleet.metrics()), "kvstore_router_handovers_total")
     loads: dict[str, float] = {}
     misses: dict[str, float] = {}
     for i in range(spec.replicas):
         if i in fleet.killed or spec.role(i) == "prefill":
             continue
-        page = fleet.metrics(i)
-        for name, key, value in SERIES.findall(page):
-            if name == "kvstore_handovers_received_total":
-                loads[key] = loads.get(key, 0.0) + float(value)
-        for name, value in MISSES.findall(page):
-            misses[name] = misses.get(name, 0.0) + float(value)
+        page = metric_series(fleet.metrics(i))
+        for key, value in by_label(page, "kvstore_handovers_received_total").items():
+            loads[key] = loads.get(key, 0.0) + value
+        for name in REDIS_MISSES:
+            redis = [v for k, v in page.items() if k.startswith(f"kvstore_{name}{{")
+                     and 'tier="redis"' in k]  # fmt: skip
+            misses[name] = misses.get(name, 0.0) + sum(redis)
     return {"handovers": router, "decode_loads": loads, "decode_redis_misses": misses}
 
 

@@ -344,7 +344,7 @@ class DecodeGraphs:
         own = blocks != self.runner.scratch_block
         pool = self.runner.pool
         kv = pool.kv[blocks[own], :, :, :, offsets[own]]  # of [blocks, layers, 2, heads, bs, dim]
-        if pool.scales is None:
+        if not pool.quantized:
             return kv
         return dequantize(kv, pool.scales[blocks[own], :, :, :, offsets[own]], torch.float32)
 

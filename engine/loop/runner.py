@@ -104,7 +104,7 @@ class PagedRunner:
         self.dispatch = install_dispatch(self.model.model)
         # window layers read the pool (their blocks may be dropped), a quantized pool's reads
         # dequantize: no mirror for either
-        quantized = self.pool.scales is not None
+        quantized = self.pool.quantized
         mirrored = not has_window(self.model.model.config) and not quantized
         self.mirror = DecodeMirror(self.kv) if mirrored else None
 
@@ -249,7 +249,7 @@ class StepCacheRunner(PagedRunner):
 
     def _open(self) -> None:
         self.mirror = None  # attention here is the model's own code: nothing writes one
-        if self.pool.scales is not None:  # its Cache would hand the model raw pool values
+        if self.pool.quantized:  # its Cache would hand the model raw pool values
             raise PagedAttentionError("a quantized pool needs the attention interface")
         config = self.model.model.config
         if has_window(config) or self.pool.window is not None:  # the 4D mask given would
@@ -334,7 +334,7 @@ def self_test(runner: PagedRunner, block_ids: list[int]) -> str | None:
     a = [(7 * i + 3) % model.vocab_size for i in range(2 * bs + 3)]
     b = [(5 * i + 1) % model.vocab_size for i in range(bs + 2)]
     table_a, table_b = block_ids[:3], block_ids[3:5]
-    tol, quantized = tolerance_for(model.dtype), runner.pool.scales is not None
+    tol, quantized = tolerance_for(model.dtype), runner.pool.quantized
     runner.calls = 0
     try:
         first = runner.forward(

@@ -55,7 +55,7 @@ def unpaged_refusal(
 ) -> ConfigError | None:
     """The error for a quantized pool whose model cannot run paged (one request at a time
     would attend unquantized K/V), else None."""
-    if paged or pool.scales is None:
+    if paged or not pool.quantized:
         return None
     return ConfigError(
         "kv_cache_dtype",
@@ -66,7 +66,7 @@ def unpaged_refusal(
 
 def refuse_per_request(pool: BlockPool) -> None:
     """`Engine.run`'s per-request path attends exact K/V: not on a quantized pool."""
-    if pool.scales is not None:
+    if pool.quantized:
         raise ConfigError(
             "kv_cache_dtype",
             "the per-request path attends exact K/V, so its misses would not be what a "

@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from engine.router.fleet import Fleet, Replica
 from hashing import BlockHash
+from kvstore.fleet.routing import load_cost
 
 log = logging.getLogger("kvstore.router")
 OUTCOMES = ("handed_over", "direct", "busy", "fallback")
@@ -169,10 +170,8 @@ class Pairing:
         weights = self.fleet.config.routing
 
         def cost(r: Replica) -> float:
-            load = r.load()
             uncached = num_tokens - self.fleet.cached_tokens(r, num_tokens, keys)
-            prefill = weights.prefill_weight * (uncached + load.queued_tokens)
-            return prefill + weights.decode_weight * load.running_tokens
+            return weights.prefill_weight * uncached + load_cost(r.load(), weights)
 
         return min(candidates, key=cost)
 

@@ -33,11 +33,12 @@ MAX_DIGITS = 12  # a count of tokens, not a number int() must parse at any lengt
 HANDOVER_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 
 
-class HandOvers:
-    """The role's metrics, and the hand-over of each side."""
+class ReplicaRole:
+    """This replica's role: its metrics, and the hand-over of each side."""
 
     def __init__(self, role: str, cache: PrefixCache, registry: CollectorRegistry):
-        self.role, self.cache, self.block_size = role, cache, cache.block_size
+        self.cache, self.block_size = cache, cache.block_size
+        self.hands_over = role == "prefill"  # each answered prompt, before its answer
         info = Gauge("kvstore_role", "this replica's role (1: the current one)", ["role"],
                      registry=registry)  # fmt: skip
         for name in ROLES:
@@ -61,11 +62,9 @@ class HandOvers:
             self.received.labels(outcome)
 
     def hand_over(self, job: Request) -> HandOver | None:
-        """On a prefill replica, make `job`'s prompt readable from the shared tier (blocking:
-        run it off the event loop); None on the other roles, or when it failed (logged: the
-        answer stands, and the decode replica computes what it misses)."""
-        if self.role != "prefill":
-            return None
+        """Make `job`'s prompt readable from the shared tier (a prefill replica's step before
+        it answers: `hands_over`; blocking: run it off the event loop); None when it failed
+        (logged: the answer stands, and the decode replica computes what it misses)."""
         start = time.perf_counter()
         prompt = job.token_ids
         keys = job.keys[: len(prompt) // self.block_size]

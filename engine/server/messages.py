@@ -41,7 +41,7 @@ class Service(Protocol):
     tokenizer: Any
     auth: Any
     metrics: Any
-    handovers: Any  # engine/server/handover.py
+    role: Any  # ReplicaRole (engine/server/handover.py)
 
     def authenticate(self, request: HTTPRequest) -> str | None: ...
     def check_model(self, name: str | None) -> None: ...
@@ -82,7 +82,7 @@ class Messages:
         job = Request(ids, self.sampling_params(req, len(ids)), salt, tenant,
                       on_done=service.metrics.observe)  # fmt: skip
         job.retention = tuple(Retain(n, ttl_s) for n, ttl_s in kept)
-        service.handovers.receive(request, job)
+        service.role.receive(request, job)
         bridge = TokenBridge(asyncio.get_running_loop()) if req.stream else None
         if bridge is not None:
             job.on_token = bridge.push

@@ -38,7 +38,7 @@ from engine.loop.request import (
 )
 from engine.server.config import ServerConfig
 from engine.server.groups import Choices, GroupAnswers
-from engine.server.handover import HandOvers
+from engine.server.handover import ReplicaRole
 from engine.server.health import Health, health
 from engine.server.messages import Messages
 from engine.server.metrics import ServerMetrics
@@ -106,7 +106,7 @@ class Service:
         self.groups = GroupAnswers(engine, config, self.metrics, self.failure, self.texts)
         self.messages = Messages(self)  # Anthropic's /v1/messages
         # prefill and decode roles (engine/server/handover.py)
-        self.handovers = HandOvers(config.role, engine.cache, self.metrics.registry)
+        self.role = ReplicaRole(config.role, engine.cache, self.metrics.registry)
         self.closed = False
 
     def health(self) -> Health:
@@ -199,12 +199,12 @@ class Service:
         if counts.best_of > 1:
             choices = self.groups.jobs(req, ids, params, salt, tenant, counts)
             choices.jobs[0].retention = retention  # the leader prefills the prompt
-            self.handovers.receive(request, choices.jobs[0])
+            self.role.receive(request, choices.jobs[0])
             await run_in_threadpool(self.groups.admit, choices, prompt_field)
             return choices, req, choices.bridge
         job = Request(ids, params, salt, tenant, on_done=self.metrics.observe)
         job.retention = retention
-        self.handovers.receive(request, job)
+        self.role.receive(request, job)
         bridge = TokenBridge(asyncio.get_running_loop()) if req.stream else None
         if bridge is not None:
             job.on_token = bridge.push
@@ -279,8 +279,8 @@ class Service:
             raise
         except Exception as e:
             raise self.failure(e) from None
-        if self.config.role == "prefill":
-            await run_in_threadpool(self.handovers.hand_over, job)
+        if self.role.hands_over:
+            await run_in_threadpool(self.role.hand_over, job)
         return result
 
     def failure(self, error: BaseException) -> ApiError:

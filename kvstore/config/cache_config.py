@@ -207,8 +207,9 @@ class CacheConfig:
                 "kv_cache_dtype",
                 f"namespace has {namespace.kv_cache_dtype!r}, config has {self.kv_cache_dtype!r}",
             )
+        if self.kv_cache_dtype != "auto":
+            namespace = replace(namespace, kv_cache_dtype=self.kv_cache_dtype)
         for name, field, default in (("entry_codec", "codec", "none"),
-                                     ("kv_cache_dtype", "kv_cache_dtype", "auto"),
                                      ("tenant_salt", "salt", "")):  # fmt: skip
             ns_value, cfg_value = getattr(namespace, field), getattr(self, name)
             if ns_value != cfg_value and default not in (ns_value, cfg_value):

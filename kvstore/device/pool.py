@@ -145,7 +145,7 @@ class BlockPool:
     def layer_views(self) -> list[tuple[torch.Tensor, bool]]:
         """Per model layer: its K/V in the pool, [num_blocks or num_slots, 2, kv_heads,
         block_size, head_dim], and whether that is a window plane (addressed by slot)."""
-        if self.scales is not None:
+        if self.quantized:
             layers = range(self.layout.num_layers)
             return [(QuantizedLayer(self.kv[:, i], self.scales[:, i]), False) for i in layers]
         return [(self.kv[:, i], False) for i in range(self.layout.num_layers)]
@@ -226,7 +226,7 @@ class BlockPool:
         layers, _, heads, bs, dim = self.layout.block_shape
         # one copy: index the block axis of a [layers, 2, heads, blocks, bs, dim] view
         out = torch.index_select(self.kv.permute(1, 2, 3, 0, 4, 5), 3, ids)
-        if self.scales is not None:
+        if self.quantized:
             scales = torch.index_select(self.scales.permute(1, 2, 3, 0, 4), 3, ids)
             out = dequantize(out, scales, self.dtype)
         return split_layers(out.reshape(layers, 2, heads, n * bs, dim))
@@ -238,7 +238,7 @@ class BlockPool:
         if not block_ids:
             return
         blocks = layers_to_blocks(kv, start_token, len(block_ids), self.block_size)
-        if self.scales is None:
+        if not self.quantized:
             self.write_blocks(block_ids, blocks)
             return
         blocks = blocks.to(self.device, self.dtype)  # as the paged path: the model's dtype first
@@ -253,10 +253,15 @@ class BlockPool:
         [n, bytes_per_block], the tier entries' payloads as they are."""
         return self.rows.index_select(0, self._ids(block_ids))
 
+    @property
+    def quantized(self) -> bool:
+        """Whether it holds quantized K/V (`kv_cache_dtype` int8 or fp8_e4m3)."""
+        return self.scales is not None
+
     def read_kv_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
         """Whole blocks as K/V of the model's dtype: [n, layers, 2, kv_heads, block_size,
         head_dim] (a quantized pool's dequantized)."""
-        if self.scales is None:
+        if not self.quantized:
             return self.read_blocks(block_ids)
         ids = self._ids(block_ids)
         values, scales = self.kv.index_select(0, ids), self.scales.index_select(0, ids)

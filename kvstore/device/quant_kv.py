@@ -18,9 +18,9 @@ from typing import NamedTuple
 
 import torch
 
+from kvstore.entry.quant import QMAX
 from kvstore.layout import KVLayout
 
-QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 MIN_SCALE = 2.0**-126  # bfloat16's smallest normal: a scale is never 0
 
 

@@ -27,37 +27,18 @@ import math
 import numpy as np
 import torch
 
-QUANT_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+from kvstore.layout import QUANT_DTYPES, SCALE_BYTES, payload_size, scale_bytes, scale_shape
+
+__all__ = ["QMAX", "QUANT_DTYPES", "payload_size", "scale_bytes", "scale_shape"]
 QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
-SCALE_BYTES = 2  # bfloat16
 _MIN_SCALE_BITS = np.uint16(0x0080)  # 2**-126, bfloat16's smallest normal
 _F16_MAX = np.float16(65504.0)
-_ALIGN = 16
 # every e4m3 value by its bits: a CPU cast from float8 is scalar code, a table lookup is not
 _FP8_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
 
 
 class QuantError(ValueError):
     """KV that a quantized codec cannot store."""
-
-
-def _aligned(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
-def scale_shape(shape: tuple[int, ...]) -> tuple[int, int, int, int]:
-    """[layers, 2, kv_heads, num_tokens] for KV `shape` [layers, 2, heads, tokens, dim]."""
-    return (shape[0], shape[1], shape[2], shape[3])
-
-
-def scale_bytes(shape: tuple[int, ...]) -> int:
-    """Bytes of the scales section, padding included."""
-    return _aligned(SCALE_BYTES * math.prod(scale_shape(shape)))
-
-
-def payload_size(shape: tuple[int, ...], stored: torch.dtype) -> int:
-    """Bytes of a quantized payload of KV `shape` stored as `stored`."""
-    return scale_bytes(shape) + math.prod(shape) * stored.itemsize
 
 
 def quantize(kv: torch.Tensor, stored: torch.dtype) -> tuple[np.ndarray, np.ndarray]:

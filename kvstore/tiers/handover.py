@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
 from kvstore.scopes import Scope
+
+if TYPE_CHECKING:
+    from kvstore.index import RadixIndex
+    from kvstore.tiers import Tiers
 
 
 class HandOver(NamedTuple):
@@ -40,48 +43,28 @@ class HandOver(NamedTuple):
         return self.num_blocks - self.present - (self.written if self.complete else 0)
 
 
-class Cached(NamedTuple):
-    """The device pool's blocks of the prompt: `peek()` (their block ids, leading blocks
-    first), called under `lock`, which keeps them cached while they are copied out."""
+class HandOvers:
+    """The cache's hand-overs: its device pool's blocks (`index`, under the cache's `lock`,
+    which keeps them cached while they are copied out) to the shared stores of `tiers`."""
 
-    lock: threading.RLock | threading.Lock
-    peek: Callable[[], list[int]]
+    def __init__(self, tiers: Tiers | None, index: RadixIndex, lock: threading.RLock):
+        self.tiers, self.index, self.lock = tiers, index, lock
 
-
-class _Writer(Protocol):
-    def barrier(self, timeout: float) -> bool: ...
-
-
-class _Tiers(Protocol):
-    shared: tuple[int, ...]
-    writer: _Writer
-
-    def shared_prefix(self, keys: Sequence[bytes]) -> int: ...
-
-    def write_shared(
-        self, scope: Scope, keys: list[bytes], token_ids: np.ndarray, start: int, ids: list[int]
-    ) -> int: ...
-
-
-def hand_over(
-    tiers: _Tiers,
-    scope: Scope,
-    keys: list[bytes],
-    token_ids: np.ndarray,
-    cached: Cached,
-    timeout_s: float,
-) -> HandOver:
-    """Make blocks `keys` (the whole blocks of `token_ids`) readable from every shared store
-    of `tiers`, writing what they lack from the device blocks `cached`."""
-    if not tiers.shared:
-        return HandOver(len(keys), 0, 0, False)
-    deadline = time.monotonic() + timeout_s
-    tiers.writer.barrier(timeout_s)  # a timeout here shows as blocks not present yet
-    present = min(tiers.shared_prefix(keys), len(keys))
-    written = 0
-    if present < len(keys):
-        with cached.lock:
-            ids = cached.peek()
-            written = tiers.write_shared(scope, keys[: len(ids)], token_ids, present, ids)
-    done = not written or tiers.writer.barrier(max(0.0, deadline - time.monotonic()))
-    return HandOver(len(keys), present, written, done)
+    def hand_over(
+        self, scope: Scope, keys: list[bytes], token_ids: np.ndarray, timeout_s: float
+    ) -> HandOver:
+        """Make blocks `keys` (the whole blocks of `token_ids`) readable from every shared
+        store, writing what they lack from the device pool."""
+        tiers = self.tiers
+        if tiers is None or not tiers.shared:
+            return HandOver(len(keys), 0, 0, False)
+        deadline = time.monotonic() + timeout_s
+        tiers.writer.barrier(timeout_s)  # a timeout here shows as blocks not present yet
+        present = min(tiers.shared_prefix(keys), len(keys))
+        written = 0
+        if present < len(keys):
+            with self.lock:
+                ids = self.index.peek_prefix(keys, token_ids).block_ids
+                written = tiers.write_shared(scope, keys[: len(ids)], token_ids, present, ids)
+        done = not written or tiers.writer.barrier(max(0.0, deadline - time.monotonic()))
+        return HandOver(len(keys), present, written, done)
