@@ -4,7 +4,9 @@ value, layer_idx)` and attends to what it returns under the mask it is given.
 
 `StepCache.update` writes the step's new K/V into the rows' pool blocks (the same write slots
 as `PagedAttention`) and returns every row's keys, concatenated in row order: [1, H, S, D]
-with S = the rows' lengths summed. The forward gets a 4D mask [1, 1, T, S] that lets each
+with S = the rows' lengths summed. On a quantized pool the new K/V are quantized when written
+and every key returned is read back dequantized, the step's own included: what a hit of
+these blocks reads later. The forward gets a 4D mask [1, 1, T, S] that lets each
 query see its own row's keys up to its position (block-diagonal causal), so the model's own
 softmax over S keys is each row's attention. The work is T x S per layer rather than each
 row's own length squared: fine for the older architectures served this way.
@@ -27,6 +29,9 @@ from transformers import DynamicCache
 from engine.attention.paged import PagedAttentionError
 from engine.attention.step_batch import StepBatch
 from engine.attention.step_row import Row
+from kvstore.device.quant_kv import QuantizedLayer
+
+PoolLayer = torch.Tensor | QuantizedLayer
 
 
 @dataclass(frozen=True)
@@ -66,9 +71,11 @@ def step_keys(
 class StepCache(DynamicCache):
     """The `Cache` a model sees during one step: its K/V live in the pool, not in here."""
 
-    def __init__(self, config: object, kv: torch.Tensor, batch: StepBatch, keys: StepKeys):
+    def __init__(
+        self, config: object, layers: Sequence[PoolLayer], batch: StepBatch, keys: StepKeys
+    ):
         super().__init__(config=config)
-        self.kv = kv  # [num_blocks, layers, 2, kv_heads, block_size, head_dim]
+        self.layers = layers  # per model layer: [num_blocks, 2, kv_heads, block_size, head_dim]
         self.batch, self.keys = batch, keys
         self.calls = 0
 
@@ -80,10 +87,15 @@ class StepCache(DynamicCache):
             raise PagedAttentionError(f"keys {tuple(key_states.shape)} are not the step's")
         if self.batch.layer_wait is not None:
             self.batch.layer_wait(layer_idx)
-        layer = self.kv[:, layer_idx]  # [num_blocks, 2, H, bs, D]
+        layer = self.layers[layer_idx]
         new = torch.stack((key_states[0], value_states[0]), dim=0).permute(2, 0, 1, 3)
-        layer[self.batch.write_blocks, :, :, self.batch.write_offsets] = new.to(layer.dtype)
-        read = layer[self.keys.blocks, :, :, self.keys.offsets]  # [S, 2, H, D]
+        blocks, offsets = self.batch.write_blocks, self.batch.write_offsets
+        if isinstance(layer, QuantizedLayer):  # every key read back dequantized, new ones too
+            layer.write(blocks, offsets, new)
+            read = layer.read_slots(self.keys.blocks, self.keys.offsets)
+        else:
+            layer[blocks, :, :, offsets] = new.to(layer.dtype)
+            read = layer[self.keys.blocks, :, :, self.keys.offsets]  # [S, 2, H, D]
         self.calls += 1
         k, v = (read[:, i].transpose(0, 1).unsqueeze(0) for i in (0, 1))
         return k.to(key_states.dtype), v.to(value_states.dtype)

@@ -249,8 +249,7 @@ class StepCacheRunner(PagedRunner):
 
     def _open(self) -> None:
         self.mirror = None  # attention here is the model's own code: nothing writes one
-        if self.pool.quantized:  # its Cache would hand the model raw pool values
-            raise PagedAttentionError("a quantized pool needs the attention interface")
+        self.layers = [layer for layer, _ in self.pool.layer_views()]
         config = self.model.model.config
         if has_window(config) or self.pool.window is not None:  # the 4D mask given would
             # replace the model's window masks
@@ -264,7 +263,7 @@ class StepCacheRunner(PagedRunner):
     def _run(self, rows: Sequence[Row], batch: StepBatch, inputs: dict) -> object:
         lm = self.model.model
         keys = step_keys(rows, self.block_size, self.model.device, self.model.dtype)
-        cache = StepCache(lm.config, self.kv, batch, keys)
+        cache = StepCache(lm.config, self.layers, batch, keys)
         if self.alibi is not None:
             self.alibi.local.positions = keys.positions
         try:

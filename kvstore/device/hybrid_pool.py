@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import replace
 
 import torch
 
@@ -23,12 +24,14 @@ from kvstore.device.pool import (
     PoolExhausted,
     budget_bytes,
     layer_bytes,
+    plane_storage,
     pool_blocks,
     resolve_device,
 )
+from kvstore.device.quant_kv import QuantizedLayer, as_bytes, copy_rows, pool_views
 from kvstore.device.staging import Stage
 from kvstore.device.window_plane import WindowPlane
-from kvstore.layout import LayerKV, split_layers
+from kvstore.layout import KVLayout, LayerKV, split_layers
 
 
 def window_slots(config: CacheConfig, num_blocks: int) -> int:
@@ -88,29 +91,24 @@ class HybridPool(BlockPool):
         window_layers: Sequence[int],
         num_window_slots: int | None = None,
     ):
-        if namespace.kv_cache_dtype != "auto":
-            raise ConfigError(
-                "kv_cache_dtype",
-                "a model with sliding-window layers keeps them in a window plane, which holds "
-                "the model's dtype only: give kv_cache_dtype auto",
-            )
         num_layers = namespace.num_layers
         self.window_layers = _check_window_layers(window_layers, num_layers)
         self.full_layers = [i for i in range(num_layers) if i not in self.window_layers]
         super().__init__(num_blocks, namespace, device)
         self._raw = None  # a block's layers are in two planes: tier reads are staged
         slots = num_blocks if num_window_slots is None else num_window_slots
-        slot_shape = (len(self.window_layers), *self.layout.block_shape[1:])
-        self.window = WindowPlane(num_blocks, slots, slot_shape, self.dtype, device)
+        window_layout = replace(self.layout, num_layers=len(self.window_layers))
+        storage = plane_storage(slots, window_layout, device)
+        self.window = WindowPlane(num_blocks, slots, storage)
 
-    def _block_rows(self) -> tuple[int, ...]:
-        # [num_blocks, full layers, 2, kv_heads, block_size, head_dim]
-        return (self.num_blocks, len(self.full_layers), *self.layout.block_shape[1:])
+    def _row_layout(self) -> KVLayout:
+        return replace(self.layout, num_layers=len(self.full_layers))  # the full part
 
     @property
     def nbytes(self) -> int:
-        """The pool's KV bytes: its blocks' full parts and the window slots."""
-        return sum(t.numel() * t.element_size() for t in (self.kv, self.window.kv))
+        """The pool's KV bytes: its blocks' full parts and the window slots (a quantized
+        pool's scales included)."""
+        return self.rows.numel() * self.rows.element_size() + self.window.nbytes
 
     def allocate(self, n: int, window: bool = True) -> list[int]:
         """With `window` each block comes with a window slot the caller holds too; without,
@@ -127,11 +125,13 @@ class HybridPool(BlockPool):
         self.window.assign(block_ids)
 
     def layer_views(self) -> list[tuple[torch.Tensor, bool]]:
-        views: list[tuple[torch.Tensor, bool]] = [(self.kv[:, 0], False)] * self.layout.num_layers
-        for i, layer in enumerate(self.full_layers):
-            views[layer] = (self.kv[:, i], False)
-        for i, layer in enumerate(self.window_layers):
-            views[layer] = (self.window.kv[:, i], True)
+        views: list = [None] * self.layout.num_layers
+        planes = ((self.kv, self.scales, self.full_layers, False),
+                  (self.window.kv, self.window.scales, self.window_layers, True))  # fmt: skip
+        for kv, scales, layers, plane in planes:
+            for i, layer in enumerate(layers):
+                view = kv[:, i] if scales is None else QuantizedLayer(kv[:, i], scales[:, i])
+                views[layer] = (view, plane)
         return views
 
     def whole(self, block_ids: Sequence[int | None]) -> list[int | None]:
@@ -147,10 +147,13 @@ class HybridPool(BlockPool):
     def zero_window(self, block_ids: Sequence[int]) -> None:
         """Zero the window parts of blocks that hold one."""
         if block_ids:
-            self.window.kv[self.window.slots(block_ids)] = 0
+            self.window.rows[self.window.slots(block_ids)] = 0
 
     def destinations(self, block_ids: Sequence[int]) -> list[torch.Tensor | memoryview]:
-        """Staging blocks: a block's layers are in two planes (`staged_reads` writes them)."""
+        """Staging blocks: a block's layers are in two planes (`staged_reads` writes them).
+        Each is a whole block's K/V, or a quantized pool's whole payload row."""
+        if self.quantized:
+            return [torch.empty(self.bytes_per_block, dtype=torch.uint8) for _ in block_ids]
         return [torch.empty(self.layout.block_shape, dtype=self.dtype) for _ in block_ids]
 
     def staged_reads(self, max_blocks: int) -> AbstractContextManager[Stage]:
@@ -186,22 +189,29 @@ class HybridPool(BlockPool):
     def gather(self, block_ids: Sequence[int], window_from: int | None = None) -> list[LayerKV]:
         n = len(block_ids)
         layers, _, heads, bs, dim = self.layout.block_shape
-        blocks = self.read_blocks(block_ids, window_from)
+        blocks = self.read_kv_blocks(block_ids, window_from)
         out = blocks.permute(1, 2, 3, 0, 4, 5).reshape(layers, 2, heads, n * bs, dim)
         return split_layers(out)
 
     def read_blocks(self, block_ids: Sequence[int], window_from: int | None = None) -> torch.Tensor:
         """Every block must hold its window part (else `WindowPlaneError`), or, with
         `window_from`, block_ids[window_from:] (zeros in the window layers before: what a
-        hit holds, whose window sees no further back)."""
-        ids = self._ids(block_ids)
-        shape = (len(block_ids), *self.layout.block_shape)
-        out = torch.empty(shape, dtype=self.dtype, device=self.device)
-        out[:, self.full_layers] = self.kv.index_select(0, ids)
-        first = window_from or 0
-        out[:first, self.window_layers] = 0
-        slots = self.window.slots(block_ids[first:])
-        out[first:, self.window_layers] = self.window.kv.index_select(0, slots)
+        hit holds, whose window sees no further back). A quantized pool's rows [n,
+        bytes_per_block]: every layer's scales, then every layer's values, in model order
+        (the tier entries' payloads)."""
+        n, first = len(block_ids), window_from or 0
+        if self.quantized:  # zeros: the padding after the scales, and no window part
+            out = torch.zeros((n, self.bytes_per_block), dtype=torch.uint8, device=self.device)
+            parts = [*pool_views(out, self.layout)]  # values, scales: views of out
+        else:
+            out = torch.empty((n, *self.layout.block_shape), dtype=self.dtype, device=self.device)
+            out[:first, self.window_layers] = 0
+            parts = [out]
+        ids, slots = self._ids(block_ids), self.window.slots(block_ids[first:])
+        for dst, own, plane in zip(parts, self._planes(), self._planes(window=True), strict=True):
+            dst, own, plane = as_bytes(dst), as_bytes(own), as_bytes(plane)
+            dst[:, self.full_layers] = own.index_select(0, ids)
+            dst[first:, self.window_layers] = plane.index_select(0, slots)
         return out
 
     def write_blocks(
@@ -211,9 +221,29 @@ class HybridPool(BlockPool):
             if not blocks:
                 return
             blocks = torch.stack(list(blocks))  # staged on the host: one transfer to a GPU
-        blocks, ids = blocks.to(self.device, self.dtype), self._ids(block_ids)
-        self.kv.index_copy_(0, ids, blocks[:, self.full_layers])
-        self.window.kv.index_copy_(0, self.window.slots(block_ids), blocks[:, self.window_layers])
+        blocks = blocks.to(self.device, self.rows.dtype)
+        if self.quantized:
+            self._write_quantized(block_ids, *pool_views(blocks, self.layout))
+        else:
+            self._write_planes(block_ids, [blocks])
+
+    def _write_quantized(
+        self, block_ids: Sequence[int], values: torch.Tensor, scales: torch.Tensor
+    ) -> None:
+        self._write_planes(block_ids, [values, scales])
+
+    def _write_planes(self, block_ids: Sequence[int], parts: Sequence[torch.Tensor]) -> None:
+        """Whole blocks' parts (K/V, or a quantized pool's values and scales), each [n,
+        layers, ...] in model order, into the full rows and the window slots."""
+        ids, slots = self._ids(block_ids), self.window.slots(block_ids)
+        for src, own, plane in zip(parts, self._planes(), self._planes(window=True), strict=True):
+            copy_rows(own, ids, src[:, self.full_layers])
+            copy_rows(plane, slots, src[:, self.window_layers])
+
+    def _planes(self, window: bool = False) -> list[torch.Tensor]:
+        """The full rows' (or window slots') K/V, or a quantized pool's values and scales."""
+        kv, scales = (self.window.kv, self.window.scales) if window else (self.kv, self.scales)
+        return [kv] if scales is None else [kv, scales]
 
 
 def _check_window_layers(window_layers: Sequence[int], num_layers: int) -> list[int]:

@@ -16,10 +16,29 @@ import torch
 
 from hashing import Namespace
 from kvstore.config import CacheConfig, ConfigError
-from kvstore.device.quant_kv import QuantizedLayer, dequantize, pool_views, quantize_tokens
+from kvstore.device.quant_kv import (
+    QuantizedLayer,
+    block_rows,
+    copy_rows,
+    dequantize,
+    pool_views,
+    quantize_tokens,
+)
 from kvstore.device.staging import HostStaging, InPlace, Stage
 from kvstore.device.window_plane import WindowPlane
 from kvstore.layout import KVLayout, LayerKV, layers_to_blocks, split_layers, tensor_bytes
+
+
+def plane_storage(
+    num_rows: int, layout: KVLayout, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(rows, kv, scales) of `num_rows` blocks of `layout`'s layers: kv itself (empty: no
+    pages committed) and no scales, or a quantized layout's `QuantizedRows`, each row a
+    quantized entry payload of one block (kvstore/device/quant_kv.py)."""
+    if layout.quant is not None:
+        return block_rows(num_rows, layout, device)
+    kv = torch.empty((num_rows, *layout.block_shape), dtype=layout.dtype, device=device)
+    return kv, kv, None
 
 
 class PoolExhausted(RuntimeError):
@@ -88,16 +107,10 @@ class BlockPool:
         self.device = device
         self.dtype = self.layout.dtype  # what attention computes in and loads return
         self.bytes_per_block = self.layout.bytes_per_block
-        self.scales: torch.Tensor | None = None  # a quantized pool's [n, layers, 2, heads, bs]
-        if self.layout.quant is None:
-            # [num_blocks, layers, 2, kv_heads, block_size, head_dim]; empty commits no pages
-            self.kv = torch.empty(self._block_rows(), dtype=self.dtype, device=device)
-            self.rows = self.kv  # a row per block: what a tail copies and a tier moves
-        else:  # each row a quantized entry payload of one block (kvstore/device/quant_kv.py)
-            shape = (num_blocks, self.bytes_per_block)  # zeros: commits its memory now, and
-            # a block never written reads as zeros, never as a NaN scale
-            self.rows = torch.zeros(shape, dtype=torch.uint8, device=device)
-            self.kv, self.scales = pool_views(self.rows, self.layout)
+        # a row per block: what a tail copies and a tier moves; kv [num_blocks, layers, 2,
+        # kv_heads, block_size, head_dim], a quantized pool's values (scales: [num_blocks,
+        # layers, 2, kv_heads, block_size], else None)
+        self.rows, self.kv, self.scales = plane_storage(num_blocks, self._row_layout(), device)
         # flat and writable, in the entry payload's byte order (a big-endian host has none)
         little_cpu = device.type == "cpu" and sys.byteorder == "little"
         self._raw = tensor_bytes(self.rows) if little_cpu else None
@@ -110,9 +123,9 @@ class BlockPool:
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # stack: pops 0, 1, 2...
         self.num_allocated = 0  # blocks `allocate` handed out since the pool was made
 
-    def _block_rows(self) -> tuple[int, ...]:
-        """The shape of `kv`: a row per block, of the layers it holds."""
-        return (self.num_blocks, *self.layout.block_shape)
+    def _row_layout(self) -> KVLayout:
+        """The layout of a row of `kv`: the layers it holds."""
+        return self.layout
 
     @classmethod
     def from_config(cls, config: CacheConfig, namespace: Namespace) -> BlockPool:
@@ -243,9 +256,16 @@ class BlockPool:
             return
         blocks = blocks.to(self.device, self.dtype)  # as the paged path: the model's dtype first
         values, scales = quantize_tokens(blocks, self.layout.quant)  # type: ignore[arg-type]
-        ids = self._ids(block_ids)  # bytes: index_copy_ has no CPU float8 kernel
-        self.kv.view(torch.uint8).index_copy_(0, ids, values.view(torch.uint8))
-        self.scales.index_copy_(0, ids, scales)
+        self._write_quantized(block_ids, values, scales)
+
+    def _write_quantized(
+        self, block_ids: Sequence[int], values: torch.Tensor, scales: torch.Tensor
+    ) -> None:
+        """Quantized blocks: values [n, layers, 2, heads, bs, dim], scales [n, layers, 2,
+        heads, bs]."""
+        ids = self._ids(block_ids)
+        copy_rows(self.kv, ids, values)
+        copy_rows(self.scales, ids, scales)  # type: ignore[arg-type]
 
     def read_blocks(self, block_ids: Sequence[int], window_from: int | None = None) -> torch.Tensor:
         """Independent copy of whole blocks: [n, layers, 2, kv_heads, block_size, head_dim]
@@ -258,14 +278,15 @@ class BlockPool:
         """Whether it holds quantized K/V (`kv_cache_dtype` int8 or fp8_e4m3)."""
         return self.scales is not None
 
-    def read_kv_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
+    def read_kv_blocks(
+        self, block_ids: Sequence[int], window_from: int | None = None
+    ) -> torch.Tensor:
         """Whole blocks as K/V of the model's dtype: [n, layers, 2, kv_heads, block_size,
-        head_dim] (a quantized pool's dequantized)."""
+        head_dim] (a quantized pool's dequantized; `window_from` as in `read_blocks`)."""
+        rows = self.read_blocks(block_ids, window_from)
         if not self.quantized:
-            return self.read_blocks(block_ids)
-        ids = self._ids(block_ids)
-        values, scales = self.kv.index_select(0, ids), self.scales.index_select(0, ids)
-        return dequantize(values, scales, self.dtype)
+            return rows
+        return dequantize(*pool_views(rows, self.layout), self.dtype)
 
     def copy_into(
         self, block_ids: Sequence[int], dst: torch.Tensor, block_table: Sequence[int]

@@ -34,6 +34,23 @@ def pool_views(rows: torch.Tensor, layout: KVLayout) -> tuple[torch.Tensor, torc
     return values, scales
 
 
+def block_rows(num_rows: int, layout: KVLayout, device: torch.device) -> QuantizedRows:
+    """Rows of `layout`'s blocks (of its layers): zeros (a row never written reads as zeros,
+    never as a NaN scale; zeros also commit the memory now), with their views."""
+    rows = torch.zeros((num_rows, layout.bytes_per_block), dtype=torch.uint8, device=device)
+    return QuantizedRows(rows, *pool_views(rows, layout))
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """One-byte values as uint8 (a view): CPU index kernels have no float8 ones."""
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+def copy_rows(dst: torch.Tensor, at: torch.Tensor, src: torch.Tensor) -> None:
+    """`dst[at] = src` along dim 0 (one-byte values as bytes)."""
+    as_bytes(dst).index_copy_(0, at, as_bytes(src))
+
+
 def quantize_tokens(x: torch.Tensor, quant: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(values `quant` [..., dim], scales bfloat16 [...]) of K/V `x` [..., dim]: a scale per
     token and head, `amax / QMAX` rounded to bfloat16 (at least 2**-126; 1 for zeros)."""
@@ -54,6 +71,17 @@ def dequantize(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -
     return x.to(dtype)
 
 
+class QuantizedRows(NamedTuple):
+    """A quantized pool's (or window plane's) storage: `rows` [n, bytes_per_block] uint8,
+    each a quantized entry payload of one block of its layers, and its `values` [n, layers,
+    2, kv_heads, block_size, head_dim] and `scales` [n, layers, 2, kv_heads, block_size]
+    (views of rows)."""
+
+    rows: torch.Tensor
+    values: torch.Tensor
+    scales: torch.Tensor
+
+
 class QuantizedLayer(NamedTuple):
     """One layer of a quantized pool, as paged attention sees it: values [num_blocks, 2,
     kv_heads, block_size, head_dim] and scales [num_blocks, 2, kv_heads, block_size]."""
@@ -70,6 +98,12 @@ class QuantizedLayer(NamedTuple):
         q, s = quantize_tokens(new, self.values.dtype)
         self.values.view(torch.uint8)[blocks, :, :, offsets] = q.view(torch.uint8)  # bytes
         self.scales[blocks, :, :, offsets] = s
+
+    def read_slots(self, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """The K/V at (blocks[j], offsets[j]) as [S, 2, kv_heads, head_dim] float32,
+        dequantized (the caller rounds once to its dtype)."""
+        values = self.values[blocks, :, :, offsets]  # [S, 2, heads, dim]
+        return dequantize(values, self.scales[blocks, :, :, offsets], torch.float32)
 
     def read(self, tables: torch.Tensor) -> torch.Tensor:
         """Blocks `tables` (flat) as [2, heads, n, bs, dim] float32, dequantized (the caller

@@ -31,13 +31,24 @@ class WindowPlaneError(ValueError):
 class WindowPlane:
     """Window-layer slots for the blocks of one pool."""
 
-    def __init__(self, num_blocks: int, num_slots: int, slot_shape: tuple[int, ...], dtype, device):
-        # [num_slots, window_layers, 2, kv_heads, block_size, head_dim]
-        self.kv = torch.empty((num_slots, *slot_shape), dtype=dtype, device=device)
+    def __init__(
+        self,
+        num_blocks: int,
+        num_slots: int,
+        storage: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+    ):
+        # rows: a row per slot (what `fill` copies and `zero` clears); kv [num_slots,
+        # window_layers, 2, kv_heads, block_size, head_dim], a quantized plane's values;
+        # scales [num_slots, window_layers, 2, kv_heads, block_size] or None
+        self.rows, self.kv, self.scales = storage
         self.num_slots = num_slots
         self.slot = np.full(num_blocks, NO_SLOT, dtype=np.int64)
         self.ref_cnt = np.zeros(num_blocks, dtype=np.int32)
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows.numel() * self.rows.element_size()
 
     @property
     def num_free(self) -> int:
@@ -94,7 +105,7 @@ class WindowPlane:
         if self.slot[block_id] != NO_SLOT or self.slot[source] == NO_SLOT or not self._free:
             return False
         self.assign([block_id])
-        self.kv[int(self.slot[block_id])].copy_(self.kv[int(self.slot[source])])
+        self.rows[int(self.slot[block_id])].copy_(self.rows[int(self.slot[source])])
         return True
 
     def slots(self, block_ids: Sequence[int]) -> torch.Tensor:

@@ -20,7 +20,7 @@ from hashing import Namespace
 from kvstore.cache import PrefixCache
 from kvstore.config import CacheConfig, ConfigError
 from kvstore.device.hybrid_pool import HybridPool
-from kvstore.device.pool import pool_blocks
+from kvstore.device.pool import BlockPool, pool_blocks
 from kvstore.entry import CHECKSUM_BYTES, BlockEntry, encode_entry, read_header
 
 TINY = Namespace("tiny", "float32", 8, 2, 64, 16)  # the yardstick's KV shape
@@ -189,7 +189,30 @@ def test_settings_a_quantized_pool_cannot_keep_are_refused_by_name(fields, field
     assert info.value.field == field
 
 
-def test_a_hybrid_pool_refuses_a_quantized_namespace() -> None:
-    ns = dataclasses.replace(NS, kv_cache_dtype="int8")
-    with pytest.raises(ConfigError, match="window plane"):
-        HybridPool(8, ns, torch.device("cpu"), window_layers=[0])
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
+def test_a_quantized_hybrid_pool_keeps_a_plain_pools_payloads_in_its_two_planes(kv_dtype):
+    """A hybrid pool (layers 0 and 2 in the window plane) holds the bytes a plain pool holds
+    for the same K/V: its tier entries are the same, and they come back byte for byte."""
+    ns = dataclasses.replace(Namespace("hybrid", "float32", 3, 2, 8, BS), kv_cache_dtype=kv_dtype)
+    plain = BlockPool(8, ns, torch.device("cpu"))
+    hybrid = HybridPool(8, ns, torch.device("cpu"), window_layers=[0, 2], num_window_slots=4)
+    g = torch.Generator().manual_seed(4)
+    kv = [(torch.randn(1, 2, 2 * BS, 8, generator=g), torch.randn(1, 2, 2 * BS, 8, generator=g))
+          for _ in range(3)]  # fmt: skip
+    ids, other = plain.allocate(2), hybrid.allocate(2)
+    plain.scatter(ids, kv)
+    hybrid.scatter(other, kv)
+    rows = plain.read_blocks(ids)
+    assert torch.equal(hybrid.read_blocks(other), rows)
+    # a layer's part of a block: 2 x 2 heads x 4 tokens x (8 values + a 2-byte scale) = 160
+    assert rows.shape[1] == 3 * 160 and hybrid.nbytes == 8 * 160 + 4 * 2 * 160
+    again = hybrid.allocate(2)
+    hybrid.write_blocks(again, rows)  # a tier read: payload rows into both planes
+    assert torch.equal(hybrid.read_blocks(again), rows)
+    for (k, v), (k2, v2) in zip(plain.gather(ids), hybrid.gather(again), strict=True):
+        assert torch.equal(k, k2) and torch.equal(v, v2)
+    hybrid.drop_window(again[:1])  # a hit whose window starts at block 1
+    kept = hybrid.read_kv_blocks(again, window_from=1)
+    assert kept[0, [0, 2]].abs().sum() == 0 and torch.equal(kept[1], plain.read_kv_blocks(ids)[1])
+    hybrid.window.rows[int(hybrid.window.slot[again[1]]), -1] ^= 1  # control: one value bit
+    assert not torch.equal(hybrid.read_blocks(again[1:]), rows[1:])
