@@ -197,3 +197,32 @@ def test_non_finite_kv_is_refused_by_a_quantized_codec() -> None:
     with pytest.raises(EntryError, match="non-finite") as info:
         encode_entry(e._replace(kv=kv), "int8")
     assert info.value.reason == "input"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_block_wider_than_one_serial_piece_reads_back_as_the_reference_on_its_own_thread(
+    dtype,
+) -> None:
+    """A SmolLM2-sized int8 block (368640 values) is dequantized in pieces that torch runs in
+    the reading thread: the reference's values, and no thread team started for that thread."""
+    import os
+    import threading
+
+    from kvstore.entry.quant import dequantize, quantize
+
+    if not os.path.isdir("/proc/self/task"):
+        pytest.skip("counts threads through /proc")
+    kv = torch.randn((30, 2, 3, 16, 64), generator=torch.Generator().manual_seed(5)).to(dtype)
+    bits, values = quantize(kv, torch.int8)
+    got, threads = [], []
+
+    def read() -> None:
+        got.append(dequantize(bits, values, dtype))
+        threads.append(len(os.listdir("/proc/self/task")))
+
+    before = len(os.listdir("/proc/self/task"))
+    reader = threading.Thread(target=read)
+    reader.start()
+    reader.join()
+    assert torch.equal(got[0], reference_dequantized(kv, "int8"))
+    assert threads == [before + 1]  # the reader alone
