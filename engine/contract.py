@@ -41,10 +41,11 @@ def count_meeting_contract(
     prompts: Sequence[list[int]],
     outputs: Sequence[list[int]],
     length: int | None = None,
+    tol: float = FP32_TOL,
 ) -> int:
-    """How many greedy outputs meet the contract (`greedy_matches_reference`) and, if
-    `length` is given, have exactly that many tokens."""
-    check = functools.partial(greedy_matches_reference, model)
+    """How many greedy outputs meet the contract (`greedy_matches_reference`, at `tol`) and,
+    if `length` is given, have exactly that many tokens."""
+    check = functools.partial(greedy_matches_reference, model, tol=tol)
     return sum(
         (length is None or len(out) == length) and check(prompt, out)
         for prompt, out in zip(prompts, outputs, strict=True)

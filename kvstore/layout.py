@@ -34,6 +34,7 @@ LayerKV = tuple[torch.Tensor, torch.Tensor]  # K, V: [1, kv_heads, tokens, head_
 # of each quantized pool (Namespace.kv_cache_dtype); a pool block is a one-block payload
 QUANT_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 QUANT_POOL_DTYPES = {"int8": QUANT_DTYPES["int8"], "fp8_e4m3": QUANT_DTYPES["fp8"]}
+_QUANT_STORED = frozenset(QUANT_DTYPES.values())
 SCALE_BYTES = 2  # a bfloat16 scale per token, layer, K/V and head
 _ALIGN = 16  # the values start 16-byte aligned after the scales
 
@@ -50,8 +51,10 @@ def scale_bytes(shape: tuple[int, ...]) -> int:
 
 
 def payload_size(shape: tuple[int, ...], stored: torch.dtype) -> int:
-    """Bytes of a quantized payload of KV `shape` stored as `stored`."""
-    return scale_bytes(shape) + math.prod(shape) * stored.itemsize
+    """Bytes of an entry payload of KV `shape` stored as `stored` (before compression): a
+    quantized one's scales and values, else the values."""
+    scales = scale_bytes(shape) if stored in _QUANT_STORED else 0
+    return scales + math.prod(shape) * stored.itemsize
 
 
 @dataclass(frozen=True)

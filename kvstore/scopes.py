@@ -83,5 +83,6 @@ class Scopes:
             n = self.config.chunk_blocks
             shape = self.layout.entry_shape(n)
             template = ExpectedEntry(root, self.layout.dtype, shape, n, hasher.key_id, codec)
-        as_is = codec == "none" or self.layout.quant is not None
-        return Scope(salt, hasher, root, *((template, None) if as_is else (None, template)))
+        if codec == "none" or self.layout.quant is not None:  # a pool block is the payload
+            return Scope(salt, hasher, root, expected=template)
+        return Scope(salt, hasher, root, expected=None, dequantized=template)

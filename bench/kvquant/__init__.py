@@ -177,12 +177,12 @@ def demo_prompts(lm, max_tokens: int, limit: int | None) -> tuple[list[list[int]
 
 def agreement(lm, codec: str, prompts: list[list[int]], refs: list, max_tokens: int) -> dict:
     """Greedy continuations with each prompt's prefix read from the tier through `codec`."""
-    from engine.contract import FP32_TOL, greedy_matches_reference
+    from engine.contract import FP32_TOL, count_meeting_contract
     from engine.loop.engine import Engine, SamplingParams
 
     params = SamplingParams(max_new_tokens=max_tokens)
     tol = max(FP32_TOL, CODEC_TOLERANCE[codec])
-    same, meets, tier_tokens, divergences = 0, 0, 0, []
+    same, outputs, tier_tokens, divergences = 0, [], 0, []
     with tempfile.TemporaryDirectory() as tmp:
         with Engine(lm, tier_config(codec, tmp)) as writer:
             for prompt in prompts:
@@ -193,15 +193,14 @@ def agreement(lm, codec: str, prompts: list[list[int]], refs: list, max_tokens: 
                 result = reader.generate([prompt], params)[0]
                 out = result.output_token_ids
                 same += out == ref
-                meets += reader.on_loop(
-                    lambda p=prompt, o=out: greedy_matches_reference(lm, p, o, tol)
-                )
+                outputs.append(out)
                 tier_tokens += result.cached_by_tier.get("lmdb", 0)
                 if result.output_token_ids != ref:
                     at = first_difference(result.output_token_ids, ref)
                     ids = prompt + ref[:at]
                     gap = reader.on_loop(lambda ids=ids: top2_gap(lm, ids))
                     divergences.append({"prompt": i, "token": at, "top2_gap": gap})
+            meets = reader.on_loop(lambda: count_meeting_contract(lm, prompts, outputs, tol=tol))
     return {"identical": same, "prompts": len(prompts), "identical_share": same / len(prompts),
             "meet_contract": meets, "tier_cached_tokens": tier_tokens,
             "divergences": divergences}  # fmt: skip

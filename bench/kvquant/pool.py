@@ -38,7 +38,7 @@ def text_perplexity(engine, ids: list[int]) -> float:
 def measure(lm, kv_cache_dtype: str, ids: list[int], prompts: list[list[int]], tokens: int):
     """One pool's figures: ppl, each prompt's continuation as a miss and as a hit, and each
     prompt's last-position logits (float32)."""
-    from engine.contract import FP32_TOL, greedy_matches_reference
+    from engine.contract import FP32_TOL, count_meeting_contract
     from engine.loop.engine import Engine, SamplingParams
 
     params = SamplingParams(max_new_tokens=tokens)
@@ -51,8 +51,7 @@ def measure(lm, kv_cache_dtype: str, ids: list[int], prompts: list[list[int]], t
         hits = [engine.generate([p], params)[0].output_token_ids for p in prompts]
         engine.on_loop(engine.cache.evict_device)
         logits = [engine.prefill_logits(p)[0] for p in prompts]
-        meets = sum(engine.on_loop(lambda p=p, m=m: greedy_matches_reference(lm, p, m, tol))
-                    for p, m in zip(prompts, misses, strict=True))  # fmt: skip
+        meets = engine.on_loop(lambda: count_meeting_contract(lm, prompts, misses, tol=tol))
     return ppl, misses, hits, logits, meets
 
 

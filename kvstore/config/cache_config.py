@@ -19,10 +19,8 @@ CODEC_NAMES = ("none", "fp16", "bf16", "lz4", "zstd", "int8", "fp8")
 # three to four times bf16's error. fp8 (e4m3) keeps 4 significant bits: sixteen times
 # bf16's error. docs/FORMAT.md, "Payload codecs".
 _BF16 = 8 * 2e-2
-CODEC_TOLERANCE = {
-    **{"none": 1e-4, "lz4": 1e-4, "zstd": 1e-4, "fp16": 2e-2, "bf16": _BF16},
-    **{"int8": 4 * _BF16, "fp8": 16 * _BF16},
-}
+CODEC_TOLERANCE = {"none": 1e-4, "lz4": 1e-4, "zstd": 1e-4, "fp16": 2e-2, "bf16": _BF16,
+                   "int8": 4 * _BF16, "fp8": 16 * _BF16}  # fmt: skip
 WRITE_POLICIES = ("write-through", "write-back", "selective", "off")
 # a quantized pool's blocks go to the tiers as they are: entries of this codec
 POOL_CODECS = {"int8": "int8", "fp8_e4m3": "fp8"}

@@ -65,8 +65,7 @@ class ExpectedEntry:
         like = torch.empty((), dtype=dtype).expand(shape)
         entry = BlockEntry(namespace, zeros, zeros, zeros, tokens, like, num_blocks, key_id)
         stored = QUANT_DTYPES.get(codec, dtype)
-        nbytes = payload_size(self.shape, stored) if codec != "none" else (
-            self.numel * dtype.itemsize)  # fmt: skip
+        nbytes = payload_size(self.shape, stored)
         header = pack_header(entry, entry.token_ids, STORED_CODES[stored], codec, 0, nbytes, nbytes)
         tokens_at = FIXED_HEADER_BYTES + 4 * len(shape)
         # everything up to key, digest and parent (key id and namespace included)
@@ -160,10 +159,7 @@ class ExpectedEntry:
         h.update(out)
         if h.intdigest() != _U64.unpack_from(data, self.total_bytes - CHECKSUM_BYTES)[0]:
             return False
-        if self.codec == "none":
-            return True
-        bits, _ = split_payload(out, self.shape, QUANT_DTYPES[self.codec])
-        return scales_ok(bits, QUANT_DTYPES[self.codec])  # a quantized pool's row as it is
+        return self.codec == "none" or self._scaled(out) is not None  # a quantized row as it is
 
     def _tensor_out(self, dst: torch.Tensor) -> memoryview | None:
         """The raw bytes of `dst` if the payload can be copied into them as they are."""
@@ -204,12 +200,18 @@ class ExpectedEntry:
             return False
         if not self.checksum_ok(mv):
             return False
-        payload = mv[self.header_bytes : -CHECKSUM_BYTES]
-        bits, values = split_payload(payload, self.shape, QUANT_DTYPES[self.codec])
-        if not scales_ok(bits, QUANT_DTYPES[self.codec]):
+        scaled = self._scaled(mv[self.header_bytes : -CHECKSUM_BYTES])
+        if scaled is None:
             return False
-        dequantize_into(bits, values, dst)
+        dequantize_into(*scaled, dst)
         return True
+
+    def _scaled(self, payload: memoryview) -> tuple[np.ndarray, np.ndarray] | None:
+        """(scale bits, values) of a quantized payload whose every scale is one a writer
+        makes, else None."""
+        stored = QUANT_DTYPES[self.codec]
+        bits, values = split_payload(payload, self.shape, stored)
+        return (bits, values) if scales_ok(bits, stored) else None
 
     def kv(
         self, data: bytes | memoryview, key: bytes, digest: bytes, parent: bytes, tokens: bytes

@@ -8,7 +8,6 @@ module builds and parses headers; `kvstore.entry.codec` encodes and decodes whol
 
 from __future__ import annotations
 
-import math
 import struct
 from typing import NamedTuple
 
@@ -148,12 +147,9 @@ def fixed_entry_bytes(shape: tuple[int, ...], dtype: torch.dtype, codec: str) ->
     if codec in ("lz4", "zstd"):
         return None
     header = _align(FIXED_HEADER_BYTES + 4 * len(shape) + 4 * shape[3])
-    if codec in QUANT_DTYPES:
-        payload = payload_size(shape, QUANT_DTYPES[codec])
-    else:
-        narrow = dtype == torch.float32 and codec in ("fp16", "bf16")
-        payload = math.prod(shape) * (2 if narrow else dtype.itemsize)
-    return header + payload + CHECKSUM_BYTES
+    narrow = {"fp16": torch.float16, "bf16": torch.bfloat16}  # of float32 KV
+    stored = QUANT_DTYPES.get(codec, narrow.get(codec, dtype) if dtype == torch.float32 else dtype)
+    return header + payload_size(shape, stored) + CHECKSUM_BYTES
 
 
 def assemble_entry(
@@ -246,9 +242,7 @@ def read_header(data: bytes | memoryview) -> EntryHeader:
 
 def raw_payload_bytes(h: EntryHeader) -> int:
     """The payload size before compression that the header's shape, codec and dtype imply."""
-    if h.codec in QUANT_DTYPES:
-        return payload_size(h.shape, h.stored_dtype)
-    return math.prod(h.shape) * h.stored_dtype.itemsize
+    return payload_size(h.shape, h.stored_dtype)
 
 
 def _check_layout(h: EntryHeader, total_bytes: int) -> None:
