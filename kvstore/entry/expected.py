@@ -27,7 +27,10 @@ from kvstore.entry.format import (
 from kvstore.entry.quant import (
     QUANT_DTYPES,
     dequantize_into,
+    int8_payload_into,
     payload_size,
+    scale_bytes,
+    scale_shape,
     scales_ok,
     split_payload,
 )
@@ -77,6 +80,10 @@ class ExpectedEntry:
         little = sys.byteorder == "little"  # numpy has no bfloat16: torch.frombuffer for it
         self._np_dtype = NP_DTYPES.get(dtype) if little else None
         self.total_bytes = len(header) + nbytes + CHECKSUM_BYTES
+        # int8 payloads on a little-endian host: their scales and the offset of their values
+        lean = codec == "int8" and little
+        self._int8_rows = math.prod(scale_shape(self.shape)) if lean else None
+        self._int8_values_at = scale_bytes(self.shape)
 
     def header(self, key: bytes, digest: bytes, parent: bytes, tokens: bytes) -> bytes:
         """The header of the entry; `tokens`: its token ids as little-endian uint32 bytes."""
@@ -190,21 +197,44 @@ class ExpectedEntry:
         digest: bytes,
         parent: bytes,
         tokens: bytes,
-        dst: torch.Tensor,
+        dst: torch.Tensor | memoryview,
     ) -> bool:
         """A quantized entry: its KV into `dst` (a contiguous CPU tensor of `shape`, any float
-        dtype) once header and checksum hold. False if `data` is anything else, or a scale is
-        one no writer makes (`decode_entry` then says why); `dst` is untouched."""
+        dtype, or the raw bytes of one of `dtype`) once header and checksum hold. False if
+        `data` is anything else, or a scale is one no writer makes (`decode_entry` then says
+        why); `dst` is untouched."""
         mv = memoryview(_as_bytes(data))
         if not self.has_header(mv, self.header(key, digest, parent, tokens)):
             return False
         if not self.checksum_ok(mv):
             return False
-        scaled = self._scaled(mv[self.header_bytes : -CHECKSUM_BYTES])
+        payload = mv[self.header_bytes : -CHECKSUM_BYTES]
+        if self._int8_rows is not None:  # the hot path: torch views of the payload, no numpy
+            bits = np.frombuffer(payload, dtype="<u2", count=self._int8_rows)
+            if not scales_ok(bits, torch.int8):
+                return False
+            int8_payload_into(payload, self._int8_values_at, self._rows_of(dst))
+            return True
+        scaled = self._scaled(payload)
         if scaled is None:
             return False
-        dequantize_into(*scaled, dst)
+        out = dst if isinstance(dst, torch.Tensor) else self._tensor_of(dst).view(self.shape)
+        dequantize_into(*scaled, out)
         return True
+
+    def _rows_of(self, dst: torch.Tensor | memoryview) -> torch.Tensor:
+        """`dst` as [scales, head_dim] (one row per token, layer, K/V and head)."""
+        if not isinstance(dst, torch.Tensor):
+            return self._tensor_of(dst).view(self._int8_rows, -1)  # type: ignore[arg-type]
+        if dst.device.type != "cpu" or not dst.is_contiguous() or dst.numel() != self.numel:
+            raise ValueError(f"dst must be contiguous CPU {self.shape}, got {tuple(dst.shape)}")
+        return dst.view(self._int8_rows, -1)  # type: ignore[arg-type]
+
+    def _tensor_of(self, raw: memoryview) -> torch.Tensor:
+        """Raw bytes of KV of `dtype` and `shape`, viewed flat (ValueError for another size)."""
+        if raw.nbytes != self.numel * self.dtype.itemsize:
+            raise ValueError(f"dst holds {raw.nbytes} bytes, KV {self.shape} of {self.dtype}")
+        return torch.frombuffer(raw, dtype=self.dtype)
 
     def _scaled(self, payload: memoryview) -> tuple[np.ndarray, np.ndarray] | None:
         """(scale bits, values) of a quantized payload whose every scale is one a writer

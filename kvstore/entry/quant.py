@@ -144,21 +144,29 @@ def dequantize_into(bits: np.ndarray, values: np.ndarray, out: torch.Tensor) -> 
         np.clip(target, -_F16_MAX, _F16_MAX, out=target)
 
 
+def int8_payload_into(payload: memoryview, values_at: int, out: torch.Tensor) -> None:
+    """An int8 payload's KV into `out` [rows, head_dim] (a row per scale), as
+    `dequantize_into` does, through torch views of the payload (a little-endian host's)."""
+    rows = out.shape[0]
+    scales = torch.frombuffer(payload, dtype=torch.bfloat16, count=rows).view(rows, 1)
+    q = torch.frombuffer(payload, dtype=torch.int8, count=out.numel(), offset=values_at)
+    _int8_into(q.view(rows, -1), scales, out)
+
+
 def _int8_into(q: torch.Tensor, factor: torch.Tensor, out: torch.Tensor) -> None:
-    """out = q x factor, q [rows, dim] int8, factor [rows, 1] float32: the product is exact
-    in float32 (8 by 8 significant bits) and rounded once to out's dtype. In torch (twice
-    numpy's speed on int8), in pieces small enough to run serially."""
-    step = max(1, _SERIAL_VALUES // q.shape[1])
-    pieces = (
-        [(q, factor, out)]
-        if step >= len(q)
-        else zip(*(t.split(step) for t in (q, factor, out)), strict=True)
-    )
-    for values, scales, part in pieces:
-        part.copy_(values)
-        part.mul_(scales)
-        if part.dtype == torch.float16:  # a scale rounded up may carry a value past 65504
-            part.clamp_(-65504.0, 65504.0)
+    """out = q x factor, q [rows, dim] int8, factor [rows, 1] float32 or bfloat16: the
+    product is exact in float32 (8 by 8 significant bits) and rounded once to out's dtype.
+    In torch (twice numpy's speed on int8), in pieces small enough to run serially."""
+    rows, dim = q.shape
+    if rows * dim > _SERIAL_VALUES:
+        step = max(1, _SERIAL_VALUES // dim)
+        for part in zip(*(t.split(step) for t in (q, factor, out)), strict=True):
+            _int8_into(*part)
+        return
+    out.copy_(q)
+    out.mul_(factor)
+    if out.dtype == torch.float16:  # a scale rounded up may carry a value past 65504
+        out.clamp_(-65504.0, 65504.0)
 
 
 def pack_payload(bits: np.ndarray, values: np.ndarray) -> bytes:

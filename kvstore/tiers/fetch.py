@@ -270,7 +270,7 @@ class TierReader:
         args = self._entry_args(read, end - 1, end)
         quantized = read.scope.dequantized  # an unquantized pool reading int8 / fp8 entries
         if quantized is not None:
-            return quantized.dequantize_verified(value, *args, as_block(dst, self.layout))
+            return quantized.dequantize_verified(value, *args, dst)
         expected = read.scope.expected
         return expected is not None and expected.copy_verified(value, *args, dst)
 
