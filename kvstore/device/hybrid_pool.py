@@ -23,7 +23,7 @@ from kvstore.device.pool import (
     BlockPool,
     PoolExhausted,
     budget_bytes,
-    layer_bytes,
+    plane_bytes,
     plane_storage,
     pool_blocks,
     resolve_device,
@@ -50,10 +50,9 @@ def _window_split(
         return slots, num_blocks
     if config.device_blocks is not None:
         return min_slots, num_blocks
-    per_layer = layer_bytes(namespace)
-    left = budget_bytes(config) - min_slots * per_layer * num_window_layers
+    left = budget_bytes(config) - min_slots * plane_bytes(namespace, num_window_layers)
     num_full = namespace.num_layers - num_window_layers
-    return min_slots, max(0, int(left // (per_layer * num_full)))
+    return min_slots, max(0, int(left // plane_bytes(namespace, num_full)))
 
 
 def make_pool(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -75,9 +76,9 @@ def pool_blocks(config: CacheConfig, namespace: Namespace, num_window_layers: in
     `window_share` of its window layers' (the window plane's slots)."""
     if config.device_blocks is not None:
         return config.device_blocks
-    per_layer = layer_bytes(namespace)
     num_full = namespace.num_layers - num_window_layers
-    block = per_layer * (num_full + config.window_share * num_window_layers)
+    block = plane_bytes(namespace, num_full)
+    block += config.window_share * plane_bytes(namespace, num_window_layers)
     return max(1, int(budget_bytes(config) // block))
 
 
@@ -86,9 +87,12 @@ def budget_bytes(config: CacheConfig) -> float:
     return (1.0 if config.device_cache_gb is None else config.device_cache_gb) * 2**30
 
 
-def layer_bytes(namespace: Namespace) -> float:
-    """One layer's K/V of one block, in bytes."""
-    return bytes_per_block(namespace) / namespace.num_layers
+def plane_bytes(namespace: Namespace, num_layers: int) -> int:
+    """A block's part of `num_layers` of its layers, in bytes, as a pool row of only those
+    layers holds it (a quantized one pads its own scales); 0 for none."""
+    if num_layers == 0:
+        return 0
+    return replace(KVLayout.of(namespace), num_layers=num_layers).bytes_per_block
 
 
 class BlockPool:

@@ -170,11 +170,11 @@ class ExpectedEntry:
 
     def _tensor_out(self, dst: torch.Tensor) -> memoryview | None:
         """The raw bytes of `dst` if the payload can be copied into them as they are."""
-        if dst.device.type != "cpu" or not dst.is_contiguous():
+        if dst.device.type != "cpu" or not dst.is_contiguous() or sys.byteorder != "little":
             return None
         if self.codec != "none":  # a quantized pool's row (a hybrid pool stages it): bytes
             return memoryview(dst.numpy()) if dst.dtype == torch.uint8 else None
-        if sys.byteorder != "little" or dst.dtype != self.dtype or dst.numel() != self.numel:
+        if dst.dtype != self.dtype or dst.numel() != self.numel:
             return None
         return memoryview(tensor_bytes(dst))
 

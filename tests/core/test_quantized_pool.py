@@ -19,7 +19,7 @@ from test_cache_tiers import BS, NS, kv_for, tier_config, tokens
 from hashing import Namespace
 from kvstore.cache import PrefixCache
 from kvstore.config import CacheConfig, ConfigError
-from kvstore.device.hybrid_pool import HybridPool
+from kvstore.device.hybrid_pool import HybridPool, make_pool
 from kvstore.device.pool import BlockPool, pool_blocks
 from kvstore.entry import CHECKSUM_BYTES, BlockEntry, encode_entry, read_header
 
@@ -216,3 +216,16 @@ def test_a_quantized_hybrid_pool_keeps_a_plain_pools_payloads_in_its_two_planes(
     assert kept[0, [0, 2]].abs().sum() == 0 and torch.equal(kept[1], plain.read_kv_blocks(ids)[1])
     hybrid.window.rows[int(hybrid.window.slot[again[1]]), -1] ^= 1  # control: one value bit
     assert not torch.equal(hybrid.read_blocks(again[1:]), rows[1:])
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 16])
+def test_a_quantized_hybrid_pool_stays_within_its_byte_budget(block_size) -> None:
+    """Each plane pads its own scales: the budget counts each plane's rows as they are."""
+    ns = Namespace("hybrid", "bfloat16", 3, 1, 8, block_size, kv_cache_dtype="int8")
+    config = CacheConfig(block_size=block_size, device_cache_gb=0.0001, window_share=1.0,
+                         kv_cache_dtype="int8")  # fmt: skip
+    pool = make_pool(config, ns, window_layers=[1])
+    budget = 0.0001 * 2**30
+    assert pool.nbytes <= budget
+    row = pool.rows.shape[1] + pool.window.rows.shape[1]  # a block and its window slot
+    assert pool.nbytes + row > budget  # and no further block would have fit

@@ -118,3 +118,19 @@ def test_a_hybrid_models_quantized_window_plane_comes_back_from_lmdb_as_its_miss
             engine.cache.release(found)
         perturbed, _ = engine.prefill_logits(prompt)
         assert not close_to_reference(perturbed, miss)
+
+
+@pytest.mark.parametrize("arch", ["bloom", "falcon", "gemma2"])
+def test_a_step_cache_or_hybrid_miss_reads_its_own_keys_quantized_as_its_hit_does(arch) -> None:
+    """The miss attends its own new K/V read back from the pool (dequantized), so its logits
+    are its hit's within fp32; both are the quantized ones, not the reference's."""
+    model = wrap_model(random_model(arch_config(arch), seed=0), byte_tokenizer(), arch)
+    prompt = tokens(37, seed=9)
+    with Engine(model, micro_cache_config(kv_cache_dtype="int8")) as engine:
+        miss, cached_miss = engine.prefill_logits(prompt)
+        hit, cached_hit = engine.prefill_logits(prompt)
+    assert (cached_miss, cached_hit) == (0, 36)
+    assert close_to_reference(hit, miss)
+    ref = reference_logits(model, prompt)[-1]
+    assert close_to_reference(miss, ref, CODEC_TOLERANCE["int8"])
+    assert not torch.equal(miss, ref)

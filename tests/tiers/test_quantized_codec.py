@@ -20,6 +20,7 @@ from kvstore.entry import (
     encode_entry,
     read_header,
 )
+from kvstore.layout import tensor_bytes
 
 STORED = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 
@@ -154,6 +155,10 @@ def test_the_hot_path_reads_the_bits_decode_entry_reads(codec, dtype) -> None:
     assert torch.equal(
         dst.view(torch.uint8), chain.decode(1, chain.encoded[1]).kv.view(torch.uint8)
     )
+    assert torch.equal(dst, reference_dequantized(e.kv, codec))  # an independent round trip
+    raw = torch.zeros_like(dst)  # a CPU pool block's raw bytes: the same values
+    assert template.dequantize_verified(chain.encoded[1], *args, tensor_bytes(raw))
+    assert torch.equal(raw, dst)
     bad = bytearray(chain.encoded[1])
     bad[read_header(bad).header_bytes] ^= 0xFF  # a scale byte
     assert not template.dequantize_verified(bytes(bad), *args, dst)
@@ -210,8 +215,8 @@ def test_a_block_wider_than_one_serial_piece_reads_back_as_the_reference_on_its_
 
     from kvstore.entry.quant import dequantize, quantize
 
-    if not os.path.isdir("/proc/self/task"):
-        pytest.skip("counts threads through /proc")
+    if not os.path.isdir("/proc/self/task") or (os.cpu_count() or 1) < 2:
+        pytest.skip("counts threads through /proc, where a thread team has 2 cores or more")
     kv = torch.randn((30, 2, 3, 16, 64), generator=torch.Generator().manual_seed(5)).to(dtype)
     bits, values = quantize(kv, torch.int8)
     got, started = [], []
