@@ -17,7 +17,7 @@ import math
 import sys
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -76,6 +76,11 @@ class KVLayout:
         quant = QUANT_POOL_DTYPES.get(ns.kv_cache_dtype)
         shape = (ns.num_layers, ns.num_kv_heads, ns.block_size, ns.head_dim)
         return cls(*shape, DTYPES[ns.kv_dtype], quant)
+
+    def with_layers(self, num_layers: int) -> KVLayout:
+        """The layout of a block's part of `num_layers` of its layers (a hybrid pool's
+        planes)."""
+        return replace(self, num_layers=num_layers)
 
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import replace
 
 import torch
 
@@ -28,7 +27,7 @@ from kvstore.device.pool import (
     pool_blocks,
     resolve_device,
 )
-from kvstore.device.quant_kv import QuantizedLayer, as_bytes, copy_rows, pool_views
+from kvstore.device.quant_kv import as_bytes, copy_rows, layer_view, pool_views
 from kvstore.device.staging import Stage
 from kvstore.device.window_plane import WindowPlane
 from kvstore.layout import KVLayout, LayerKV, split_layers
@@ -96,12 +95,11 @@ class HybridPool(BlockPool):
         super().__init__(num_blocks, namespace, device)
         self._raw = None  # a block's layers are in two planes: tier reads are staged
         slots = num_blocks if num_window_slots is None else num_window_slots
-        window_layout = replace(self.layout, num_layers=len(self.window_layers))
-        storage = plane_storage(slots, window_layout, device)
+        storage = plane_storage(slots, self.layout.with_layers(len(self.window_layers)), device)
         self.window = WindowPlane(num_blocks, slots, storage)
 
     def _row_layout(self) -> KVLayout:
-        return replace(self.layout, num_layers=len(self.full_layers))  # the full part
+        return self.layout.with_layers(len(self.full_layers))  # the full part
 
     @property
     def nbytes(self) -> int:
@@ -129,8 +127,7 @@ class HybridPool(BlockPool):
                   (self.window.kv, self.window.scales, self.window_layers, True))  # fmt: skip
         for kv, scales, layers, plane in planes:
             for i, layer in enumerate(layers):
-                view = kv[:, i] if scales is None else QuantizedLayer(kv[:, i], scales[:, i])
-                views[layer] = (view, plane)
+                views[layer] = (layer_view(kv, scales, i), plane)
         return views
 
     def whole(self, block_ids: Sequence[int | None]) -> list[int | None]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import replace
 
 import numpy as np
 import torch
@@ -18,10 +17,10 @@ import torch
 from hashing import Namespace
 from kvstore.config import CacheConfig, ConfigError
 from kvstore.device.quant_kv import (
-    QuantizedLayer,
     block_rows,
     copy_rows,
     dequantize,
+    layer_view,
     pool_views,
     quantize_tokens,
 )
@@ -92,7 +91,7 @@ def plane_bytes(namespace: Namespace, num_layers: int) -> int:
     layers holds it (a quantized one pads its own scales); 0 for none."""
     if num_layers == 0:
         return 0
-    return replace(KVLayout.of(namespace), num_layers=num_layers).bytes_per_block
+    return KVLayout.of(namespace).with_layers(num_layers).bytes_per_block
 
 
 class BlockPool:
@@ -162,10 +161,7 @@ class BlockPool:
     def layer_views(self) -> list[tuple[torch.Tensor, bool]]:
         """Per model layer: its K/V in the pool, [num_blocks or num_slots, 2, kv_heads,
         block_size, head_dim], and whether that is a window plane (addressed by slot)."""
-        if self.quantized:
-            layers = range(self.layout.num_layers)
-            return [(QuantizedLayer(self.kv[:, i], self.scales[:, i]), False) for i in layers]
-        return [(self.kv[:, i], False) for i in range(self.layout.num_layers)]
+        return [(layer_view(self.kv, self.scales, i), False) for i in range(self.layout.num_layers)]
 
     def whole(self, block_ids: Sequence[int | None]) -> list[int | None]:
         """The ids, None for each block that does not hold every layer (a tier write skips it)."""

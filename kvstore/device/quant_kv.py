@@ -71,6 +71,14 @@ def dequantize(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -
     return x.to(dtype)
 
 
+def layer_view(
+    kv: torch.Tensor, scales: torch.Tensor | None, i: int
+) -> torch.Tensor | QuantizedLayer:
+    """Layer `i` of a pool's (or window plane's) rows as paged attention reads it: [rows,
+    2, kv_heads, block_size, head_dim], or with `scales` a `QuantizedLayer`."""
+    return kv[:, i] if scales is None else QuantizedLayer(kv[:, i], scales[:, i])
+
+
 class QuantizedRows(NamedTuple):
     """A quantized pool's (or window plane's) storage: `rows` [n, bytes_per_block] uint8,
     each a quantized entry payload of one block of its layers, and its `values` [n, layers,
