@@ -104,7 +104,7 @@ class QuantizedLayer(NamedTuple):
     def write(self, blocks: torch.Tensor, offsets: torch.Tensor, new: torch.Tensor) -> None:
         """New tokens' K/V `new` [T, 2, kv_heads, head_dim] into (blocks[t], offsets[t])."""
         q, s = quantize_tokens(new, self.values.dtype)
-        self.values.view(torch.uint8)[blocks, :, :, offsets] = q.view(torch.uint8)  # bytes
+        self.values[blocks, :, :, offsets] = q  # no dtype view: a traced decode step has none
         self.scales[blocks, :, :, offsets] = s
 
     def read_slots(self, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

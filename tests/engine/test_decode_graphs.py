@@ -142,6 +142,19 @@ def test_graph_decoding_gives_the_eager_tokens(kind):
         assert all(greedy_matches_reference(model, p, o) for p, o in pairs)
 
 
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("kind", ["full", "hybrid"])
+def test_a_quantized_pool_replays_its_decode_steps_as_the_eager_ones(kind, kv_dtype):
+    """The quantized write (a dtype view would stop a traced step from capturing) replays,
+    and its tokens are the eager steps' on the same pool dtype."""
+    model = MODELS[kind]()
+    eager, _ = decode_all(model, EAGER, kv_cache_dtype=kv_dtype)
+    replayed, graphs = decode_all(model, GraphConfig("auto"), kv_cache_dtype=kv_dtype)
+    assert graphs is not None and graphs.disabled is None
+    assert graphs.replays >= GREEDY.max_new_tokens - 1
+    assert replayed == eager
+
+
 def test_a_step_is_padded_to_its_bucket_and_padding_writes_only_the_scratch_block():
     model = micro_model(seed=12)
     with Engine(model, micro_cache_config(), graph_config=GraphConfig("auto")) as engine:
