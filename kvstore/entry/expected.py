@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import struct
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -27,14 +27,15 @@ from kvstore.entry.format import (
 from kvstore.entry.quant import (
     QUANT_DTYPES,
     dequantize_into,
-    int8_payload_into,
+    int8_payloads_into,
+    leading_scales_ok,
     payload_size,
     scale_bytes,
     scale_shape,
     scales_ok,
     split_payload,
 )
-from kvstore.layout import NP_DTYPES, frombuffer_le, tensor_bytes
+from kvstore.layout import NP_DTYPES, SCALE_BYTES, frombuffer_le, tensor_bytes
 
 
 class ExpectedEntry:
@@ -203,18 +204,45 @@ class ExpectedEntry:
         dtype, or the raw bytes of one of `dtype`) once header and checksum hold. False if
         `data` is anything else, or a scale is one no writer makes (`decode_entry` then says
         why); `dst` is untouched."""
-        mv = memoryview(_as_bytes(data))
-        if not self.has_header(mv, self.header(key, digest, parent, tokens)):
-            return False
-        if not self.checksum_ok(mv):
-            return False
-        payload = mv[self.header_bytes : -CHECKSUM_BYTES]
-        if self._int8_rows is not None:  # the hot path: torch views of the payload, no numpy
-            bits = np.frombuffer(payload, dtype="<u2", count=self._int8_rows)
-            if not scales_ok(bits, torch.int8):
-                return False
-            int8_payload_into(payload, self._int8_values_at, self._rows_of(dst))
-            return True
+        return self.dequantize_many([(data, key, digest, parent, tokens)], [dst]) == 1
+
+    def dequantize_many(
+        self,
+        entries: Sequence[tuple[bytes | memoryview, bytes, bytes, bytes, bytes]],
+        dst: Sequence[torch.Tensor | memoryview],
+    ) -> int:
+        """`dequantize_verified` of entries[i] (data, key, digest, parent, tokens) into dst[i]
+        for the leading entries that verify: how many did. The next one, if any, is not
+        written. int8 on a little-endian host checks and widens the scales of all at once."""
+        payloads = self._leading_payloads(entries[: len(dst)])
+        if not payloads:
+            return 0
+        if self._int8_rows is None:  # fp8, or a big-endian host's int8: one at a time
+            return _leading(
+                self._dequantize_payload(p, out) for p, out in zip(payloads, dst, strict=False)
+            )
+        joined = payloads[0] if len(payloads) == 1 else b"".join(payloads)
+        rows = np.frombuffer(joined, np.uint8).reshape(len(payloads), -1)  # an entry a row
+        n = leading_scales_ok(rows[:, : SCALE_BYTES * self._int8_rows].view("<u2"), torch.int8)
+        if n:
+            outs = [self._rows_of(out) for out in dst[:n]]
+            int8_payloads_into(rows[:n], self._int8_values_at, outs)
+        return n
+
+    def _leading_payloads(
+        self, entries: Sequence[tuple[bytes | memoryview, bytes, bytes, bytes, bytes]]
+    ) -> list[memoryview]:
+        """The payloads of the leading entries whose header and checksum are as expected."""
+        payloads = []
+        for data, *args in entries:
+            mv = memoryview(_as_bytes(data))
+            if not self.has_header(mv, self.header(*args)) or not self.checksum_ok(mv):
+                break
+            payloads.append(mv[self.header_bytes : -CHECKSUM_BYTES])
+        return payloads
+
+    def _dequantize_payload(self, payload: memoryview, dst: torch.Tensor | memoryview) -> bool:
+        """A verified payload's KV into `dst`, if its scales are ones a writer makes."""
         scaled = self._scaled(payload)
         if scaled is None:
             return False
@@ -257,6 +285,16 @@ class ExpectedEntry:
 
 
 _U64 = struct.Struct("<Q")
+
+
+def _leading(results: Iterable[bool]) -> int:
+    """How many leading results are true (stops at the first false)."""
+    n = 0
+    for ok in results:
+        if not ok:
+            break
+        n += 1
+    return n
 
 
 def _as_bytes(data: bytes | memoryview) -> bytes | memoryview:

@@ -107,6 +107,13 @@ def scales_ok(bits: np.ndarray, stored: torch.dtype) -> bool:
     )
 
 
+def leading_scales_ok(bits: np.ndarray, stored: torch.dtype) -> int:
+    """How many leading rows of `bits` [entries, scales] pass `scales_ok` (two reductions
+    for all of them)."""
+    ok = (bits.min(axis=1) >= _MIN_SCALE_BITS) & (bits.max(axis=1) <= _LARGEST[stored])
+    return len(ok) if ok.all() else int(ok.argmin())
+
+
 def dequantize(bits: np.ndarray, values: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     """KV of `dtype` from `quantize`'s output."""
     out = torch.empty(values.shape, dtype=dtype)
@@ -144,13 +151,18 @@ def dequantize_into(bits: np.ndarray, values: np.ndarray, out: torch.Tensor) -> 
         np.clip(target, -_F16_MAX, _F16_MAX, out=target)
 
 
-def int8_payload_into(payload: memoryview, values_at: int, out: torch.Tensor) -> None:
-    """An int8 payload's KV into `out` [rows, head_dim] (a row per scale), as
-    `dequantize_into` does, through torch views of the payload (a little-endian host's)."""
-    rows = out.shape[0]
-    scales = torch.frombuffer(payload, dtype=torch.bfloat16, count=rows).view(rows, 1)
-    q = torch.frombuffer(payload, dtype=torch.int8, count=out.numel(), offset=values_at)
-    _int8_into(q.view(rows, -1), scales, out)
+def int8_payloads_into(payloads: np.ndarray, values_at: int, outs: list[torch.Tensor]) -> None:
+    """int8 payloads' KV into `outs` as `dequantize_into` does: payloads [entries, bytes]
+    (uint8, one per row, a little-endian host's), outs[i] [rows, head_dim] (a row per scale)
+    the i-th's. The scales of all of them are widened at once, in numpy."""
+    n, (rows, dim) = len(payloads), outs[0].shape
+    bits = payloads[:, : SCALE_BYTES * rows].view("<u2")
+    factor = torch.from_numpy(bf16_values(bits).reshape(n, rows, 1))
+    q = payloads[:, values_at : values_at + rows * dim].view(np.int8).reshape(n, rows, dim)
+    for q_i, factor_i, out in zip(
+        torch.from_numpy(q).unbind(0), factor.unbind(0), outs, strict=True
+    ):
+        _int8_into(q_i, factor_i, out)
 
 
 def _int8_into(q: torch.Tensor, factor: torch.Tensor, out: torch.Tensor) -> None:

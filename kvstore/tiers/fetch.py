@@ -238,7 +238,9 @@ class TierReader:
         """Copy blocks [pos, pos + len(dst)) of the leading chunks that verify (chunk i ends
         at ends[i]) into dst; returns how many were copied."""
         n, done = self.chunk_blocks, 0
-        for value, end in zip(values, ends, strict=False):  # values: a prefix
+        if n == 1 and read.scope.dequantized is not None:
+            done = self._dequantize_leading(read, values, ends, dst)
+        for value, end in zip(values[done:], ends[done:], strict=False):  # values: a prefix
             if done == len(dst):
                 break
             first = end - n
@@ -256,6 +258,19 @@ class TierReader:
                 as_block(dst[done], self.layout).copy_(block)  # bytes still hot
                 done += 1
         return done
+
+    def _dequantize_leading(
+        self,
+        read: _Read,
+        values: Sequence[bytes | memoryview],
+        ends: list[int],
+        dst: list[torch.Tensor | memoryview],
+    ) -> int:
+        """Blocks of quantized entries (a chunk a block) into an unquantized pool: the leading
+        ones that verify, checked and dequantized together; how many."""
+        count = min(len(values), len(dst))
+        entries = [(values[i], *self._entry_args(read, ends[i] - 1, ends[i])) for i in range(count)]
+        return read.scope.dequantized.dequantize_many(entries, dst[:count])  # type: ignore[union-attr]
 
     def _entry_args(self, read: _Read, first: int, end: int) -> tuple[bytes, ...]:
         """key, digest, parent and token bytes of the chunk of blocks [first, end)."""

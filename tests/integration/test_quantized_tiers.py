@@ -9,7 +9,7 @@ import xxhash
 from test_cache_tiers import NS, assert_kv_equal, held_only_in_tiers, kv_for, tier_config, tokens
 
 from kvstore.cache import PrefixCache
-from kvstore.entry import CHECKSUM_BYTES, read_header
+from kvstore.entry import CHECKSUM_BYTES, decode_entry, encode_entry, read_header
 from kvstore.hits import KVPrefix
 
 BS = NS.block_size
@@ -78,6 +78,36 @@ def test_a_damaged_scale_is_deleted_counted_and_recomputed(tier, redis_url, tmp_
         assert cache.store(prompt, kv_for(prompt)) == 2  # the rest is recomputed and kept
         assert cache.flush(10)
         assert store.get_many([key]) != [None]
+
+
+def test_an_entry_of_another_codec_amid_int8_ones_is_read_and_so_are_those_after_it(
+    tier, redis_url, tmp_path
+):
+    """Block 2's entry rewritten with codec none (exact KV, as a writer with another codec
+    stores it): the batched int8 read stops there, decodes it, and goes on past it."""
+    prompt = tokens(6 * BS + 2, seed=8)
+    kv = kv_for(prompt)
+    with PrefixCache(tier_config(tier, tmp_path, redis_url, codec="int8"), NS) as cache:
+        held_only_in_tiers(cache, prompt)
+        store, key = cache.tiers.stores[0], cache.hasher.hash_blocks(prompt)[2]
+        exact = torch.stack([torch.stack([x[0, :, 2 * BS : 3 * BS] for x in pair]) for pair in kv])
+        digest = cache.hasher.digest_blocks(prompt)[2]
+        data = store.get_many([key])[0]
+        root = read_header(data).namespace  # the scope's, which the cache stores under
+        stored = decode_entry(data, namespace=root, key=key, digest=digest, dtype=torch.float32)
+        store.delete([key])
+        store.put_many([(key, bytes(encode_entry(stored._replace(kv=exact), "none")))])
+        hit = cache.lookup(prompt)
+        assert hit.tier_tokens == {tier: 6 * BS}
+        loaded = cache.load(hit).layers
+        want = quantized_reference(kv, codec="int8")
+        for (k, v), (qk, qv), (lk, lv) in zip(kv, want, loaded, strict=True):
+            for x, q, got in ((k, qk, lk), (v, qv, lv)):
+                assert torch.equal(got[:, :, 2 * BS : 3 * BS], x[:, :, 2 * BS : 3 * BS])
+                for lo, hi in ((0, 2 * BS), (3 * BS, 6 * BS)):
+                    assert torch.equal(got[:, :, lo:hi], q[:, :, lo:hi])
+        cache.release(hit)
+        assert cache.metrics.get("promoted_blocks_total") == 6
 
 
 @pytest.mark.parametrize("codec", ["int8", "fp8"])

@@ -165,6 +165,41 @@ def test_the_hot_path_reads_the_bits_decode_entry_reads(codec, dtype) -> None:
     assert not template.dequantize_verified(chain.encoded[0], *args, dst)  # another block
 
 
+@pytest.mark.parametrize("codec", ["int8", "fp8"])
+@pytest.mark.parametrize("damage", ["scale", "checksum", "other block"])
+def test_a_batch_read_stops_at_the_first_bad_entry_and_writes_none_after_it(codec, damage) -> None:
+    """ExpectedEntry.dequantize_many (a tier read of many blocks into pool blocks): the
+    leading good entries land as the one-entry read lands them, bit for bit; the bad third
+    and the good fourth after it leave their destinations untouched."""
+    ns = namespace()
+    chain = make_chain(ns, num_blocks=4, codec=codec)
+    e = chain.entries[0]
+    template = ExpectedEntry(ns.root(), torch.float32, tuple(e.kv.shape), 1, e.key_id, codec)
+    args = [(x.key, x.digest, x.parent, x.token_ids.astype("<u4").tobytes()) for x in chain.entries]
+    data = [bytes(d) for d in chain.encoded]
+    bad = bytearray(data[2])
+    if damage == "scale":  # a scale no writer makes, under a valid checksum
+        struct.pack_into("<H", bad, read_header(bad).header_bytes, 0xFF80)  # -inf
+        data[2] = with_checksum(bad)
+    elif damage == "checksum":
+        bad[-CHECKSUM_BYTES - 1] ^= 0x01  # the last value byte
+        data[2] = bytes(bad)
+    else:
+        data[2] = data[1]  # block 1's entry where block 2's is expected
+    raws = [torch.full(e.kv.shape, 7.0) for _ in data]
+    dst = [tensor_bytes(raw) for raw in raws]  # a CPU pool's destinations: raw bytes
+    entries = [(d, *a) for d, a in zip(data, args, strict=True)]
+    assert template.dequantize_many(entries, dst) == 2
+    for i in range(2):
+        one = torch.empty(e.kv.shape)
+        assert template.dequantize_verified(data[i], *args[i], one)
+        assert torch.equal(raws[i].view(torch.int32), one.view(torch.int32))
+        assert torch.equal(raws[i], reference_dequantized(chain.entries[i].kv, codec))
+    assert all(bool((raw == 7.0).all()) for raw in raws[2:])
+    assert template.dequantize_many(entries[:2], dst[:1]) == 1  # never past its destinations
+    assert template.dequantize_many(entries[2:], dst[2:]) == 0
+
+
 def test_tiny_values_get_the_smallest_scale_and_read_back_near_zero() -> None:
     chain = make_chain(namespace(), num_blocks=1)
     e = chain.entries[0]
