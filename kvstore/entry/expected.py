@@ -221,6 +221,20 @@ class ExpectedEntry:
             return _leading(
                 self._dequantize_payload(p, out) for p, out in zip(payloads, dst, strict=False)
             )
+        done, step = 0, max(1, _GROUP_BYTES // payloads[0].nbytes)
+        while done < len(payloads):
+            group = payloads[done : done + step]
+            n = self._int8_group(group, dst[done : done + step])
+            done += n
+            if n < len(group):
+                break
+        return done
+
+    def _int8_group(
+        self, payloads: list[memoryview], dst: Sequence[torch.Tensor | memoryview]
+    ) -> int:
+        """`dequantize_many` of verified int8 payloads, their scales checked together: how
+        many of the leading ones were written. Joined, so that one view holds them all."""
         joined = payloads[0] if len(payloads) == 1 else b"".join(payloads)
         rows = np.frombuffer(joined, np.uint8).reshape(len(payloads), -1)  # an entry a row
         n = leading_scales_ok(rows[:, : SCALE_BYTES * self._int8_rows].view("<u2"), torch.int8)
@@ -285,6 +299,8 @@ class ExpectedEntry:
 
 
 _U64 = struct.Struct("<Q")
+# int8 payloads joined at a time by `dequantize_many`: a copy that stays in cache until read
+_GROUP_BYTES = 1 << 20
 
 
 def _leading(results: Iterable[bool]) -> int:

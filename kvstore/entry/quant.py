@@ -110,6 +110,8 @@ def scales_ok(bits: np.ndarray, stored: torch.dtype) -> bool:
 def leading_scales_ok(bits: np.ndarray, stored: torch.dtype) -> int:
     """How many leading rows of `bits` [entries, scales] pass `scales_ok` (two reductions
     for all of them)."""
+    if bits.shape[1] == 0:  # no scales: none is wrong (as `scales_ok`)
+        return len(bits)
     ok = (bits.min(axis=1) >= _MIN_SCALE_BITS) & (bits.max(axis=1) <= _LARGEST[stored])
     return len(ok) if ok.all() else int(ok.argmin())
 

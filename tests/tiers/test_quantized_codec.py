@@ -20,6 +20,7 @@ from kvstore.entry import (
     encode_entry,
     read_header,
 )
+from kvstore.entry import expected as expected_module
 from kvstore.layout import tensor_bytes
 
 STORED = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
@@ -167,15 +168,20 @@ def test_the_hot_path_reads_the_bits_decode_entry_reads(codec, dtype) -> None:
 
 @pytest.mark.parametrize("codec", ["int8", "fp8"])
 @pytest.mark.parametrize("damage", ["scale", "checksum", "other block"])
-def test_a_batch_read_stops_at_the_first_bad_entry_and_writes_none_after_it(codec, damage) -> None:
+@pytest.mark.parametrize("group", ["one join", "joins of one"])
+def test_a_batch_read_stops_at_the_first_bad_entry_and_writes_none_after_it(
+    codec, damage, group, monkeypatch
+) -> None:
     """ExpectedEntry.dequantize_many (a tier read of many blocks into pool blocks): the
-    leading good entries land as the one-entry read lands them, bit for bit; the bad third
-    and the good fourth after it leave their destinations untouched."""
+    leading good entries land as an independent round trip has them; the bad third and the
+    good fourth after it leave their destinations untouched, whether the int8 payloads are
+    joined all at once or one at a time."""
+    if group == "joins of one":
+        monkeypatch.setattr(expected_module, "_GROUP_BYTES", 1)
     ns = namespace()
     chain = make_chain(ns, num_blocks=4, codec=codec)
     e = chain.entries[0]
     template = ExpectedEntry(ns.root(), torch.float32, tuple(e.kv.shape), 1, e.key_id, codec)
-    args = [(x.key, x.digest, x.parent, x.token_ids.astype("<u4").tobytes()) for x in chain.entries]
     data = [bytes(d) for d in chain.encoded]
     bad = bytearray(data[2])
     if damage == "scale":  # a scale no writer makes, under a valid checksum
@@ -188,16 +194,37 @@ def test_a_batch_read_stops_at_the_first_bad_entry_and_writes_none_after_it(code
         data[2] = data[1]  # block 1's entry where block 2's is expected
     raws = [torch.full(e.kv.shape, 7.0) for _ in data]
     dst = [tensor_bytes(raw) for raw in raws]  # a CPU pool's destinations: raw bytes
-    entries = [(d, *a) for d, a in zip(data, args, strict=True)]
+    entries = [(d, *entry_args(x)) for d, x in zip(data, chain.entries, strict=True)]
     assert template.dequantize_many(entries, dst) == 2
-    for i in range(2):
-        one = torch.empty(e.kv.shape)
-        assert template.dequantize_verified(data[i], *args[i], one)
-        assert torch.equal(raws[i].view(torch.int32), one.view(torch.int32))
-        assert torch.equal(raws[i], reference_dequantized(chain.entries[i].kv, codec))
+    for raw, x in zip(raws[:2], chain.entries, strict=False):
+        assert torch.equal(raw, reference_dequantized(x.kv, codec))
     assert all(bool((raw == 7.0).all()) for raw in raws[2:])
     assert template.dequantize_many(entries[:2], dst[:1]) == 1  # never past its destinations
     assert template.dequantize_many(entries[2:], dst[2:]) == 0
+
+
+@pytest.mark.parametrize("codec", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("into", ["raw bytes", "tensors"])
+def test_a_batch_read_lands_every_block_as_an_independent_round_trip(codec, dtype, into) -> None:
+    """Five entries read together into a pool of each dtype, through its raw bytes (a CPU
+    pool) or its block tensors: each block holds the independent round trip's values (an
+    int8 zero has no sign, so compared as values, not bits)."""
+    ns = namespace(dtype)
+    chain = make_chain(ns, num_blocks=5, codec=codec)
+    e = chain.entries[0]
+    template = ExpectedEntry(ns.root(), dtype, tuple(e.kv.shape), 1, e.key_id, codec)
+    pool = torch.zeros(5, *e.kv.shape, dtype=dtype)
+    dst = [tensor_bytes(block) if into == "raw bytes" else block for block in pool.unbind(0)]
+    entries = [(d, *entry_args(x)) for d, x in zip(chain.encoded, chain.entries, strict=True)]
+    assert template.dequantize_many(entries, dst) == 5
+    for block, x in zip(pool, chain.entries, strict=True):
+        assert torch.equal(block, reference_dequantized(x.kv, codec))
+
+
+def entry_args(entry: BlockEntry) -> tuple[bytes, bytes, bytes, bytes]:
+    """key, digest, parent and token bytes: what a reader expects of the entry."""
+    return entry.key, entry.digest, entry.parent, entry.token_ids.astype("<u4").tobytes()
 
 
 def test_tiny_values_get_the_smallest_scale_and_read_back_near_zero() -> None:
