@@ -30,12 +30,12 @@ from kvstore.entry.quant import (
     int8_payloads_into,
     leading_scales_ok,
     payload_size,
-    scale_bytes,
     scale_shape,
     scales_ok,
     split_payload,
+    split_payload_rows,
 )
-from kvstore.layout import NP_DTYPES, SCALE_BYTES, frombuffer_le, tensor_bytes
+from kvstore.layout import NP_DTYPES, frombuffer_le, tensor_bytes
 
 
 class ExpectedEntry:
@@ -81,10 +81,9 @@ class ExpectedEntry:
         little = sys.byteorder == "little"  # numpy has no bfloat16: torch.frombuffer for it
         self._np_dtype = NP_DTYPES.get(dtype) if little else None
         self.total_bytes = len(header) + nbytes + CHECKSUM_BYTES
-        # int8 payloads on a little-endian host: their scales and the offset of their values
+        # int8 payloads on a little-endian host (read in batches): their scales
         lean = codec == "int8" and little
         self._int8_rows = math.prod(scale_shape(self.shape)) if lean else None
-        self._int8_values_at = scale_bytes(self.shape)
 
     def header(self, key: bytes, digest: bytes, parent: bytes, tokens: bytes) -> bytes:
         """The header of the entry; `tokens`: its token ids as little-endian uint32 bytes."""
@@ -237,10 +236,10 @@ class ExpectedEntry:
         many of the leading ones were written. Joined, so that one view holds them all."""
         joined = payloads[0] if len(payloads) == 1 else b"".join(payloads)
         rows = np.frombuffer(joined, np.uint8).reshape(len(payloads), -1)  # an entry a row
-        n = leading_scales_ok(rows[:, : SCALE_BYTES * self._int8_rows].view("<u2"), torch.int8)
+        bits, values = split_payload_rows(rows, self.shape, torch.int8)
+        n = leading_scales_ok(bits, torch.int8)
         if n:
-            outs = [self._rows_of(out) for out in dst[:n]]
-            int8_payloads_into(rows[:n], self._int8_values_at, outs)
+            int8_payloads_into(bits[:n], values[:n], [self._rows_of(out) for out in dst[:n]])
         return n
 
     def _leading_payloads(

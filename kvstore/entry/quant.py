@@ -153,22 +153,17 @@ def dequantize_into(bits: np.ndarray, values: np.ndarray, out: torch.Tensor) -> 
         np.clip(target, -_F16_MAX, _F16_MAX, out=target)
 
 
-def int8_payloads_into(payloads: np.ndarray, values_at: int, outs: list[torch.Tensor]) -> None:
-    """int8 payloads' KV into `outs` as `dequantize_into` does: payloads [entries, bytes]
-    (uint8, one per row, a little-endian host's), outs[i] [rows, head_dim] (a row per scale)
-    the i-th's. The scales of all of them are widened at once, in numpy."""
-    n, (rows, dim) = len(payloads), outs[0].shape
-    bits = payloads[:, : SCALE_BYTES * rows].view("<u2")
-    factor = torch.from_numpy(bf16_values(bits).reshape(n, rows, 1))
-    q = payloads[:, values_at : values_at + rows * dim].view(np.int8).reshape(n, rows, dim)
-    for q_i, factor_i, out in zip(
-        torch.from_numpy(q).unbind(0), factor.unbind(0), outs, strict=True
-    ):
-        _int8_into(q_i, factor_i, out)
+def int8_payloads_into(bits: np.ndarray, values: np.ndarray, outs: list[torch.Tensor]) -> None:
+    """int8 payloads' KV into `outs` as `dequantize_into` does: `split_payload_rows`' bits
+    [entries, scales] and values [entries, scales, head_dim], outs[i] [scales, head_dim] the
+    i-th's. The scales of all of them are widened at once, in numpy."""
+    factor = torch.from_numpy(bf16_values(bits).reshape(*bits.shape, 1))
+    for q, factor_i, out in zip(torch.from_numpy(values), factor, outs, strict=True):
+        _int8_into(q, factor_i, out)
 
 
 def _int8_into(q: torch.Tensor, factor: torch.Tensor, out: torch.Tensor) -> None:
-    """out = q x factor, q [rows, dim] int8, factor [rows, 1] float32 or bfloat16: the
+    """out = q x factor, q [rows, dim] int8, factor [rows, 1] float32: the
     product is exact in float32 (8 by 8 significant bits) and rounded once to out's dtype.
     In torch (twice numpy's speed on int8), in pieces small enough to run serially."""
     rows, dim = q.shape
@@ -187,6 +182,19 @@ def pack_payload(bits: np.ndarray, values: np.ndarray) -> bytes:
     """The payload of `quantize`'s output: scales (little-endian), padding, values."""
     pad = bytes(scale_bytes(values.shape) - SCALE_BYTES * bits.size)
     return b"".join((bits.astype("<u2", copy=False).data, pad, values.data))
+
+
+def split_payload_rows(
+    rows: np.ndarray, shape: tuple[int, ...], stored: torch.dtype
+) -> tuple[np.ndarray, np.ndarray]:
+    """`split_payload` of payloads a row each (uint8 [entries, payload bytes], a
+    little-endian host's): bits [entries, scales] and values [entries, scales, head_dim],
+    views of `rows`."""
+    count, at = math.prod(scale_shape(shape)), scale_bytes(shape)
+    bits = rows[:, : SCALE_BYTES * count].view("<u2")
+    kind = np.int8 if stored == torch.int8 else np.uint8
+    values = rows[:, at : at + math.prod(shape)].view(kind).reshape(len(rows), count, -1)
+    return bits, values
 
 
 def split_payload(
