@@ -27,9 +27,9 @@ from kvstore.entry.format import (
 from kvstore.entry.quant import (
     QUANT_DTYPES,
     dequantize_into,
-    int8_payloads_into,
     leading_scales_ok,
     payload_size,
+    payloads_into,
     scale_shape,
     scales_ok,
     split_payload,
@@ -81,9 +81,9 @@ class ExpectedEntry:
         little = sys.byteorder == "little"  # numpy has no bfloat16: torch.frombuffer for it
         self._np_dtype = NP_DTYPES.get(dtype) if little else None
         self.total_bytes = len(header) + nbytes + CHECKSUM_BYTES
-        # int8 payloads on a little-endian host (read in batches): their scales
-        lean = codec == "int8" and little
-        self._int8_rows = math.prod(scale_shape(self.shape)) if lean else None
+        # quantized payloads on a little-endian host (read in batches): their scales
+        lean = codec in QUANT_DTYPES and little
+        self._scale_rows = math.prod(scale_shape(self.shape)) if lean else None
 
     def header(self, key: bytes, digest: bytes, parent: bytes, tokens: bytes) -> bytes:
         """The header of the entry; `tokens`: its token ids as little-endian uint32 bytes."""
@@ -212,34 +212,33 @@ class ExpectedEntry:
     ) -> int:
         """`dequantize_verified` of entries[i] (data, key, digest, parent, tokens) into dst[i]
         for the leading entries that verify: how many did. The next one, if any, is not
-        written. int8 on a little-endian host checks and widens the scales of all at once."""
+        written. On a little-endian host the scales of all are checked and widened at once."""
         payloads = self._leading_payloads(entries[: len(dst)])
         if not payloads:
             return 0
-        if self._int8_rows is None:  # fp8, or a big-endian host's int8: one at a time
+        if self._scale_rows is None:  # a big-endian host's: one at a time
             return _leading(
                 self._dequantize_payload(p, out) for p, out in zip(payloads, dst, strict=False)
             )
         done, step = 0, max(1, _GROUP_BYTES // payloads[0].nbytes)
         while done < len(payloads):
             group = payloads[done : done + step]
-            n = self._int8_group(group, dst[done : done + step])
+            n = self._group(group, dst[done : done + step])
             done += n
             if n < len(group):
                 break
         return done
 
-    def _int8_group(
-        self, payloads: list[memoryview], dst: Sequence[torch.Tensor | memoryview]
-    ) -> int:
-        """`dequantize_many` of verified int8 payloads, their scales checked together: how
-        many of the leading ones were written. Joined, so that one view holds them all."""
+    def _group(self, payloads: list[memoryview], dst: Sequence[torch.Tensor | memoryview]) -> int:
+        """`dequantize_many` of verified payloads, their scales checked together: how many
+        of the leading ones were written. Joined, so that one view holds them all."""
+        stored = QUANT_DTYPES[self.codec]
         joined = payloads[0] if len(payloads) == 1 else b"".join(payloads)
         rows = np.frombuffer(joined, np.uint8).reshape(len(payloads), -1)  # an entry a row
-        bits, values = split_payload_rows(rows, self.shape, torch.int8)
-        n = leading_scales_ok(bits, torch.int8)
+        bits, values = split_payload_rows(rows, self.shape, stored)
+        n = leading_scales_ok(bits, stored)
         if n:
-            int8_payloads_into(bits[:n], values[:n], [self._rows_of(out) for out in dst[:n]])
+            payloads_into(bits[:n], values[:n], [self._rows_of(out) for out in dst[:n]])
         return n
 
     def _leading_payloads(
@@ -266,10 +265,10 @@ class ExpectedEntry:
     def _rows_of(self, dst: torch.Tensor | memoryview) -> torch.Tensor:
         """`dst` as [scales, head_dim] (one row per token, layer, K/V and head)."""
         if not isinstance(dst, torch.Tensor):
-            return self._tensor_of(dst).view(self._int8_rows, -1)  # type: ignore[arg-type]
+            return self._tensor_of(dst).view(self._scale_rows, -1)  # type: ignore[arg-type]
         if dst.device.type != "cpu" or not dst.is_contiguous() or dst.numel() != self.numel:
             raise ValueError(f"dst must be contiguous CPU {self.shape}, got {tuple(dst.shape)}")
-        return dst.view(self._int8_rows, -1)  # type: ignore[arg-type]
+        return dst.view(self._scale_rows, -1)  # type: ignore[arg-type]
 
     def _tensor_of(self, raw: memoryview) -> torch.Tensor:
         """Raw bytes of KV of `dtype` and `shape`, viewed flat (ValueError for another size)."""
@@ -298,7 +297,7 @@ class ExpectedEntry:
 
 
 _U64 = struct.Struct("<Q")
-# int8 payloads joined at a time by `dequantize_many`: a copy that stays in cache until read
+# quantized payloads joined at a time by `dequantize_many`: a copy that stays in cache until read
 _GROUP_BYTES = 1 << 20
 
 

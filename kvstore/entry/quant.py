@@ -132,34 +132,25 @@ def dequantize_into(bits: np.ndarray, values: np.ndarray, out: torch.Tensor) -> 
         raise ValueError(f"out must be contiguous CPU {values.shape}, got {tuple(out.shape)}")
     rows = bits.size  # one row per scale: [layers * 2 * heads * tokens, head_dim]
     factor = bf16_values(bits).reshape(rows, 1)
-    q = values.reshape(rows, -1)
-    if values.dtype == np.int8:
-        _int8_into(torch.from_numpy(q), torch.from_numpy(factor), out.view(rows, -1))
-        return
-    if out.dtype == torch.bfloat16:  # numpy has no bfloat16: float32, rounded once
-        x = _FP8_VALUES[q] if values.dtype == np.uint8 else q.astype(np.float32)
-        x *= factor
-        target = out.view(torch.int16).numpy().view(np.uint16).reshape(rows, -1)
-        target[...] = bf16_bits(x)
-        return
-    target = out.numpy().reshape(rows, -1)
-    with np.errstate(over="ignore"):  # float16 only; clamped below
-        if values.dtype == np.uint8:
-            np.take(_FP8_VALUES.astype(target.dtype, copy=False), q, out=target)
-            np.multiply(target, factor, out=target)
-        else:
-            np.multiply(q, factor, out=target)
-    if target.dtype == np.float16:
-        np.clip(target, -_F16_MAX, _F16_MAX, out=target)
+    _rows_into(values.reshape(rows, -1), factor, out.view(rows, -1))
 
 
-def int8_payloads_into(bits: np.ndarray, values: np.ndarray, outs: list[torch.Tensor]) -> None:
-    """int8 payloads' KV into `outs` as `dequantize_into` does: `split_payload_rows`' bits
-    [entries, scales] and values [entries, scales, head_dim], outs[i] [scales, head_dim] the
-    i-th's. The scales of all of them are widened at once, in numpy."""
-    factor = torch.from_numpy(bf16_values(bits).reshape(*bits.shape, 1))
-    for q, factor_i, out in zip(torch.from_numpy(values), factor, outs, strict=True):
-        _int8_into(q, factor_i, out)
+def payloads_into(bits: np.ndarray, values: np.ndarray, outs: list[torch.Tensor]) -> None:
+    """Quantized payloads' KV into `outs` as `dequantize_into` does: `split_payload_rows`'
+    bits [entries, scales] and values [entries, scales, head_dim], outs[i] [scales,
+    head_dim] the i-th's. The scales of all of them are widened at once, in numpy."""
+    factor = bf16_values(bits).reshape(*bits.shape, 1)
+    for q, factor_i, out in zip(values, factor, outs, strict=True):
+        _rows_into(q, factor_i, out)
+
+
+def _rows_into(q: np.ndarray, factor: np.ndarray, out: torch.Tensor) -> None:
+    """out = q x factor, q [rows, dim] int8 or e4m3 bits (uint8), factor [rows, 1] float32,
+    out [rows, dim] contiguous, of any float dtype."""
+    if q.dtype == np.int8:
+        _int8_into(torch.from_numpy(q), torch.from_numpy(factor), out)
+    else:
+        _fp8_into(q, factor, out)
 
 
 def _int8_into(q: torch.Tensor, factor: torch.Tensor, out: torch.Tensor) -> None:
@@ -176,6 +167,23 @@ def _int8_into(q: torch.Tensor, factor: torch.Tensor, out: torch.Tensor) -> None
     out.mul_(factor)
     if out.dtype == torch.float16:  # a scale rounded up may carry a value past 65504
         out.clamp_(-65504.0, 65504.0)
+
+
+def _fp8_into(q: np.ndarray, factor: np.ndarray, out: torch.Tensor) -> None:
+    """out = value(q) x factor, q [rows, dim] e4m3 bits (uint8), by a table lookup in numpy:
+    every e4m3 value is exact in float16 and float32, the product is rounded once."""
+    # mode "wrap": a uint8 index is always in the table, and numpy buffers `out` for "raise"
+    if out.dtype == torch.bfloat16:  # numpy has no bfloat16: float32, rounded once
+        x = np.take(_FP8_VALUES, q, mode="wrap")
+        x *= factor
+        out.view(torch.int16).numpy().view(np.uint16)[...] = bf16_bits(x)
+        return
+    target = out.numpy()
+    with np.errstate(over="ignore"):  # float16 only; clamped below
+        np.take(_FP8_VALUES.astype(target.dtype, copy=False), q, out=target, mode="wrap")
+        np.multiply(target, factor, out=target)
+    if target.dtype == np.float16:
+        np.clip(target, -_F16_MAX, _F16_MAX, out=target)
 
 
 def pack_payload(bits: np.ndarray, values: np.ndarray) -> bytes:

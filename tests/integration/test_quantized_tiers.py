@@ -64,9 +64,10 @@ def put_back_with_a_bad_scale(store, key: bytes, scale: float) -> None:
     store.put_many([(key, body + xxhash.xxh3_64_intdigest(body).to_bytes(8, "little"))])
 
 
-def test_a_damaged_scale_is_deleted_counted_and_recomputed(tier, redis_url, tmp_path):
+@pytest.mark.parametrize("codec", ["int8", "fp8"])
+def test_a_damaged_scale_is_deleted_counted_and_recomputed(tier, redis_url, tmp_path, codec):
     prompt = tokens(5 * BS + 1, seed=6)
-    with PrefixCache(tier_config(tier, tmp_path, redis_url, codec="int8"), NS) as cache:
+    with PrefixCache(tier_config(tier, tmp_path, redis_url, codec=codec), NS) as cache:
         held_only_in_tiers(cache, prompt)
         store, key = cache.tiers.stores[0], cache.hasher.hash_blocks(prompt)[3]
         put_back_with_a_bad_scale(store, key, float("nan"))
@@ -80,14 +81,15 @@ def test_a_damaged_scale_is_deleted_counted_and_recomputed(tier, redis_url, tmp_
         assert store.get_many([key]) != [None]
 
 
-def test_an_entry_of_another_codec_amid_int8_ones_is_read_and_so_are_those_after_it(
-    tier, redis_url, tmp_path
+@pytest.mark.parametrize("codec", ["int8", "fp8"])
+def test_an_entry_of_another_codec_amid_quantized_ones_is_read_and_so_are_those_after_it(
+    tier, redis_url, tmp_path, codec
 ):
     """Block 2's entry rewritten with codec none (exact KV, as a writer with another codec
-    stores it): the batched int8 read stops there, decodes it, and goes on past it."""
+    stores it): the batched read stops there, decodes it, and goes on past it."""
     prompt = tokens(6 * BS + 2, seed=8)
     kv = kv_for(prompt)
-    with PrefixCache(tier_config(tier, tmp_path, redis_url, codec="int8"), NS) as cache:
+    with PrefixCache(tier_config(tier, tmp_path, redis_url, codec=codec), NS) as cache:
         held_only_in_tiers(cache, prompt)
         store, key = cache.tiers.stores[0], cache.hasher.hash_blocks(prompt)[2]
         exact = torch.stack([torch.stack([x[0, :, 2 * BS : 3 * BS] for x in pair]) for pair in kv])
@@ -100,7 +102,7 @@ def test_an_entry_of_another_codec_amid_int8_ones_is_read_and_so_are_those_after
         hit = cache.lookup(prompt)
         assert hit.tier_tokens == {tier: 6 * BS}
         loaded = cache.load(hit).layers
-        want = quantized_reference(kv, codec="int8")
+        want = quantized_reference(kv, codec)
         for (k, v), (qk, qv), (lk, lv) in zip(kv, want, loaded, strict=True):
             for x, q, got in ((k, qk, lk), (v, qv, lv)):
                 assert torch.equal(got[:, :, 2 * BS : 3 * BS], x[:, :, 2 * BS : 3 * BS])
