@@ -31,11 +31,11 @@ from bench.throttle import ThrottledProxy
 from bench.ttft.point import (
     TIERS,
     device_cell,
+    device_ms_cell,
     full_kv,
     measure_point,
     print_table,
     tier_label,
-    with_device_ratio,
 )
 from engine.extras import require
 from engine.loop.threads import on_own_thread
@@ -138,14 +138,12 @@ def main(argv: list[str], model=None) -> int:
     gc.collect()
     gc.freeze()  # long-lived objects out of the collector, so timed() collects cheaply
     with throttled(args):
-        points = with_device_ratio(
-            [
-                measure_point(lm, ids, kv, tier, cached, args, codec)
-                for tier in args.tiers
-                for codec in (["none"] if tier == "device" else args.codecs)
-                for cached in args.points
-            ]
-        )
+        points = [
+            measure_point(lm, ids, kv, tier, cached, args, codec)
+            for tier in args.tiers
+            for codec in (["none"] if tier == "device" else args.codecs)
+            for cached in args.points
+        ]
     if args.json:
         print(json.dumps({"points": points}))
     else:
@@ -160,6 +158,7 @@ def main(argv: list[str], model=None) -> int:
 
 
 EXTRA_COLUMNS = [
+    ("device ms", device_ms_cell),
     ("÷ device", device_cell),
     ("÷ no cache", lambda p: f"{p['ratio_to_nocache']:.3f}"),
     ("gate skips", lambda p: str(p["read_skipped"])),

@@ -77,9 +77,15 @@ def hold_only_in_tier(cache, tier: str) -> None:
         cache.flush()
 
 
-def round_order(round_: int) -> list[str]:
-    """ideal and kvstore run back to back (their order alternates); nocache goes around them."""
-    pair = ["ideal", "kvstore"] if round_ % 2 == 0 else ["kvstore", "ideal"]
+def round_order(round_: int, device: bool = False) -> list[str]:
+    """ideal and kvstore run back to back (their order alternates); nocache goes around them.
+    With `device` (a spill tier's point), a device-tier hit of the same prompt runs on
+    ideal's other side, so that kvstore and device are paired in every round too: after
+    kvstore, whose lookup left the prefix in the pool, or first in the next round."""
+    if device:
+        pair = ["kvstore", "ideal", "device"] if round_ % 2 == 0 else ["device", "ideal", "kvstore"]
+    else:
+        pair = ["ideal", "kvstore"] if round_ % 2 == 0 else ["kvstore", "ideal"]
     return ["nocache", *pair] if round_ % 4 < 2 else [*pair, "nocache"]
 
 
@@ -91,8 +97,10 @@ def timed(fn: Callable[[], int]) -> tuple[float, int]:
 
 
 def measure_point(
-    lm, ids: list[int], kv: list, tier: str, cached: int, args, codec: str = "none"
-) -> dict:
+    lm, ids: list[int], kv: list, tier: str, cached: int, args, codec: str = "none",
+    paired_device: bool = True,
+) -> dict:  # fmt: skip
+    """One point; `paired_device`: a spill tier's rounds also time the device tier's hit."""
     from engine.loop.engine import Engine
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -104,7 +112,7 @@ def measure_point(
             engine.prefill(unrelated(ids))  # the prefill figure a serving engine has (the gate's)
             layers = [(k[:, :, :cached], v[:, :, :cached]) for k, v in kv]
             engine.on_loop(lambda: engine.cache.store(ids[:cached], layers))
-            point = measure_variants(engine, ids, kv, tier, cached, args)
+            point = measure_variants(engine, ids, kv, tier, cached, args, paired_device)
             return point | {"codec": codec, "read_gate": engine.cache.stats()["read_gate"]}
 
 
@@ -113,8 +121,11 @@ def unrelated(ids: list[int]) -> list[int]:
     return [(t + 1) % 256 if i == 0 else t for i, t in enumerate(ids)]
 
 
-def measure_variants(engine, ids: list[int], kv: list, tier: str, cached: int, args) -> dict:
-    """Interleaved rounds of the three variants; medians and the paired kvstore/ideal ratio."""
+def measure_variants(
+    engine, ids: list[int], kv: list, tier: str, cached: int, args, paired_device: bool = True
+) -> dict:
+    """Interleaved rounds of the variants; medians and the paired ratios of kvstore to ideal
+    and, for a spill tier, to the device tier's hit of the same prompt."""
     model = engine.model.model
 
     def nocache() -> int:  # as the engine runs the model: its thread, its linear kernels
@@ -135,18 +146,28 @@ def measure_variants(engine, ids: list[int], kv: list, tier: str, cached: int, a
         loaded.append(pre.cached_tokens)  # fewer: the read gate computed the tier's blocks
         return int(torch.argmax(pre.logits))
 
+    def device() -> int:  # the prefix in the pool, as kvstore's lookup left it
+        pre = engine.prefill(ids)
+        if pre.cached_tokens != cached:
+            raise RuntimeError(f"device: {pre.cached_tokens} tokens in the pool, not {cached}")
+        return int(torch.argmax(pre.logits))
+
+    paired = paired_device and tier != "device"
     times: dict[str, list[float]] = {"nocache": [], "ideal": [], "kvstore": []}
+    times |= {"device": []} if paired else {}
     spent: dict[str, list[float]] = {"load": [], "wait": []}  # layer-by-layer loads' seconds
     tokens = set()
     with torch.inference_mode():
         for round_ in range(args.runs + 1):  # round 0 is the warm-up
-            for name in round_order(round_):
-                # outside the timed region, and on the engine's thread as all torch work
-                engine.on_loop(lambda: hold_only_in_tier(engine.cache, tier))
-                if name == "ideal":
+            for name in round_order(round_, paired):
+                if name == "device":  # the pool holds the prefix (kvstore's lookup put it there)
+                    elapsed, token = timed(device)
+                elif name == "ideal":
                     past = engine.on_loop(lambda: clone_prefix(model, kv, cached))
                     elapsed, token = timed(lambda p=past: ideal(p))
                 else:
+                    if name == "kvstore":  # outside the timed region, on the engine's thread
+                        engine.on_loop(lambda: hold_only_in_tier(engine.cache, tier))
                     before = layer_seconds(engine.cache)
                     elapsed, token = timed(nocache if name == "nocache" else kvstore)
                     after = layer_seconds(engine.cache)
@@ -157,6 +178,8 @@ def measure_variants(engine, ids: list[int], kv: list, tier: str, cached: int, a
                 if round_:
                     times[name].append(elapsed)
     point = summarize(times, tier, len(ids), cached, len(tokens) == 1)
+    if not paired and tier != "device":  # no device hit timed beside this tier's
+        point |= {"ttft_device_s": None, "ratio_to_device": None}
     timed_loads = loaded[-args.runs :] if args.runs else []
     skipped = sum(n != cached for n in timed_loads)
     point |= {"read_skipped": skipped, "loaded_tokens": statistics.median(timed_loads or [0])}
@@ -180,6 +203,8 @@ def summarize(times: dict, tier: str, prompt_tokens: int, cached: int, same: boo
     median = {name: statistics.median(values) for name, values in times.items()}
     paired = [k / i for k, i in zip(times["kvstore"], times["ideal"], strict=True)]
     nocache = [k / n for k, n in zip(times["kvstore"], times["nocache"], strict=True)]
+    device = [k / d for k, d in zip(times["kvstore"], times["device"], strict=True)] if (
+        "device" in times) else []  # fmt: skip
     return {
         "tier": tier,
         "prompt_tokens": prompt_tokens,
@@ -189,22 +214,11 @@ def summarize(times: dict, tier: str, prompt_tokens: int, cached: int, same: boo
         "ttft_kvstore_s": median["kvstore"],
         "ratio_to_ideal": statistics.median(paired),
         "ratio_to_nocache": statistics.median(nocache),
+        # a spill tier over the device tier's hit, round by round (the device tier's own: 1)
+        "ttft_device_s": median.get("device", median["kvstore"]),
+        "ratio_to_device": statistics.median(device) if device else 1.0,
         "same_first_token": same,
     }
-
-
-def with_device_ratio(points: list[dict]) -> list[dict]:
-    """Each point with `ratio_to_device`: its ratio to the ideal over the device tier's at the
-    same prompt and cached tokens (a tier's own cost; None when the run has no device tier)."""
-    device = {
-        (p["prompt_tokens"], p["cached_tokens"]): p["ratio_to_ideal"]
-        for p in points
-        if p["tier"] == "device"
-    }
-    for p in points:
-        base = device.get((p["prompt_tokens"], p["cached_tokens"]))
-        p["ratio_to_device"] = None if base is None else p["ratio_to_ideal"] / base
-    return points
 
 
 def tier_label(point: dict) -> str:
@@ -216,6 +230,12 @@ def tier_label(point: dict) -> str:
 def device_cell(point: dict) -> str:
     ratio = point.get("ratio_to_device")
     return "-" if ratio is None else f"{ratio:.3f}"
+
+
+def device_ms_cell(point: dict) -> str:
+    """The device tier's TTFT timed beside this point's (its own, for the device tier)."""
+    seconds = point.get("ttft_device_s")
+    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
 
 
 def print_table(

@@ -185,7 +185,7 @@ def run_sweep(lm, args: argparse.Namespace) -> int:
             bar.update(len(grid))
             for tier in args.tiers:
                 for fraction, cached in grid:
-                    point = measure_point(lm, ids, kv, tier, cached, args)
+                    point = measure_point(lm, ids, kv, tier, cached, args, paired_device=False)
                     extra = {"cached_fraction": fraction, "ttft_hf_generate_s": hf_s}
                     points.append({**point, **extra, **cb[cached]})
                     bar.update(1)
