@@ -22,7 +22,7 @@ from collections.abc import Callable
 import numpy as np
 
 from bench.faults.common import BS, Context
-from bench.faults.live import Answer, LiveServer, run_clients, stream, wait_until
+from bench.faults.live import Answer, LiveServer, Streaming, run_clients, stream, wait_until
 from bench.faults.load_report import MAX_TOKENS, Checks, LoadOutcome, percentile_ms, tally
 from bench.faults.storage import small_tmpfs
 
@@ -51,27 +51,33 @@ class Run:
         """`may_evict`: the fault makes LMDB evict or drop entries (they explain misses)."""
         self.ctx, self.tag, self.may_evict = ctx, tag, may_evict
         self.clients = ctx.scale.load_clients
+        self.streaming = Streaming()  # this run's streams, as its clients see them
         self.server = LiveServer(ctx, tag, *server_args, redis=redis).start().wait_ready()
         self.base = run_clients(self.jobs(prompts(self.clients, seed=1)), self.clients)
 
     def jobs(self, batch: list[list[int]], **kw: object) -> list[Callable[[], Answer]]:
         url = self.server.url
-        return [lambda p=p: stream(url, p, MAX_TOKENS, **kw) for p in batch]  # type: ignore[misc]
+        return [  # type: ignore[misc]
+            lambda p=p: stream(url, p, MAX_TOKENS, streaming=self.streaming, **kw) for p in batch
+        ]
 
     def workload(self, seed: int = 2) -> list[list[int]]:
         return prompts(self.ctx.scale.load_requests, seed)
 
     def busy(self, timeout_s: float = 60.0) -> None:
-        """Wait until half the clients' requests are in the engine at once (mid-batch):
-        running, or queued behind the blocks a running one is computing (a prompt sharing
-        them waits for them, then hits), as /health counts them."""
+        """Wait until half the clients' requests are in the engine at once (mid-batch): as
+        the clients see it (streaming, woken the moment the half-th starts), or as /health
+        counts them (running, or queued behind the blocks a running one is computing: a
+        prompt sharing them waits for them, then hits)."""
         half = self.clients // 2
 
         def in_engine() -> bool:
+            if self.streaming.wait_for(half, 0.01):
+                return True
             health = self.server.health()
             return health.get("running", 0) + health.get("waiting", 0) >= half
 
-        if wait_until(in_engine, timeout_s, interval_s=0.01) is None:
+        if wait_until(in_engine, timeout_s, interval_s=0.0) is None:
             raise RuntimeError(f"{half} requests were never in the engine at once: no fault")
 
     def probe_until_ok(self, timeout_s: float = 60.0) -> float | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -131,6 +132,26 @@ def body(prompt: Sequence[int], max_tokens: int) -> dict:
     }
 
 
+class Streaming:
+    """How many of a run's streams have their first chunk and have not ended, as the clients
+    see it (thread-safe): a fault waits on it without polling the server, so a workload
+    shorter than a poll cannot slip by unseen."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._now = 0
+
+    def change(self, by: int) -> None:
+        with self._cond:
+            self._now += by
+            self._cond.notify_all()
+
+    def wait_for(self, n: int, timeout_s: float) -> bool:
+        """Whether `n` streams were running at once within `timeout_s` (at the return)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._now >= n, timeout_s)
+
+
 def stream(
     url: str,
     prompt: list[int],
@@ -138,10 +159,27 @@ def stream(
     key: str = "sk-load-a",
     leave_after: int | None = None,
     payload: bytes | None = None,
+    streaming: Streaming | None = None,
 ) -> Answer:
     """One streamed completion; `leave_after` chunks: the client disconnects; `payload`: send
-    these bytes instead of the request (bad input)."""
+    these bytes instead of the request (bad input); `streaming` counts it while it streams."""
     answer = Answer(prompt, time.perf_counter(), key)
+    try:
+        return _stream(url, answer, max_tokens, leave_after, payload, streaming)
+    finally:
+        if streaming is not None and answer.ttft_s is not None:
+            streaming.change(-1)
+
+
+def _stream(
+    url: str,
+    answer: Answer,
+    max_tokens: int,
+    leave_after: int | None,
+    payload: bytes | None,
+    streaming: Streaming | None,
+) -> Answer:
+    prompt, key = answer.prompt, answer.key
     headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
     content = payload if payload is not None else json.dumps(body(prompt, max_tokens)).encode()
     try:
@@ -154,7 +192,7 @@ def stream(
                 response.read()
                 answer.error = _error_code(response)
                 return answer
-            _read_events(response, answer, leave_after)
+            _read_events(response, answer, leave_after, streaming)
     except httpx.HTTPError as e:
         answer.error = answer.error or f"{type(e).__name__}"
     return answer
@@ -168,7 +206,12 @@ def _error_code(response: httpx.Response) -> str:
         return f"http {response.status_code}"
 
 
-def _read_events(response: httpx.Response, answer: Answer, leave_after: int | None) -> None:
+def _read_events(
+    response: httpx.Response,
+    answer: Answer,
+    leave_after: int | None,
+    streaming: Streaming | None = None,
+) -> None:
     chunks = 0
     for line in response.iter_lines():
         if not line.startswith("data: {"):
@@ -180,6 +223,8 @@ def _read_events(response: httpx.Response, answer: Answer, leave_after: int | No
         chunks += 1
         if answer.ttft_s is None:
             answer.ttft_s = time.perf_counter() - answer.sent_at
+            if streaming is not None:
+                streaming.change(1)
         if leave_after is not None and chunks >= leave_after:
             answer.cancelled = True
             return  # closing the response disconnects

@@ -3,6 +3,7 @@ streaming clients on a live `kvstore serve`, each with its must-haves: 0 wrong o
 lost entries, 0 leaked blocks, integrity at close, every request answered or refused with a
 documented status."""
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 from bench.faults.common import Context, Scale, micro_model
 from bench.faults.concurrent import disconnects, redis_killed, sigterm, tenant_flood
+from bench.faults.live import Streaming
 from bench.faults.load_report import LoadOutcome, must_haves_hold
 from engine.model.loading import LoadedModel
 
@@ -122,3 +124,18 @@ def test_the_soak_fails_on_heap_growth_of_5_percent_or_any_descriptor_or_thread_
     assert not holds(replace(ok, end=replace(warm, fds=14)))
     assert not holds(replace(ok, end=replace(warm, threads=10)))
     assert not holds(replace(ok, failed=1))
+
+
+def test_a_fault_waits_for_streams_running_at_once_as_the_clients_see_them() -> None:
+    """`Streaming` (what `busy()` waits on first): counts streams between their first chunk
+    and their end, and wakes a waiter the moment enough run at once."""
+    streaming = Streaming()
+    assert not streaming.wait_for(1, 0.01)
+    started = threading.Timer(0.05, streaming.change, args=(1,))
+    started.start()
+    assert streaming.wait_for(1, 10.0)  # woken by the change, long before the timeout
+    streaming.change(1)
+    assert streaming.wait_for(2, 0.0)
+    streaming.change(-1)
+    assert not streaming.wait_for(2, 0.01)  # one ended: no longer two at once
+    started.join()
