@@ -164,22 +164,6 @@ def stream(
     """One streamed completion; `leave_after` chunks: the client disconnects; `payload`: send
     these bytes instead of the request (bad input); `streaming` counts it while it streams."""
     answer = Answer(prompt, time.perf_counter(), key)
-    try:
-        return _stream(url, answer, max_tokens, leave_after, payload, streaming)
-    finally:
-        if streaming is not None and answer.ttft_s is not None:
-            streaming.change(-1)
-
-
-def _stream(
-    url: str,
-    answer: Answer,
-    max_tokens: int,
-    leave_after: int | None,
-    payload: bytes | None,
-    streaming: Streaming | None,
-) -> Answer:
-    prompt, key = answer.prompt, answer.key
     headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
     content = payload if payload is not None else json.dumps(body(prompt, max_tokens)).encode()
     try:
@@ -192,7 +176,11 @@ def _stream(
                 response.read()
                 answer.error = _error_code(response)
                 return answer
-            _read_events(response, answer, leave_after, streaming)
+            try:
+                _read_events(response, answer, leave_after, streaming)
+            finally:  # counted from its first chunk (in _read_events) to here, however it ends
+                if streaming is not None and answer.ttft_s is not None:
+                    streaming.change(-1)
     except httpx.HTTPError as e:
         answer.error = answer.error or f"{type(e).__name__}"
     return answer

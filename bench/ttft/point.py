@@ -178,8 +178,8 @@ def measure_variants(
                 if round_:
                     times[name].append(elapsed)
     point = summarize(times, tier, len(ids), cached, len(tokens) == 1)
-    if not paired and tier != "device":  # no device hit timed beside this tier's
-        point |= {"ttft_device_s": None, "ratio_to_device": None}
+    if tier == "device":  # the device tier is its own base
+        point |= {"ttft_device_s": point["ttft_kvstore_s"], "ratio_to_device": 1.0}
     timed_loads = loaded[-args.runs :] if args.runs else []
     skipped = sum(n != cached for n in timed_loads)
     point |= {"read_skipped": skipped, "loaded_tokens": statistics.median(timed_loads or [0])}
@@ -203,8 +203,8 @@ def summarize(times: dict, tier: str, prompt_tokens: int, cached: int, same: boo
     median = {name: statistics.median(values) for name, values in times.items()}
     paired = [k / i for k, i in zip(times["kvstore"], times["ideal"], strict=True)]
     nocache = [k / n for k, n in zip(times["kvstore"], times["nocache"], strict=True)]
-    device = [k / d for k, d in zip(times["kvstore"], times["device"], strict=True)] if (
-        "device" in times) else []  # fmt: skip
+    hits = times.get("device", [])  # the device tier's, timed beside this one's
+    device = [k / d for k, d in zip(times["kvstore"], hits, strict=True)] if hits else []
     return {
         "tier": tier,
         "prompt_tokens": prompt_tokens,
@@ -214,9 +214,9 @@ def summarize(times: dict, tier: str, prompt_tokens: int, cached: int, same: boo
         "ttft_kvstore_s": median["kvstore"],
         "ratio_to_ideal": statistics.median(paired),
         "ratio_to_nocache": statistics.median(nocache),
-        # a spill tier over the device tier's hit, round by round (the device tier's own: 1)
-        "ttft_device_s": median.get("device", median["kvstore"]),
-        "ratio_to_device": statistics.median(device) if device else 1.0,
+        # over the device tier's hit timed in the same rounds (None: none was)
+        "ttft_device_s": median.get("device"),
+        "ratio_to_device": statistics.median(device) if device else None,
         "same_first_token": same,
     }
 

@@ -43,6 +43,8 @@ _LARGEST = {
 _SERIAL_VALUES = 32768
 # every e4m3 value by its bits: a CPU cast from float8 is scalar code, a table lookup is not
 _FP8_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
+# the numpy dtype a payload's values are viewed as (e4m3 as its bits)
+_VALUE_KINDS = {torch.int8: np.int8, torch.float8_e4m3fn: np.uint8}
 
 
 class QuantError(ValueError):
@@ -200,7 +202,7 @@ def split_payload_rows(
     views of `rows`."""
     count, at = math.prod(scale_shape(shape)), scale_bytes(shape)
     bits = rows[:, : SCALE_BYTES * count].view("<u2")
-    kind = np.int8 if stored == torch.int8 else np.uint8
+    kind = _VALUE_KINDS[stored]
     values = rows[:, at : at + math.prod(shape)].view(kind).reshape(len(rows), count, -1)
     return bits, values
 
@@ -212,7 +214,7 @@ def split_payload(
     e4m3 values as their uint8 bits."""
     count = math.prod(scale_shape(shape))
     bits = np.frombuffer(payload, dtype="<u2", count=count).reshape(scale_shape(shape))
-    kind = np.int8 if stored == torch.int8 else np.uint8
+    kind = _VALUE_KINDS[stored]
     at = scale_bytes(shape)
     values = np.frombuffer(payload, dtype=kind, count=math.prod(shape), offset=at)
     return bits, values.reshape(shape)
