@@ -79,7 +79,10 @@ FIELD_HELP = {
     "codec": "payload codec of tier entries: `none`, `fp16`/`bf16` (lossy downcast of fp32 "
     "KV), `lz4`, `zstd` (lossless), `int8`/`fp8` (lossy: about a quarter of fp32's bytes, "
     "a bfloat16 scale per token, layer, K/V and KV head; docs/FORMAT.md); part of the "
-    "namespace",
+    "namespace. An unquantized pool dequantizes each block it reads through a quantized "
+    "codec; a pool of that dtype (`kv_cache_dtype`) copies it: a Redis hit of 2032 cached "
+    "tokens on `tiny` cost 1.17-1.22 times a device hit with an int8 pool, 1.24-1.41 with a "
+    'float32 pool reading `int8` (docs/BENCHMARKS.md, "Quantized device pools")',
     "chunk_blocks": "blocks per tier entry (one key per chunk of N consecutive blocks)",
     "layer_loads": "the engine's tier hits reach the pool layer by layer while the forward "
     "runs, each attention layer waiting for its own K/V only (full-attention models, codec "
