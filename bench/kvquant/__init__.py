@@ -144,9 +144,12 @@ def perplexity(lm, ids: list[int], codec: str, chunk: int, reference: torch.Tens
 # --- greedy agreement ---------------------------------------------------------------------
 
 
-def demo_prompts(lm, max_tokens: int, limit: int | None) -> tuple[list[list[int]], list]:
-    """The demo's prompts through the chat template, and each one's no-cache greedy tokens
-    (run on an engine's loop thread, with its kernels; a chat turn's history holds them)."""
+def demo_prompts(
+    lm, max_tokens: int, limit: int | None
+) -> tuple[list[list[int]], list, list[dict]]:
+    """The demo's prompts through the chat template, each one's no-cache greedy tokens (run
+    on an engine's loop thread, with its kernels; a chat turn's history holds them), and
+    each one's `closest_tie`."""
     from engine.demo import BATCH_QUESTIONS, CHAT_TURNS, SYSTEM_PROMPT
     from engine.loop.engine import Engine
     from engine.loop.sequential import reference_generate
@@ -157,7 +160,7 @@ def demo_prompts(lm, max_tokens: int, limit: int | None) -> tuple[list[list[int]
         text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return tok(text, add_special_tokens=False)["input_ids"]
 
-    prompts, refs, history = [], [], [system]
+    prompts, refs, ties, history = [], [], [], [system]
     with Engine(lm, CacheConfig(block_size=BLOCK_SIZE, device="cpu")) as engine:
         turns = [(q, True) for q in CHAT_TURNS] + [(q, False) for q in BATCH_QUESTIONS]
         for question, chat in turns[:limit]:
@@ -169,10 +172,21 @@ def demo_prompts(lm, max_tokens: int, limit: int | None) -> tuple[list[list[int]
             )
             prompts.append(prompt)
             refs.append(ref)
+            ties.append(engine.on_loop(lambda p=prompt, r=ref: closest_tie(lm, p, r)))
             if chat:
                 answer = tok.decode(ref, skip_special_tokens=True)
                 history = [*messages, {"role": "assistant", "content": answer}]
-    return prompts, refs
+    return prompts, refs, ties
+
+
+def closest_tie(lm, prompt: list[int], ref: list[int]) -> dict:
+    """Where the no-cache continuation `ref` of `prompt` came nearest to a tie: the token
+    whose two likeliest candidates had the smallest logit gap, and that gap. A change of the
+    logits smaller than half of it cannot change the greedy token there; a larger one may,
+    whatever caused it."""
+    gaps = top2_gaps(lm, prompt + ref[:-1], len(prompt) - 1)
+    at = min(range(len(gaps)), key=gaps.__getitem__)
+    return {"token": at, "top2_gap": gaps[at]}
 
 
 def agreement(lm, codec: str, prompts: list[list[int]], refs: list, max_tokens: int) -> dict:
@@ -198,7 +212,7 @@ def agreement(lm, codec: str, prompts: list[list[int]], refs: list, max_tokens: 
                 if result.output_token_ids != ref:
                     at = first_difference(result.output_token_ids, ref)
                     ids = prompt + ref[:at]
-                    gap = reader.on_loop(lambda ids=ids: top2_gap(lm, ids))
+                    gap = reader.on_loop(lambda ids=ids: top2_gaps(lm, ids, len(ids) - 1)[0])
                     divergences.append({"prompt": i, "token": at, "top2_gap": gap})
             meets = reader.on_loop(lambda: count_meeting_contract(lm, prompts, outputs, tol=tol))
     return {"identical": same, "prompts": len(prompts), "identical_share": same / len(prompts),
@@ -212,13 +226,13 @@ def first_difference(a: list[int], b: list[int]) -> int:
     )
 
 
-def top2_gap(lm, ids: list[int]) -> float:
-    """The no-cache logit gap between the two likeliest next tokens after `ids`: how close
-    to a tie the token a codec changed was."""
+def top2_gaps(lm, ids: list[int], first: int) -> list[float]:
+    """The no-cache logit gap between the two likeliest next tokens after each of ids[:first
+    + 1], ids[:first + 2], ... ids: how close to a tie each greedy token was."""
     with torch.inference_mode():
-        logits = lm.model(input_ids=torch.tensor([ids])).logits[0, -1].float()
-    top = torch.topk(logits, 2).values
-    return float(top[0] - top[1])
+        logits = lm.model(input_ids=torch.tensor([ids])).logits[0, first:].float()
+    top = torch.topk(logits, 2, dim=-1).values  # [positions, 2]
+    return (top[:, 0] - top[:, 1]).tolist()
 
 
 # --- the run ------------------------------------------------------------------------------
@@ -230,7 +244,7 @@ def run(args: argparse.Namespace) -> dict:
     lm = load_model(args.model)
     ids = lm.tokenizer(TEXT, add_special_tokens=False)["input_ids"]
     reference, kv = text_kv(lm, ids)
-    prompts, refs = demo_prompts(lm, args.max_tokens, args.prompts)
+    prompts, refs, ties = demo_prompts(lm, args.max_tokens, args.prompts)
     rows = []
     for codec in tqdm(args.codecs, desc="codecs"):
         row = {"codec": codec} | perplexity(lm, ids, codec, args.chunk, reference, kv)
@@ -238,8 +252,8 @@ def run(args: argparse.Namespace) -> dict:
     pools = pool_rows(lm, args.kv_cache_dtypes, ids, prompts, args.max_tokens) if (
         args.kv_cache_dtypes) else []  # fmt: skip
     return {"model": args.model, "text_tokens": len(ids), "max_tokens": args.max_tokens,
-            "prompt_tokens": [len(p) for p in prompts], "results": rows,
-            "pools": pools}  # fmt: skip
+            "prompt_tokens": [len(p) for p in prompts], "reference_ties": ties,
+            "results": rows, "pools": pools}  # fmt: skip
 
 
 def print_table(report: dict) -> None:
@@ -269,6 +283,9 @@ def print_table(report: dict) -> None:
         for d in r["divergences"]:
             print(f"{r['codec']}: prompt {d['prompt'] + 1} differs from token {d['token'] + 1}, "
                   f"where no cache's top two logits are {d['top2_gap']:.3f} apart")  # fmt: skip
+    ties = ", ".join(f"{i + 1}: {t['top2_gap']:.3f} (token {t['token'] + 1})"
+                     for i, t in enumerate(report["reference_ties"]))  # fmt: skip
+    print(f"no cache's closest top-two gap in each prompt's continuation: {ties}")
 
 
 def main(argv: list[str] | None = None) -> int:

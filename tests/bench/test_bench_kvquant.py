@@ -27,8 +27,25 @@ def test_the_control_codec_matches_no_cache_and_int8_moves_the_logits(capsys) ->
     # last token's logits)
     cached = sum(n // 16 * 16 for n in report["prompt_tokens"])
     assert none["tier_cached_tokens"] == int8["tier_cached_tokens"] == cached
-    for d in int8["divergences"]:
-        assert 0 <= d["token"] < 4 and d["top2_gap"] >= 0
+    ties = report["reference_ties"]
+    assert len(ties) == 2 and all(0 <= t["token"] < 4 and t["top2_gap"] >= 0 for t in ties)
+    for d in int8["divergences"]:  # a token changed where no cache came at least that close
+        assert 0 <= d["token"] < 4 and d["top2_gap"] >= ties[d["prompt"]]["top2_gap"] - 1e-4
+
+
+def test_the_closest_tie_is_the_smallest_gap_of_the_continuations_own_forwards() -> None:
+    from bench.kvquant import closest_tie, top2_gaps
+    from engine.loop.sequential import reference_generate
+    from engine.model.loading import load_model
+
+    lm = load_model("tiny")
+    prompt = list(range(40, 90))
+    ref, _ = reference_generate(lm, prompt, 6)
+    # one forward per greedy token, each after the prompt and the tokens before it
+    gaps = [top2_gaps(lm, prompt + ref[:j], len(prompt) + j - 1)[0] for j in range(len(ref))]
+    tie = closest_tie(lm, prompt, ref)
+    assert len(ref) == 6 and tie["token"] == gaps.index(min(gaps))
+    assert abs(tie["top2_gap"] - min(gaps)) < 1e-4
 
 
 def test_a_quantized_pools_hits_read_what_its_misses_read(capsys) -> None:
