@@ -66,10 +66,12 @@ class Run:
 
     def busy(self, timeout_s: float = 60.0) -> None:
         """Wait until half the clients' requests are in the engine at once (mid-batch): as
-        the clients see it (streaming, woken the moment the half-th starts), or as /health
-        counts them (running, or queued behind the blocks a running one is computing: a
-        prompt sharing them waits for them, then hits)."""
+        the clients see it (streaming: the moment the half-th starts, even if the waiter
+        wakes after some ended), or as /health counts them (running, or queued behind the
+        blocks a running one is computing: a prompt sharing them waits for them, then
+        hits). Streams of the run's earlier batches do not count."""
         half = self.clients // 2
+        self.streaming.mark()
 
         def in_engine() -> bool:
             if self.streaming.wait_for(half, 0.01):

@@ -134,22 +134,31 @@ def body(prompt: Sequence[int], max_tokens: int) -> dict:
 
 class Streaming:
     """How many of a run's streams have their first chunk and have not ended, as the clients
-    see it (thread-safe): a fault waits on it without polling the server, so a workload
-    shorter than a poll cannot slip by unseen."""
+    see it (thread-safe), and the most that ran at once since `mark`: a fault waits on that
+    peak without polling the server, so neither a workload shorter than a poll nor a waiter
+    woken after the streams ended again can slip by unseen."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._now = 0
+        self._peak = 0  # the most at once since `mark`
 
     def change(self, by: int) -> None:
         with self._cond:
             self._now += by
+            self._peak = max(self._peak, self._now)
             self._cond.notify_all()
 
-    def wait_for(self, n: int, timeout_s: float) -> bool:
-        """Whether `n` streams were running at once within `timeout_s` (at the return)."""
+    def mark(self) -> None:
+        """Count the peak from now on (the streams running now are its floor)."""
         with self._cond:
-            return self._cond.wait_for(lambda: self._now >= n, timeout_s)
+            self._peak = self._now
+
+    def wait_for(self, n: int, timeout_s: float) -> bool:
+        """Whether `n` streams ran at once at some moment since `mark`, waiting up to
+        `timeout_s` for it."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._peak >= n, timeout_s)
 
 
 def stream(
