@@ -12,7 +12,9 @@ against the same model without a cache, in one run:
   prompt's prefix from the tier through the codec and generates `--max-tokens` (32) greedy
   tokens, compared token for token with a no-cache greedy run; and whether each continuation
   meets the output contract with the codec's tolerance (every token the no-cache argmax of
-  its own prefix wherever the top two logits are further apart than that tolerance).
+  its own prefix wherever the top two logits are further apart than that tolerance);
+- **closest calls**: for each prompt, the smallest gap between the two likeliest tokens in
+  its no-cache continuation (a logit change under half of it cannot flip a token there).
 Codec `none` is the control: the exact contract (perplexity equal, every continuation the
 same). About 2 minutes on 2 CPU cores.
 """
