@@ -148,10 +148,10 @@ def perplexity(lm, ids: list[int], codec: str, chunk: int, reference: torch.Tens
 
 def demo_prompts(
     lm, max_tokens: int, limit: int | None
-) -> tuple[list[list[int]], list, list[dict]]:
+) -> tuple[list[list[int]], list, list[list[float]]]:
     """The demo's prompts through the chat template, each one's no-cache greedy tokens (run
     on an engine's loop thread, with its kernels; a chat turn's history holds them), and
-    each one's `closest_tie`."""
+    each one's `continuation_gaps`."""
     from engine.demo import BATCH_QUESTIONS, CHAT_TURNS, SYSTEM_PROMPT
     from engine.loop.engine import Engine
     from engine.loop.sequential import reference_generate
@@ -162,7 +162,7 @@ def demo_prompts(
         text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return tok(text, add_special_tokens=False)["input_ids"]
 
-    prompts, refs, ties, history = [], [], [], [system]
+    prompts, refs, gaps, history = [], [], [], [system]
     with Engine(lm, CacheConfig(block_size=BLOCK_SIZE, device="cpu")) as engine:
         turns = [(q, True) for q in CHAT_TURNS] + [(q, False) for q in BATCH_QUESTIONS]
         for question, chat in turns[:limit]:
@@ -174,25 +174,33 @@ def demo_prompts(
             )
             prompts.append(prompt)
             refs.append(ref)
-            ties.append(engine.on_loop(lambda p=prompt, r=ref: closest_tie(lm, p, r)))
+            gaps.append(engine.on_loop(lambda p=prompt, r=ref: continuation_gaps(lm, p, r)))
             if chat:
                 answer = tok.decode(ref, skip_special_tokens=True)
                 history = [*messages, {"role": "assistant", "content": answer}]
-    return prompts, refs, ties
+    return prompts, refs, gaps
 
 
-def closest_tie(lm, prompt: list[int], ref: list[int]) -> dict:
-    """Where the no-cache continuation `ref` of `prompt` came nearest to a tie: the token
-    whose two likeliest candidates had the smallest logit gap, and that gap. A change of the
-    logits smaller than half of it cannot change the greedy token there; a larger one may,
-    whatever caused it."""
-    gaps = top2_gaps(lm, prompt + ref[:-1], len(prompt) - 1)
+def continuation_gaps(lm, prompt: list[int], ref: list[int]) -> list[float]:
+    """The no-cache top-two gap before each token of the continuation `ref` of `prompt`, and
+    after its last (one forward): where a changed greedy token was, how near a tie."""
+    return top2_gaps(lm, prompt + ref, len(prompt) - 1)
+
+
+def closest_tie(gaps: list[float]) -> dict:
+    """Where a continuation came nearest to a tie (`gaps` before each of its tokens): the
+    token whose two likeliest candidates had the smallest logit gap, and that gap. A change
+    of the logits smaller than half of it cannot change the greedy token there; a larger one
+    may, whatever caused it."""
     at = min(range(len(gaps)), key=gaps.__getitem__)
     return {"token": at, "top2_gap": gaps[at]}
 
 
-def agreement(lm, codec: str, prompts: list[list[int]], refs: list, max_tokens: int) -> dict:
-    """Greedy continuations with each prompt's prefix read from the tier through `codec`."""
+def agreement(
+    lm, codec: str, prompts: list[list[int]], refs: list, gaps: list, max_tokens: int
+) -> dict:
+    """Greedy continuations with each prompt's prefix read from the tier through `codec`;
+    `gaps`: each one's `continuation_gaps`, which say how near a tie a changed token was."""
     from engine.contract import FP32_TOL, count_meeting_contract
     from engine.loop.engine import Engine, SamplingParams
 
@@ -213,9 +221,7 @@ def agreement(lm, codec: str, prompts: list[list[int]], refs: list, max_tokens: 
                 tier_tokens += result.cached_by_tier.get("lmdb", 0)
                 if result.output_token_ids != ref:
                     at = first_difference(result.output_token_ids, ref)
-                    ids = prompt + ref[:at]
-                    gap = reader.on_loop(lambda ids=ids: top2_gaps(lm, ids, len(ids) - 1)[0])
-                    divergences.append({"prompt": i, "token": at, "top2_gap": gap})
+                    divergences.append({"prompt": i, "token": at, "top2_gap": gaps[i][at]})
             meets = reader.on_loop(lambda: count_meeting_contract(lm, prompts, outputs, tol=tol))
     return {"identical": same, "prompts": len(prompts), "identical_share": same / len(prompts),
             "meet_contract": meets, "tier_cached_tokens": tier_tokens,
@@ -246,15 +252,16 @@ def run(args: argparse.Namespace) -> dict:
     lm = load_model(args.model)
     ids = lm.tokenizer(TEXT, add_special_tokens=False)["input_ids"]
     reference, kv = text_kv(lm, ids)
-    prompts, refs, ties = demo_prompts(lm, args.max_tokens, args.prompts)
+    prompts, refs, gaps = demo_prompts(lm, args.max_tokens, args.prompts)
     rows = []
     for codec in tqdm(args.codecs, desc="codecs"):
         row = {"codec": codec} | perplexity(lm, ids, codec, args.chunk, reference, kv)
-        rows.append(row | agreement(lm, codec, prompts, refs, args.max_tokens))
+        rows.append(row | agreement(lm, codec, prompts, refs, gaps, args.max_tokens))
     pools = pool_rows(lm, args.kv_cache_dtypes, ids, prompts, args.max_tokens) if (
         args.kv_cache_dtypes) else []  # fmt: skip
     return {"model": args.model, "text_tokens": len(ids), "max_tokens": args.max_tokens,
-            "prompt_tokens": [len(p) for p in prompts], "reference_ties": ties,
+            "prompt_tokens": [len(p) for p in prompts],
+            "reference_ties": [closest_tie(g[:-1]) for g in gaps],
             "results": rows, "pools": pools}  # fmt: skip
 
 
