@@ -13,6 +13,7 @@ _EXPORTS = {
     "PrefixCache": "kvstore.cache",
     "CacheHit": "kvstore.hits",
     "KVPrefix": "kvstore.hits",
+    "QuantError": "kvstore.entry.quant",
 }
 __all__ = list(_EXPORTS)
 

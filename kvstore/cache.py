@@ -244,7 +244,8 @@ class PrefixCache:
         `keys`: lookup keys of leading blocks already hashed (a lookup's `CacheHit.keys`);
         only the blocks past them are hashed. Returns the number of new blocks. When the
         pool is full of locked blocks, or `tenant` is at its quota, stores a shorter prefix
-        (possibly nothing) rather than failing.
+        (possibly nothing) rather than failing. QuantError (storing nothing) if a quantized
+        pool's new blocks hold an inf or a NaN.
         """
         tokens = as_token_array(token_ids)
         num_tokens = min(len(tokens), int(layers[0][0].shape[2])) if layers else 0
@@ -259,7 +260,7 @@ class PrefixCache:
                 new_ids = self.device_index.allocate(max(want, 0))
                 if new_ids:
                     start = match.num_blocks
-                    self.pool.scatter(new_ids, layers, start_token=start * self.block_size)
+                    self._scatter(new_ids, layers, start)
                     ids, n = match.block_ids + new_ids, start + len(new_ids)
                     self.device_index.insert(keys[:n], tokens, ids, start, cache_salt, tenant)
                     if self.tiers:  # write-through: an independent copy, taken while owned
@@ -269,6 +270,14 @@ class PrefixCache:
                 self.index.unlock(match.last_node)
         self.metrics.inc("stored_blocks_total", len(new_ids))
         return len(new_ids)
+
+    def _scatter(self, new_ids: list[int], layers: Sequence[LayerKV], start: int) -> None:
+        """K/V of blocks start.. into new blocks, freed if the pool refuses them."""
+        try:
+            self.pool.scatter(new_ids, layers, start_token=start * self.block_size)
+        except BaseException:
+            self.pool.free(new_ids)
+            raise
 
     def retain(
         self,

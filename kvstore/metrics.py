@@ -56,7 +56,7 @@ CACHE_FAMILIES = (
            "blocks dropped from the device pool after they slid out of a sliding window (a "
            "hybrid model's: their window layers' part)"),
     Family("tier_writes_blocks_total", "blocks written to a spill tier", ("tier",), SPILL_TIERS),
-    Family("dropped_writes_blocks_total", "tier writes dropped (queue full)"),
+    Family("dropped_writes_blocks_total", "tier writes dropped (queue full, or not encodable)"),
     Family("tier_retained_entries_total", "spill-tier entries given a client's retention",
            ("tier",), SPILL_TIERS),
     Family("layer_load_seconds_total",

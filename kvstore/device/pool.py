@@ -26,6 +26,7 @@ from kvstore.device.quant_kv import (
 )
 from kvstore.device.staging import HostStaging, InPlace, Stage
 from kvstore.device.window_plane import WindowPlane
+from kvstore.entry.quant import QuantError
 from kvstore.layout import KVLayout, LayerKV, layers_to_blocks, split_layers, tensor_bytes
 
 
@@ -247,7 +248,8 @@ class BlockPool:
     def scatter(
         self, block_ids: Sequence[int], kv: Sequence[LayerKV], start_token: int = 0
     ) -> None:
-        """Write tokens [start_token, start_token + n * block_size) of per-layer K/V into blocks."""
+        """Write tokens [start_token, start_token + n * block_size) of per-layer K/V into blocks.
+        QuantError (a quantized pool) if they hold an inf or a NaN; nothing is written then."""
         if not block_ids:
             return
         blocks = layers_to_blocks(kv, start_token, len(block_ids), self.block_size)
@@ -256,6 +258,9 @@ class BlockPool:
             return
         blocks = blocks.to(self.device, self.dtype)  # as the paged path: the model's dtype first
         values, scales = quantize_tokens(blocks, self.layout.quant)  # type: ignore[arg-type]
+        if not bool(torch.isfinite(scales).all()):  # an inf or NaN makes its scale one
+            why = f"a pool of kv_cache_dtype {self.kv_cache_dtype} cannot store them"
+            raise QuantError(f"K/V hold an inf or a NaN: {why}")
         self._write_quantized(block_ids, values, scales)
 
     def _write_quantized(

@@ -53,10 +53,14 @@ def copy_rows(dst: torch.Tensor, at: torch.Tensor, src: torch.Tensor) -> None:
 
 def quantize_tokens(x: torch.Tensor, quant: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(values `quant` [..., dim], scales bfloat16 [...]) of K/V `x` [..., dim]: a scale per
-    token and head, `amax / QMAX` rounded to bfloat16 (at least 2**-126; 1 for zeros)."""
+    token and head, `amax / QMAX` rounded to bfloat16 (at least 2**-126; 1 for zeros; inf or
+    NaN for a token holding an inf or a NaN)."""
     qmax = QMAX[quant]
     amax = x.abs().amax(dim=-1).float()
-    scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+    # a tensor divisor: CUDA divides by a Python number as `x * (1 / qmax)`, which can round
+    # to another bfloat16 scale than the codec's numpy `amax / qmax`. An inf or a NaN in a
+    # token's K/V makes its scale inf or NaN, a scale no writer makes (kvstore/entry/quant.py)
+    scale = torch.where(amax == 0, torch.ones_like(amax), amax / torch.full_like(amax, qmax))
     scale = scale.to(torch.bfloat16).clamp_min(MIN_SCALE)
     q = (x.float() / scale.float().unsqueeze(-1)).clamp(-qmax, qmax)
     return (q.round() if quant == torch.int8 else q).to(quant), scale

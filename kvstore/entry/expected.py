@@ -107,6 +107,16 @@ class ExpectedEntry:
         header = self.header(key, digest, parent, tokens)
         return assemble_entry(header, payload, out)
 
+    def leading_payloads_ok(self, payload: memoryview, n: int) -> int:
+        """How many leading payloads of the `n` back to back in `payload` (a quantized pool's
+        blocks, as they are) have only scales a writer makes: a block whose K/V held an inf
+        or a NaN has one that is not, and every reader would count its entry damaged."""
+        if self.codec == "none" or n == 0:
+            return n
+        stored = QUANT_DTYPES[self.codec]
+        rows = np.frombuffer(payload, np.uint8).reshape(n, -1)
+        return leading_scales_ok(split_payload_rows(rows, self.shape, stored)[0], stored)
+
     def encode_many(
         self,
         keys: Sequence[bytes],

@@ -166,6 +166,9 @@ class TierWriter:
     def write(self, write: PendingWrite) -> None:
         """Encode `write` and put it to its targets now, on this thread (what the background
         thread does with each queued write)."""
+        write = self._storable(write)
+        if not write.keys:
+            return
         if not all(self._stores[t].copies_values for t in write.targets):
             self._put(write, list(zip(write.keys, self._encode_all(write), strict=True)))
             return
@@ -181,6 +184,23 @@ class TierWriter:
                     items.append((write.keys[i], encode(i, arena[offset:])))
                     offset += len(items[-1][1])
                 self._put(write, items)
+
+    def _storable(self, write: PendingWrite) -> PendingWrite:
+        """`write` up to its first block no entry can hold: a quantized pool's block whose K/V
+        held an inf or a NaN (a scale no writer makes). The rest is dropped and counted."""
+        expected = write.scope.expected
+        if expected is None or expected.codec == "none":
+            return write
+        n = len(write.keys)  # a quantized pool's entries are its blocks (chunk_blocks 1)
+        kv = blocks_to_entries(write.kv, 1)  # on the host, once
+        ok = expected.leading_payloads_ok(payload_bytes(kv), n)
+        if ok < n:
+            self._metrics.inc("dropped_writes_blocks_total", n - ok)
+        bs = len(write.token_ids) // n
+        return write._replace(
+            keys=write.keys[:ok], digests=write.digests[:ok], token_ids=write.token_ids[: ok * bs],
+            kv=kv[:ok], block_keys=write.block_keys[:ok],
+        )  # fmt: skip
 
     def _encode_all(self, write: PendingWrite) -> list[bytes]:
         """Every entry of `write` as new bytes (for stores that keep the values they get)."""

@@ -14,13 +14,15 @@ import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 
-from test_cache_tiers import BS, NS, kv_for, tier_config, tokens
+from test_cache_tiers import BS, DIM, HEADS, NS, kv_for, tier_config, tokens
 
 from hashing import Namespace
+from kvstore import QuantError
 from kvstore.cache import PrefixCache
 from kvstore.config import CacheConfig, ConfigError
 from kvstore.device.hybrid_pool import HybridPool, make_pool
 from kvstore.device.pool import BlockPool, pool_blocks
+from kvstore.device.quant_kv import layer_view
 from kvstore.entry import CHECKSUM_BYTES, BlockEntry, encode_entry, read_header
 
 TINY = Namespace("tiny", "float32", 8, 2, 64, 16)  # the yardstick's KV shape
@@ -150,6 +152,62 @@ def test_a_pool_block_is_the_codecs_payload_for_zeros_tiny_and_wide_values(
     entry = encode_entry(BlockEntry(ns.root(), zeros, zeros, zeros, prompt[:BS], block), codec)
     h = read_header(entry)
     assert bytes(row.numpy()) == entry[h.header_bytes : h.header_bytes + h.stored_bytes]
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_a_quantized_pool_refuses_kv_holding_an_inf_or_a_nan_and_keeps_no_block(
+    kv_dtype, bad
+) -> None:
+    """The pool's scale of such a token would be inf or NaN and read back every value of
+    its row as NaN: a store says why instead, and frees the blocks it took."""
+    ns = dataclasses.replace(NS, kv_cache_dtype=kv_dtype)
+    config = CacheConfig(block_size=BS, device_blocks=16, kv_cache_dtype=kv_dtype)
+    prompt = tokens(3 * BS + 1, seed=13)
+    kv = kv_for(prompt)
+    kv[1][0][0, 1, BS + 2, 3] = bad  # layer 1's K, head 1, a token of block 1
+    with PrefixCache(config, ns) as cache:
+        free = cache.pool.num_free_blocks
+        with pytest.raises(QuantError, match=f"kv_cache_dtype {kv_dtype} cannot store them"):
+            cache.store(prompt, kv)
+        assert cache.pool.num_free_blocks == free
+        hit = cache.lookup(prompt)
+        assert hit.num_cached_tokens == 0
+        cache.release(hit)
+        cache.check_integrity()
+        kv[1][0][0, 1, BS + 2, 3] = 0.5  # control: the same K/V, finite
+        assert cache.store(prompt, kv) == 3
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
+def test_a_pool_block_whose_kv_held_an_inf_never_reaches_a_tier_and_the_blocks_before_do(
+    tier, redis_url, tmp_path, kv_dtype
+) -> None:
+    """A paged forward writes an inf K token into block 2 of 4 (as a model that overflows
+    would); at eviction the writer keeps blocks 0 and 1, drops 2 and 3 and counts them,
+    where readers would have counted a damaged entry."""
+    policy = {f"{tier}_write_policy": "write-back"}  # written at eviction, after the forward
+    config = tier_config(tier, tmp_path, redis_url, kv_cache_dtype=kv_dtype, **policy)
+    prompt = tokens(4 * BS + 1, seed=14)
+    with PrefixCache(config, NS) as cache:
+        cache.store(prompt, kv_for(prompt))
+        hit = cache.lookup(prompt)
+        block = hit.block_ids[2]
+        cache.release(hit)
+        new = torch.zeros(1, 2, HEADS, DIM)  # [tokens, K/V, heads, dim]
+        new[0, 0, 0, 5] = float("inf")
+        layer = layer_view(cache.pool.kv, cache.pool.scales, 0)
+        layer.write(torch.tensor([block]), torch.tensor([1]), new)
+        assert not torch.isfinite(cache.pool.scales[block, 0, 0, 0, 1])
+        cache.evict_device()
+        cache.flush(10)
+        keys = cache.hasher.hash_blocks(prompt)
+        assert [v is not None for v in cache.tiers.stores[0].get_many(keys)] == [1, 1, 0, 0]
+        assert cache.metrics.get("dropped_writes_blocks_total") == 2
+        hit = cache.lookup(prompt)
+        assert hit.tier_tokens == {tier: 2 * BS}
+        cache.release(hit)
+        assert cache.metrics.get("verify_failures_total", tier=tier, reason="format") == 0
 
 
 def test_a_quantized_namespace_binds_only_a_config_of_its_dtype() -> None:

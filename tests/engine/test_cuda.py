@@ -94,3 +94,22 @@ def test_cuda_graph_decoding_gives_the_eager_tokens(name):
             graphs = engine.runner.graphs
     assert graphs is not None and graphs.disabled is None and graphs.replays >= 11
     assert outputs["on"] == outputs["off"]
+
+
+@pytest.mark.parametrize("quant", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+def test_a_cuda_pool_quantizes_each_token_as_the_tier_codec_does(quant):
+    """CUDA divides by a Python number through its reciprocal, which rounds some scales to
+    another bfloat16 than the codec's exact division: the pool divides by a tensor."""
+    from kvstore.device.quant_kv import quantize_tokens
+    from kvstore.entry.quant import quantize
+
+    g = torch.Generator().manual_seed(5)
+    # [layers, 2, heads, tokens, dim]: 2**21 scales over 2**-20..2**20, of which the
+    # reciprocal rounds 2 (int8) and 16 (fp8) to another bfloat16 (checked on the CPU)
+    kv = torch.randn(4, 2, 4, 2**16, 8, generator=g) * torch.exp2(
+        torch.randint(-20, 20, (4, 2, 4, 2**16, 1), generator=g).float()
+    )
+    values, scales = quantize_tokens(kv.cuda(), quant)
+    bits, want = quantize(kv, quant)
+    assert torch.equal(scales.cpu().view(torch.int16), torch.from_numpy(bits.view("int16")))
+    assert torch.equal(values.cpu().view(torch.uint8), torch.from_numpy(want.view("uint8")))
