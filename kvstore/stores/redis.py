@@ -226,6 +226,8 @@ class RedisStore(SpillStore):
             results = self._pipeline(commands)
         except _Failed:
             return 0
+        if any(isinstance(r, Exception) for r in results):  # e.g. an ACL without PEXPIRE
+            self._counters.add(errors=1)
         return sum(isinstance(r, int) and r != -2 for r in results[1::2])
 
     def delete(self, keys: Sequence[bytes]) -> int:

@@ -3,8 +3,10 @@ failures (killed, paused) read as misses, the breaker opens and recovers."""
 
 from __future__ import annotations
 
+import itertools
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +21,8 @@ def ns_id() -> str:
     return uuid.uuid4().hex[:16]
 
 
-def round_trip(store: RedisStore, dtype: torch.dtype = torch.float32, n: int = 4) -> None:
+def round_trip(store: RedisStore, dtype: torch.dtype = torch.float32, n: int = 4):
+    """Write n entries, write them again (skipped), count and read them back; the chain."""
     chain = make_chain(namespace(dtype), num_blocks=n, seed=n)
     assert store.put_many(chain.items) == n
     assert store.put_many(chain.items) == 0  # SET NX: present keys are skipped
@@ -27,6 +30,7 @@ def round_trip(store: RedisStore, dtype: torch.dtype = torch.float32, n: int = 4
     for i, data in enumerate(store.get_many(chain.keys)):
         assert data is not None
         assert_same_entry(chain.decode(i, data), chain.entries[i])
+    return chain
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -96,6 +100,41 @@ def test_redis_acl_user_in_url(redis_server_factory) -> None:
     with RedisStore(server.url, ns_id()) as store:
         round_trip(store)
         assert store.clear() == 4
+
+
+def deploy_acl_rules(password: str) -> list[str]:
+    """The rules of docs/DEPLOY.md's `ACL SETUSER kvstore ...` (its indented lines), as written."""
+    lines = (Path(__file__).resolve().parents[2] / "docs" / "DEPLOY.md").read_text().splitlines()
+    first = next(i for i, line in enumerate(lines) if "ACL SETUSER kvstore " in line)
+    block = itertools.takewhile(str.strip, lines[first:])  # up to the blank line
+    words = " ".join(block).split()
+    return [">" + password if w == ">PASSWORD" else w for w in words[3:]]
+
+
+def test_the_acl_user_deploy_md_gives_runs_every_call_a_store_makes(redis_server_factory):
+    rules = deploy_acl_rules("secret")
+    assert "-@all" in rules  # what follows are the only commands allowed
+    users = ("--user", "default", "off", "--user", "kvstore", *rules)
+    server = redis_server_factory(*users, username="kvstore", password="secret")
+    with RedisStore(server.url, ns_id()) as store:
+        chain = round_trip(store)  # SET NX, EXISTS, MGET
+        assert store.retain(chain.keys, 60.0) == 4  # PEXPIRE GT, PTTL
+        assert store.count_entries() == 4  # SCAN
+        assert store.delete(chain.keys[:1]) == 1  # DEL
+        assert store.probe() is None  # PING
+        assert store.clear() == 3  # SCAN, UNLINK
+        assert store.stats().errors == 0
+
+
+def test_a_retention_the_acl_refuses_is_counted_as_an_error_not_silent(redis_server_factory):
+    rules = [r for r in deploy_acl_rules("secret") if r not in ("+pexpire", "+pttl")]
+    users = ("--user", "default", "off", "--user", "kvstore", *rules)
+    server = redis_server_factory(*users, username="kvstore", password="secret")
+    with RedisStore(server.url, ns_id()) as store:
+        chain = round_trip(store)
+        assert store.stats().errors == 0
+        assert store.retain(chain.keys, 60.0) == 0
+        assert store.stats().errors == 1
 
 
 def test_redis_over_tls(redis_tls) -> None:
