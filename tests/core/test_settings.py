@@ -101,6 +101,14 @@ def test_every_flag_in_config_md_parses_into_its_field_and_every_flag_is_documen
         assert getattr(load_config(env={}, overrides=_overrides(args)), f.name) == value
 
 
+def test_config_md_names_the_fields_whose_flags_stats_and_clear_take():
+    from engine.admin import TIER_SETTINGS
+
+    doc = " ".join((ROOT / "docs" / "CONFIG.md").read_text().split())
+    listed = doc.split("`stats` and `clear` have no device pool")[1].split("(")[1].split(")")[0]
+    assert set(listed.split(", ")) == set(TIER_SETTINGS) - {"secret"}
+
+
 def _overrides(args: argparse.Namespace) -> dict:
     return {k.removeprefix("cache_"): v for k, v in vars(args).items() if v is not None}
 
