@@ -1,6 +1,7 @@
 # The `kvstore serve` image (the same image runs `python -m bench serve`).
-# Install steps mirror .ci/run: torch first from its own index (a plain `torch` could pull a
-# multi-GB CUDA build), then the project with the `serve` extra.
+# Install steps follow .ci/run's order: torch first, here from PyTorch's own index for the
+# variant asked (PyPI's torch for Linux x86-64 is the multi-GB CUDA build; CI's package
+# index holds the CPU build), then the project with the `serve` extra.
 #   CPU (default):  docker build -t kvstore .
 #   CUDA:           docker build -t kvstore:cu128 --build-arg TORCH_VARIANT=cu128 .
 # (CUDA wheels bundle their runtime; run with `--gpus all` / a compose device reservation.)

@@ -81,7 +81,11 @@ class IndexWindows:
         wanted = wanted[: self.room(len(wanted))]
         for i, b in wanted:
             self.pool.assign_window([b])  # the index's
-            self.pool.scatter([b], layers, start_token=i * self.pool.block_size)
+            try:
+                self.pool.scatter([b], layers, start_token=i * self.pool.block_size)
+            except BaseException:  # a quantized pool refuses an inf or a NaN: still punched
+                self.pool.drop_window([b])
+                raise
             self.punched.discard(b)
             self._held[b] = None
 

@@ -228,7 +228,8 @@ class RedisStore(SpillStore):
             return 0
         if any(isinstance(r, Exception) for r in results):  # e.g. an ACL without PEXPIRE
             self._counters.add(errors=1)
-        return sum(isinstance(r, int) and r != -2 for r in results[1::2])
+        pairs = zip(results[::2], results[1::2], strict=True)  # (PEXPIRE, PTTL) of each key
+        return sum(isinstance(e, int) and isinstance(t, int) and t != -2 for e, t in pairs)
 
     def delete(self, keys: Sequence[bytes]) -> int:
         if not keys:

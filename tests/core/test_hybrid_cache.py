@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from hashing import Namespace
+from kvstore import QuantError
 from kvstore.block_tables import BlockTables, SeqBlocks
 from kvstore.cache import PrefixCache
 from kvstore.config import CacheConfig, ConfigError
@@ -356,4 +357,37 @@ def test_store_refills_the_window_parts_of_a_cached_prefix_from_the_callers_kv()
     hit = cache.lookup(prefix)
     assert torch.equal(cache.pool.read_blocks(hit.block_ids), want[:6])
     cache.release(hit)
+    cache.check_integrity()
+
+
+def test_a_quantized_refill_refused_for_a_nan_leaves_its_block_punched_and_slotless() -> None:
+    """store() refills punched blocks in order; a NaN in block 2's K/V stops it there: blocks
+    0 and 1 hold their window parts again, block 2 none (not a slot of unwritten bytes), and
+    the same K/V made finite refill it."""
+    cache = hybrid_cache(kv_cache_dtype="int8")
+    tables = BlockTables(cache)
+    ids = tokens(48)
+    seq = tables.open(ids, "", "")
+    assert tables.grow(seq, len(ids))
+    g = torch.Generator().manual_seed(9)
+    layers = [tuple(torch.randn(1, 2, 48, 8, generator=g) for _ in "kv") for _ in range(LAYERS)]
+    cache.pool.scatter(seq.block_table, layers)
+    tables.commit(seq, ids, len(ids))
+    path = cache.index.path_block_ids(seq.node)
+    tables.slide(seq, 48)
+    tables.close(seq)
+    used = slots_in_use(cache)
+    assert cache.kind.windows.punched == set(path[:9])
+    bad = [(k.clone(), v.clone()) for k, v in layers]
+    bad[0][0][0, 0, 2 * BS + 1, 0] = float("nan")  # block 2, window layer 0's K
+    with pytest.raises(QuantError, match="inf or a NaN"):
+        cache.store(ids, bad)
+    assert cache.kind.windows.punched == set(path[2:9])
+    assert slots_in_use(cache) == used + 2
+    assert list(cache.pool.window.held(path[:3])) == [True, True, False]
+    prefix = np.concatenate([ids[:24], tokens(9, seed=3)])
+    assert cache.peek(prefix) == 2 * BS  # a hit through block 2 would read unwritten bytes
+    cache.check_integrity()
+    assert cache.store(ids, layers) == 0
+    assert cache.peek(prefix) == 24
     cache.check_integrity()

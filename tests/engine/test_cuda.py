@@ -77,10 +77,12 @@ def cuda_model(name: str):
     return loaded
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 @pytest.mark.parametrize("name", ["llama", "mistral-window", "qwen2-hybrid", "gemma2"])
-def test_cuda_graph_decoding_gives_the_eager_tokens(name):
+def test_cuda_graph_decoding_gives_the_eager_tokens(name, kv_cache_dtype):
     """Every attention kind the engine batches (full, sliding window, hybrid; Gemma 2's
-    softcapping): CUDA-graph decode steps give the eager path's greedy tokens."""
+    softcapping), with the model's K/V or a quantized pool's (quantized in the step):
+    CUDA-graph decode steps give the eager path's greedy tokens."""
     from engine.loop.graph import GraphConfig
 
     model = cuda_model(name)
@@ -88,7 +90,7 @@ def test_cuda_graph_decoding_gives_the_eager_tokens(name):
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     outputs = {}
     for mode in ("off", "on"):
-        config = micro_cache_config(device="cuda")
+        config = micro_cache_config(device="cuda", kv_cache_dtype=kv_cache_dtype)
         with Engine(model, config, graph_config=GraphConfig(mode)) as engine:
             outputs[mode] = [r.output_token_ids for r in engine.generate(prompts, params)]
             graphs = engine.runner.graphs
