@@ -9,6 +9,7 @@ the others get new bytes per entry.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections import deque
@@ -18,7 +19,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import torch
 
-from kvstore.entry import BlockEntry, encode_entry, max_entry_bytes, payload_bytes
+from kvstore.entry import BlockEntry, EntryError, encode_entry, max_entry_bytes, payload_bytes
 from kvstore.layout import blocks_to_entries, token_bytes
 from kvstore.metrics import CacheMetrics
 from kvstore.scopes import Scope
@@ -170,7 +171,8 @@ class TierWriter:
         if not write.keys:
             return
         if not all(self._stores[t].copies_values for t in write.targets):
-            self._put(write, list(zip(write.keys, self._encode_all(write), strict=True)))
+            values = self._encode_all(write)  # the leading entries that encode
+            self._put(write, list(zip(write.keys, values, strict=False)))
             return
         (encode, bound), n = self._encoder(write), len(write.keys)
         step = max(1, self._arena_bytes // bound)
@@ -181,9 +183,14 @@ class TierWriter:
                     self._arena = bytearray((stop - start) * bound)  # replaced, never resized
                 arena, items, offset = memoryview(self._arena), [], 0
                 for i in range(start, stop):
-                    items.append((write.keys[i], encode(i, arena[offset:])))
-                    offset += len(items[-1][1])
+                    value = self._encode_one(write, encode, i, arena[offset:])
+                    if value is None:
+                        break
+                    items.append((write.keys[i], value))
+                    offset += len(value)
                 self._put(write, items)
+                if len(items) < stop - start:
+                    return
 
     def _storable(self, write: PendingWrite) -> PendingWrite:
         """`write` up to its first block no entry can hold: a quantized pool's block whose K/V
@@ -203,15 +210,31 @@ class TierWriter:
         )  # fmt: skip
 
     def _encode_all(self, write: PendingWrite) -> list[bytes]:
-        """Every entry of `write` as new bytes (for stores that keep the values they get)."""
+        """The entries of `write` as new bytes (for stores that keep the values they get): all
+        of them, or those before the first the codec cannot store."""
         expected = write.scope.expected
         if expected is None:
             encode, _ = self._encoder(write)
-            return [encode(i, None) for i in range(len(write.keys))]
+            values = (self._encode_one(write, encode, i, None) for i in range(len(write.keys)))
+            return list(itertools.takewhile(lambda value: value is not None, values))
         kv = blocks_to_entries(write.kv, write.num_blocks // len(write.keys))
         tokens = token_bytes(write.token_ids)
         parents = [write.parent, *write.keys[:-1]]
         return expected.encode_many(write.keys, write.digests, parents, tokens, payload_bytes(kv))
+
+    def _encode_one(
+        self, write: PendingWrite, encode: Encoder, i: int, out: memoryview | None
+    ) -> bytes | memoryview | None:
+        """Entry i of `write`, or None if the codec cannot store its K/V (an inf or a NaN
+        under int8 or fp8): entries i.. are then dropped and counted."""
+        try:
+            return encode(i, out)
+        except EntryError as e:
+            if e.reason != "input":
+                raise
+        n = len(write.keys)
+        self._metrics.inc("dropped_writes_blocks_total", (n - i) * (write.num_blocks // n))
+        return None
 
     def _encoder(self, write: PendingWrite) -> tuple[Encoder, int]:
         """encode(i, out): entry i of `write` (into `out` if given); and a bound of its size."""
@@ -245,6 +268,8 @@ class TierWriter:
         return size / blocks if blocks else None
 
     def _put(self, write: PendingWrite, items: list[tuple[bytes, bytes | memoryview]]) -> None:
+        if not items:  # the write's first entry could not be encoded
+            return
         per = write.num_blocks // len(write.keys)
         self._encoded = [
             self._encoded[0] + sum(len(value) for _, value in items),

@@ -210,6 +210,28 @@ def test_a_pool_block_whose_kv_held_an_inf_never_reaches_a_tier_and_the_blocks_b
         assert cache.metrics.get("verify_failures_total", tier=tier, reason="format") == 0
 
 
+@pytest.mark.parametrize("codec", ["int8", "fp8"])
+def test_a_float_pools_write_through_a_quantized_codec_keeps_the_blocks_before_an_inf(
+    tier, redis_url, tmp_path, codec
+) -> None:
+    """The codec cannot store a block whose K/V hold an inf: the write keeps the entries
+    before it (a prefix a lookup can still read) and drops and counts it and the rest."""
+    config = tier_config(tier, tmp_path, redis_url, codec=codec)
+    prompt = tokens(4 * BS + 1, seed=15)
+    kv = kv_for(prompt)
+    kv[1][1][0, 0, 2 * BS + 3, 1] = float("inf")  # layer 1's V, a token of block 2
+    with PrefixCache(config, NS) as cache:
+        assert cache.store(prompt, kv) == 4  # the float32 pool holds it as it is
+        cache.flush(10)
+        keys = cache.hasher.hash_blocks(prompt)
+        assert [v is not None for v in cache.tiers.stores[0].get_many(keys)] == [1, 1, 0, 0]
+        assert cache.metrics.get("dropped_writes_blocks_total") == 2
+        cache.evict_device()
+        hit = cache.lookup(prompt)
+        assert hit.tier_tokens == {tier: 2 * BS}
+        cache.release(hit)
+
+
 def test_a_quantized_namespace_binds_only_a_config_of_its_dtype() -> None:
     int8 = dataclasses.replace(NS, kv_cache_dtype="int8")
     for config in (
