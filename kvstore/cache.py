@@ -252,32 +252,9 @@ class PrefixCache:
         scope = self.scopes.get(cache_salt)
         keys = scope.keys(tokens[:num_tokens], keys)
         with self._lock:
-            match = self.index.match_prefix(keys, tokens)
-            self.index.lock(match.last_node)
-            try:
-                self.kind.refill(match.block_ids, layers)  # parts cached blocks lost
-                want = min(len(keys) - match.num_blocks, self.tenants.quota_left(tenant))
-                new_ids = self.device_index.allocate(max(want, 0))
-                if new_ids:
-                    start = match.num_blocks
-                    self._scatter(new_ids, layers, start)
-                    ids, n = match.block_ids + new_ids, start + len(new_ids)
-                    self.device_index.insert(keys[:n], tokens, ids, start, cache_salt, tenant)
-                    if self.tiers:  # write-through: an independent copy, taken while owned
-                        self.tiers.on_store(scope, keys[:n], tokens, start, ids)
-                    self.pool.free(new_ids)  # the index holds them now
-            finally:
-                self.index.unlock(match.last_node)
-        self.metrics.inc("stored_blocks_total", len(new_ids))
-        return len(new_ids)
-
-    def _scatter(self, new_ids: list[int], layers: Sequence[LayerKV], start: int) -> None:
-        """K/V of blocks start.. into new blocks, freed if the pool refuses them."""
-        try:
-            self.pool.scatter(new_ids, layers, start_token=start * self.block_size)
-        except BaseException:
-            self.pool.free(new_ids)
-            raise
+            stored = self.device_index.store(scope, keys, tokens, layers, cache_salt, tenant)
+        self.metrics.inc("stored_blocks_total", stored)
+        return stored
 
     def retain(
         self,

@@ -17,8 +17,9 @@ from hashing import BlockHash
 from kvstore.attention import AttentionKind
 from kvstore.device.pool import BlockPool, PoolExhausted
 from kvstore.index import MatchResult, RadixIndex, TreeNode
+from kvstore.layout import LayerKV
 from kvstore.metrics import CacheMetrics
-from kvstore.scopes import Scopes
+from kvstore.scopes import Scope, Scopes
 from kvstore.tenants import TenantBlocks
 from kvstore.tiers import Tiers
 
@@ -76,6 +77,44 @@ class DeviceIndex:
         for owner, _ in filled:
             self.tenants.blocks[owner] += 1
         return unkept
+
+    def store(
+        self,
+        scope: Scope,
+        keys: list[BlockHash],
+        tokens: np.ndarray,
+        layers: Sequence[LayerKV],
+        cache_salt: str,
+        tenant: str,
+    ) -> int:
+        """`PrefixCache.store` under the lock: refill the cached path's lost parts, write
+        the blocks of `keys` past it into new blocks (as many as the pool and the tenant's
+        quota allow), index them and queue them for write-through tiers; how many."""
+        match = self.index.match_prefix(keys, tokens)
+        self.index.lock(match.last_node)
+        try:
+            self.kind.refill(match.block_ids, layers)  # parts cached blocks lost
+            want = min(len(keys) - match.num_blocks, self.tenants.quota_left(tenant))
+            new_ids = self.allocate(max(want, 0))
+            if new_ids:
+                self._write_new(new_ids, layers, match.num_blocks)
+                ids, n = match.block_ids + new_ids, match.num_blocks + len(new_ids)
+                self.insert(keys[:n], tokens, ids, match.num_blocks, cache_salt, tenant)
+                if self.tiers:  # write-through: an independent copy, taken while owned
+                    self.tiers.on_store(scope, keys[:n], tokens, match.num_blocks, ids)
+                self.pool.free(new_ids)  # the index holds them now
+        finally:
+            self.index.unlock(match.last_node)
+        return len(new_ids)
+
+    def _write_new(self, new_ids: list[int], layers: Sequence[LayerKV], start: int) -> None:
+        """K/V of blocks start.. into new blocks, freed if the pool refuses them (a
+        quantized pool's QuantError)."""
+        try:
+            self.pool.scatter(new_ids, layers, start_token=start * self.block_size)
+        except BaseException:
+            self.pool.free(new_ids)
+            raise
 
     def take(self, block_ids: Sequence[int | None]) -> list[int]:
         """A hit takes a reference to each of its blocks (the lock keeps them in the index;
