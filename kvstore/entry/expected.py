@@ -113,9 +113,7 @@ class ExpectedEntry:
         or a NaN has one that is not, and every reader would count its entry damaged."""
         if self.codec == "none" or n == 0:
             return n
-        stored = QUANT_DTYPES[self.codec]
-        rows = np.frombuffer(payload, np.uint8).reshape(n, -1)
-        return leading_scales_ok(split_payload_rows(rows, self.shape, stored)[0], stored)
+        return self._leading_ok(payload, n)[0]
 
     def encode_many(
         self,
@@ -242,14 +240,21 @@ class ExpectedEntry:
     def _group(self, payloads: list[memoryview], dst: Sequence[torch.Tensor | memoryview]) -> int:
         """`dequantize_many` of verified payloads, their scales checked together: how many
         of the leading ones were written. Joined, so that one view holds them all."""
-        stored = QUANT_DTYPES[self.codec]
         joined = payloads[0] if len(payloads) == 1 else b"".join(payloads)
-        rows = np.frombuffer(joined, np.uint8).reshape(len(payloads), -1)  # an entry a row
-        bits, values = split_payload_rows(rows, self.shape, stored)
-        n = leading_scales_ok(bits, stored)
+        n, bits, values = self._leading_ok(joined, len(payloads))
         if n:
             payloads_into(bits[:n], values[:n], [self._rows_of(out) for out in dst[:n]])
         return n
+
+    def _leading_ok(
+        self, payloads: bytes | memoryview, n: int
+    ) -> tuple[int, np.ndarray, np.ndarray]:
+        """`n` quantized payloads back to back: how many leading ones have only scales a
+        writer makes, and all of their (scale bits, values) (`split_payload_rows`)."""
+        stored = QUANT_DTYPES[self.codec]
+        rows = np.frombuffer(payloads, np.uint8).reshape(n, -1)  # an entry a row
+        bits, values = split_payload_rows(rows, self.shape, stored)
+        return leading_scales_ok(bits, stored), bits, values
 
     def _leading_payloads(
         self, entries: Sequence[tuple[bytes | memoryview, bytes, bytes, bytes, bytes]]
