@@ -3,8 +3,9 @@ busy (a shared serving host, a CI runner).
 
 Two parts, each side by side in one run:
 - steps: prefill time (one prompt) and decode time per step (a batch of requests) of the
-  engine at each threading choice, quiet and beside `--busy` CPU-bound processes; each
-  choice runs in a process of its own (libgomp reads its environment once);
+  engine at each threading choice, quiet and then beside `--busy` CPU-bound processes; each
+  repeat of a choice runs in a process of its own (libgomp reads its environment once),
+  which measures both, so a pair shares its process, its warm-up and its memory;
 - demo: `kvstore demo` (`--demo-model`, its default smollm2) at its defaults, quiet then
   busy, `--pairs` times; the ratio of each pair and their median.
 The ratios are what to compare: absolute times drift with the machine.
@@ -33,6 +34,10 @@ CHOICES = {
     "2 threads, passive wait": ("2", {"OMP_WAIT_POLICY": "PASSIVE"}),
     "1 thread": ("1", {}),
 }
+# seconds of load before a busy measurement: a few of the adaptive team's intervals
+# (engine/loop/threads.py), so the measurement is of a host that is busy, not of the moment
+# it became busy
+SETTLE_S = 1.0
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -61,14 +66,40 @@ def busy_processes(n: int) -> Iterator[None]:
             p.wait()
 
 
-def step_times(args: argparse.Namespace, threads: str, env: dict[str, str]) -> dict:
-    """Prefill and decode times of one fresh worker process (bench.contention.worker)."""
+def step_times(args: argparse.Namespace, threads: str, env: dict[str, str]) -> dict[str, dict]:
+    """{"quiet": ..., "busy": ...}: prefill and decode times of one fresh worker process
+    (bench.contention.worker), measured quiet, then beside `--busy` processes."""
     sizes = {"--prompt-tokens": args.prompt_tokens, "--decode-batch": args.decode_batch,
              "--decode-tokens": args.decode_tokens}  # fmt: skip
     cmd = [sys.executable, "-m", "bench.contention.worker", "--model", args.model]
     cmd += ["--threads", threads, *(str(x) for kv in sizes.items() for x in kv)]
-    out = subprocess.run(cmd, env=os.environ | env, capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True}
+    with subprocess.Popen(cmd, env=os.environ | env, **pipes) as worker:
+        try:
+            expect_line(worker, "ready")
+            quiet = measure_once(worker)
+            with busy_processes(args.busy):
+                time.sleep(SETTLE_S)  # what a process starting beside the load would see
+                busy = measure_once(worker)
+        finally:
+            worker.stdin.close()  # type: ignore[union-attr]
+    if worker.returncode:
+        raise RuntimeError(f"the contention worker exited with {worker.returncode}")
+    return {"quiet": quiet, "busy": busy}
+
+
+def expect_line(worker: subprocess.Popen, want: str | None = None) -> str:
+    line = worker.stdout.readline().strip()  # type: ignore[union-attr]
+    if not line or (want is not None and line != want):
+        worker.kill()
+        raise RuntimeError(f"the contention worker said {line!r} (exit {worker.wait()})")
+    return line
+
+
+def measure_once(worker: subprocess.Popen) -> dict:
+    worker.stdin.write("measure\n")  # type: ignore[union-attr]
+    worker.stdin.flush()  # type: ignore[union-attr]
+    return json.loads(expect_line(worker))
 
 
 def demo_time(model: str) -> float:
@@ -83,10 +114,9 @@ def measure_steps(args: argparse.Namespace) -> dict[str, dict[str, list[dict]]]:
     out: dict[str, dict[str, list[dict]]] = {c: {"quiet": [], "busy": []} for c in CHOICES}
     runs = [(c, r) for r in range(args.repeats) for c in CHOICES]
     for choice, _ in tqdm(runs, desc="step pairs", unit="pair", file=sys.stderr):
-        threads, env = CHOICES[choice]
-        out[choice]["quiet"].append(step_times(args, threads, env))
-        with busy_processes(args.busy):
-            out[choice]["busy"].append(step_times(args, threads, env))
+        pair = step_times(args, *CHOICES[choice])
+        for key in ("quiet", "busy"):
+            out[choice][key].append(pair[key])
     return out
 
 

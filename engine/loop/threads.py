@@ -93,7 +93,7 @@ class ThreadConfig:
         OMP_NUM_THREADS sets). adapt: on a CPU, every `interval_s` the team is sized to the
         cores other processes leave free (at least one). A team wider than the free cores
         makes each parallel region wait for a descheduled worker: beside two busy processes
-        on 2 cores, a 2-thread decode step took 47.6 ms against a 1-thread one's 16.9
+        on 2 cores, a 2-thread decode step took 60.8 ms against a 1-thread one's 30.5
         (docs/BENCHMARKS.md, "Contention")."""
 
     threads: int | None = None
