@@ -32,7 +32,6 @@ from kvstore.layout import QUANT_DTYPES, SCALE_BYTES, payload_size, scale_bytes,
 __all__ = ["QMAX", "QUANT_DTYPES", "payload_size", "scale_bytes", "scale_shape"]
 QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 _MIN_SCALE_BITS = np.uint16(0x0080)  # 2**-126, bfloat16's smallest normal
-_F16_MAX = np.float16(65504.0)
 # the largest scale bits (bfloat16, rounded down) whose `QMAX x scale` is a finite float32
 _LARGEST = {
     dtype: np.uint16(np.float32(np.finfo(np.float32).max / qmax).view(np.uint32) >> 16)
@@ -41,8 +40,6 @@ _LARGEST = {
 # torch runs an elementwise op of at most this many values in the calling thread: a tier
 # reader's thread must not start a parallel region (engine/loop/threads.py)
 _SERIAL_VALUES = 32768
-# every e4m3 value by its bits: a CPU cast from float8 is scalar code, a table lookup is not
-_FP8_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
 # the numpy dtype a payload's values are viewed as (e4m3 as its bits)
 _VALUE_KINDS = {torch.int8: np.int8, torch.float8_e4m3fn: np.uint8}
 
@@ -128,7 +125,7 @@ def dequantize(bits: np.ndarray, values: np.ndarray, dtype: torch.dtype) -> torc
 def dequantize_into(bits: np.ndarray, values: np.ndarray, out: torch.Tensor) -> None:
     """`dequantize` into `out` (a contiguous CPU tensor of values' shape, any float dtype):
     `q x scale` in float32, rounded once to out's dtype. `values` are int8, or e4m3 bits
-    (uint8). One pass for int8 into float32, two for e4m3 (a table lookup); float16 is
+    (uint8). One pass for int8 into float32, three for e4m3 (through float16); float16 is
     clamped to its range (a scale rounded up may carry a value just past 65504)."""
     if not out.is_contiguous() or tuple(out.shape) != values.shape or out.device.type != "cpu":
         raise ValueError(f"out must be contiguous CPU {values.shape}, got {tuple(out.shape)}")
@@ -172,20 +169,37 @@ def _int8_into(q: torch.Tensor, factor: torch.Tensor, out: torch.Tensor) -> None
 
 
 def _fp8_into(q: np.ndarray, factor: np.ndarray, out: torch.Tensor) -> None:
-    """out = value(q) x factor, q [rows, dim] e4m3 bits (uint8), by a table lookup in numpy:
-    every e4m3 value is exact in float16 and float32, the product is rounded once."""
-    # mode "wrap": a uint8 index is always in the table, and numpy buffers `out` for "raise"
-    if out.dtype == torch.bfloat16:  # numpy has no bfloat16: float32, rounded once
-        x = np.take(_FP8_VALUES, q, mode="wrap")
-        x *= factor
-        out.view(torch.int16).numpy().view(np.uint16)[...] = bf16_bits(x)
+    """out = value(q) x factor, q [rows, dim] e4m3 bits (uint8), factor [rows, 1] float32.
+    A byte with its sign moved to bit 15 and the rest shifted to bits 7-13 is float16's
+    bits of its e4m3 value / 256, exactly, subnormals included (e4m3's exponent field lands
+    on float16's low exponent bits; float16's subnormals reach below e4m3's). The 256 goes
+    into the factor, so the float32 product is the e4m3 value x factor's, rounded once. The
+    integer steps run in numpy, the widening and the product in torch in serial pieces (as
+    `_int8_into`). The two bytes no writer makes (0x7F, 0xFF: e4m3's NaN) read as ±480 x
+    factor, not as NaN."""
+    half = q.view(np.int8).astype(np.int16)  # the sign bit fills bits 8-15
+    np.left_shift(half, 7, out=half)  # exponent and mantissa to bits 7-14, sign at 14 and 15
+    np.bitwise_and(half, np.int16(~0x4000), out=half)  # the sign at 15 alone
+    values, scaled = torch.from_numpy(half.view(np.float16)), torch.from_numpy(factor * 256)
+    rows, dim = q.shape
+    step = max(1, _SERIAL_VALUES // dim)
+    temp = None if out.dtype == torch.float32 else torch.empty((min(step, rows), dim))
+    if rows <= step:  # one piece (a block of most models): no splitting
+        _fp8_piece(values, scaled, out, temp)
         return
-    target = out.numpy()
-    with np.errstate(over="ignore"):  # float16 only; clamped below
-        np.take(_FP8_VALUES.astype(target.dtype, copy=False), q, out=target, mode="wrap")
-        np.multiply(target, factor, out=target)
-    if target.dtype == np.float16:
-        np.clip(target, -_F16_MAX, _F16_MAX, out=target)
+    for part in zip(*(t.split(step) for t in (values, scaled, out)), strict=True):
+        _fp8_piece(*part, temp)
+
+
+def _fp8_piece(
+    values: torch.Tensor, scaled: torch.Tensor, out: torch.Tensor, temp: torch.Tensor | None
+) -> None:
+    x = out if temp is None else temp[: len(out)]
+    x.copy_(values).mul_(scaled)
+    if out.dtype == torch.float16:  # a scale rounded up may carry a value past 65504
+        x.clamp_(-65504.0, 65504.0)
+    if temp is not None:
+        out.copy_(x)
 
 
 def pack_payload(bits: np.ndarray, values: np.ndarray) -> bytes:

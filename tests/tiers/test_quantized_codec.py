@@ -266,12 +266,13 @@ def test_non_finite_kv_is_refused_by_a_quantized_codec() -> None:
     assert info.value.reason == "input"
 
 
+@pytest.mark.parametrize("codec", ["int8", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_a_block_wider_than_one_serial_piece_reads_back_as_the_reference_on_its_own_thread(
-    dtype,
+    codec, dtype
 ) -> None:
-    """A SmolLM2-sized int8 block (368640 values) is dequantized in pieces that torch runs in
-    the reading thread: the reference's values, and no thread team started for that thread."""
+    """A SmolLM2-sized block (368640 values) is dequantized in pieces that torch runs in the
+    reading thread: the reference's values, and no thread team started for that thread."""
     import os
     import threading
 
@@ -280,7 +281,7 @@ def test_a_block_wider_than_one_serial_piece_reads_back_as_the_reference_on_its_
     if not os.path.isdir("/proc/self/task") or (os.cpu_count() or 1) < 2:
         pytest.skip("counts threads through /proc, where a thread team has 2 cores or more")
     kv = torch.randn((30, 2, 3, 16, 64), generator=torch.Generator().manual_seed(5)).to(dtype)
-    bits, values = quantize(kv, torch.int8)
+    bits, values = quantize(kv, STORED[codec])
     got, started = [], []
 
     def read() -> None:
@@ -291,5 +292,38 @@ def test_a_block_wider_than_one_serial_piece_reads_back_as_the_reference_on_its_
     reader = threading.Thread(target=read)
     reader.start()
     reader.join()
-    assert torch.equal(got[0], reference_dequantized(kv, "int8"))
+    assert torch.equal(got[0], reference_dequantized(kv, codec))
     assert started == [{str(reader.native_id)}]  # the reader alone, no team of its own
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_every_e4m3_byte_at_every_kind_of_scale_reads_as_torchs_float8_value_times_it(
+    dtype,
+) -> None:
+    """All 254 finite e4m3 bytes (subnormals included) times scales from the smallest a writer
+    makes (products below float32's normals) to the largest (products near float32's max):
+    what torch's own float8 cast times the scale, in float32, rounded once, gives."""
+    from kvstore.entry.quant import _LARGEST, dequantize
+
+    finite = [b for b in range(256) if b & 0x7F != 0x7F]
+    scale_bits = [0x0080, 0x0081, 0x3C00, 0x3F80, 0x4123, int(_LARGEST[torch.float8_e4m3fn])]
+    bits = np.array(scale_bits, dtype=np.uint16).reshape(1, 1, 1, -1)  # a token per scale
+    values = np.tile(np.array(finite, dtype=np.uint8), (len(scale_bits), 1))[None, None, None]
+    got = dequantize(bits, values, dtype)
+    scale = torch.from_numpy(bits.astype(np.int32) << 16).view(torch.float32)
+    e4m3 = torch.from_numpy(values).view(torch.float8_e4m3fn).float()
+    want = e4m3 * scale[..., None]
+    magnitudes = want.abs()[want != 0]  # the ranges covered: float32 subnormals to its max
+    assert magnitudes.min() < 2.0**-126 and magnitudes.max() > 2.0**127
+    if dtype == torch.float16:
+        want = want.clamp(-65504.0, 65504.0)
+    assert torch.equal(got, want.to(dtype))
+
+
+def test_the_bytes_no_e4m3_writer_makes_read_as_480_times_the_scale_not_nan() -> None:
+    from kvstore.entry.quant import dequantize
+
+    bits = np.array([0x3F80], dtype=np.uint16).reshape(1, 1, 1, 1)  # scale 1.0
+    values = np.array([0x7F, 0xFF, 0x7E, 0xFE], dtype=np.uint8).reshape(1, 1, 1, 1, 4)
+    got = dequantize(bits, values, torch.float32)
+    assert got.flatten().tolist() == [480.0, -480.0, 448.0, -448.0]
