@@ -26,10 +26,12 @@ from kvstore.entry.format import (
 )
 from kvstore.entry.quant import (
     QUANT_DTYPES,
+    VALUE_KINDS,
     dequantize_into,
     leading_scales_ok,
     payload_size,
     payloads_into,
+    scale_bytes,
     scale_shape,
     scales_ok,
     split_payload,
@@ -84,6 +86,8 @@ class ExpectedEntry:
         # quantized payloads on a little-endian host (read in batches): their scales
         lean = codec in QUANT_DTYPES and little
         self._scale_rows = math.prod(scale_shape(self.shape)) if lean else None
+        self._values_at = scale_bytes(self.shape)  # where a quantized payload's values start
+        self._value_kind = VALUE_KINDS.get(stored)
 
     def header(self, key: bytes, digest: bytes, parent: bytes, tokens: bytes) -> bytes:
         """The header of the entry; `tokens`: its token ids as little-endian uint32 bytes."""
@@ -228,23 +232,22 @@ class ExpectedEntry:
             return _leading(
                 self._dequantize_payload(p, out) for p, out in zip(payloads, dst, strict=False)
             )
-        done, step = 0, max(1, _GROUP_BYTES // payloads[0].nbytes)
-        while done < len(payloads):
-            group = payloads[done : done + step]
-            n = self._group(group, dst[done : done + step])
-            done += n
-            if n < len(group):
-                break
-        return done
-
-    def _group(self, payloads: list[memoryview], dst: Sequence[torch.Tensor | memoryview]) -> int:
-        """`dequantize_many` of verified payloads, their scales checked together: how many
-        of the leading ones were written. Joined, so that one view holds them all."""
-        joined = payloads[0] if len(payloads) == 1 else b"".join(payloads)
-        n, bits, values = self._leading_ok(joined, len(payloads))
+        bits, values = self._split_each(payloads)
+        n = leading_scales_ok(bits, QUANT_DTYPES[self.codec])
         if n:
             payloads_into(bits[:n], values[:n], [self._rows_of(out) for out in dst[:n]])
         return n
+
+    def _split_each(self, payloads: list[memoryview]) -> tuple[np.ndarray, list[np.ndarray]]:
+        """Scale bits [entries, scales], copied together (a few KB), and each payload's
+        values [scales, head_dim], viewed where they lie (megabytes: never copied)."""
+        rows, at, kind = self._scale_rows, self._values_at, self._value_kind
+        bits = np.empty((len(payloads), rows), dtype="<u2")  # type: ignore[arg-type]
+        values = []
+        for i, p in enumerate(payloads):
+            bits[i] = np.frombuffer(p, dtype="<u2", count=rows)  # type: ignore[arg-type]
+            values.append(np.frombuffer(p, kind, count=self.numel, offset=at).reshape(rows, -1))
+        return bits, values
 
     def _leading_ok(
         self, payloads: bytes | memoryview, n: int
@@ -312,8 +315,6 @@ class ExpectedEntry:
 
 
 _U64 = struct.Struct("<Q")
-# quantized payloads joined at a time by `dequantize_many`: a copy that stays in cache until read
-_GROUP_BYTES = 1 << 20
 
 
 def _leading(results: Iterable[bool]) -> int:

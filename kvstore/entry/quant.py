@@ -23,6 +23,7 @@ engine/loop/threads.py).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -41,7 +42,7 @@ _LARGEST = {
 # reader's thread must not start a parallel region (engine/loop/threads.py)
 _SERIAL_VALUES = 32768
 # the numpy dtype a payload's values are viewed as (e4m3 as its bits)
-_VALUE_KINDS = {torch.int8: np.int8, torch.float8_e4m3fn: np.uint8}
+VALUE_KINDS = {torch.int8: np.int8, torch.float8_e4m3fn: np.uint8}
 
 
 class QuantError(ValueError):
@@ -134,10 +135,10 @@ def dequantize_into(bits: np.ndarray, values: np.ndarray, out: torch.Tensor) -> 
     _rows_into(values.reshape(rows, -1), factor, out.view(rows, -1))
 
 
-def payloads_into(bits: np.ndarray, values: np.ndarray, outs: list[torch.Tensor]) -> None:
-    """Quantized payloads' KV into `outs` as `dequantize_into` does: `split_payload_rows`'
-    bits [entries, scales] and values [entries, scales, head_dim], outs[i] [scales,
-    head_dim] the i-th's. The scales of all of them are widened at once, in numpy."""
+def payloads_into(bits: np.ndarray, values: Sequence[np.ndarray], outs: list[torch.Tensor]) -> None:
+    """Quantized payloads' KV into `outs` as `dequantize_into` does: bits [entries, scales],
+    values[i] [scales, head_dim] and outs[i] [scales, head_dim] the i-th's. The scales of all
+    of them are widened at once, in numpy."""
     factor = bf16_values(bits).reshape(*bits.shape, 1)
     for q, factor_i, out in zip(values, factor, outs, strict=True):
         _rows_into(q, factor_i, out)
@@ -216,7 +217,7 @@ def split_payload_rows(
     views of `rows`."""
     count, at = math.prod(scale_shape(shape)), scale_bytes(shape)
     bits = rows[:, : SCALE_BYTES * count].view("<u2")
-    kind = _VALUE_KINDS[stored]
+    kind = VALUE_KINDS[stored]
     values = rows[:, at : at + math.prod(shape)].view(kind).reshape(len(rows), count, -1)
     return bits, values
 
@@ -228,7 +229,7 @@ def split_payload(
     e4m3 values as their uint8 bits."""
     count = math.prod(scale_shape(shape))
     bits = np.frombuffer(payload, dtype="<u2", count=count).reshape(scale_shape(shape))
-    kind = _VALUE_KINDS[stored]
+    kind = VALUE_KINDS[stored]
     at = scale_bytes(shape)
     values = np.frombuffer(payload, dtype=kind, count=math.prod(shape), offset=at)
     return bits, values.reshape(shape)

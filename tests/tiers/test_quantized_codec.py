@@ -20,7 +20,6 @@ from kvstore.entry import (
     encode_entry,
     read_header,
 )
-from kvstore.entry import expected as expected_module
 from kvstore.layout import tensor_bytes
 
 STORED = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
@@ -168,16 +167,10 @@ def test_the_hot_path_reads_the_bits_decode_entry_reads(codec, dtype) -> None:
 
 @pytest.mark.parametrize("codec", ["int8", "fp8"])
 @pytest.mark.parametrize("damage", ["scale", "checksum", "other block"])
-@pytest.mark.parametrize("group", ["one join", "joins of one"])
-def test_a_batch_read_stops_at_the_first_bad_entry_and_writes_none_after_it(
-    codec, damage, group, monkeypatch
-) -> None:
+def test_a_batch_read_stops_at_the_first_bad_entry_and_writes_none_after_it(codec, damage) -> None:
     """ExpectedEntry.dequantize_many (a tier read of many blocks into pool blocks): the
     leading good entries land as an independent round trip has them; the bad third and the
-    good fourth after it leave their destinations untouched, whether the int8 payloads are
-    joined all at once or one at a time."""
-    if group == "joins of one":
-        monkeypatch.setattr(expected_module, "_GROUP_BYTES", 1)
+    good fourth after it leave their destinations untouched."""
     ns = namespace()
     chain = make_chain(ns, num_blocks=4, codec=codec)
     e = chain.entries[0]
