@@ -69,10 +69,23 @@ def quantize_tokens(x: torch.Tensor, quant: torch.dtype) -> tuple[torch.Tensor, 
 def dequantize(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`values x scales` in float32, rounded once to `dtype`: [..., dim] from [..., dim] and
     [...] (the entry codec's arithmetic, kvstore/entry/quant.py)."""
-    x = values.float() * scales.float().unsqueeze(-1)
+    if values.dtype == torch.float8_e4m3fn and values.device.type == "cpu":
+        x = e4m3_over_256(values).mul_((scales.float() * 256).unsqueeze(-1))  # the same product
+    else:
+        x = values.float() * scales.float().unsqueeze(-1)
     if dtype == torch.float16:  # a scale rounded up may carry a value just past 65504
         x = x.clamp(-65504.0, 65504.0)
     return x.to(dtype)
+
+
+def e4m3_over_256(values: torch.Tensor) -> torch.Tensor:
+    """float32 of float8_e4m3fn `values` / 256, exactly, through float16: a byte with its
+    sign at bit 15 and the rest at bits 7-13 is float16's bits of that (subnormals included).
+    A CPU cast from float8 is scalar code; these four steps are vector code, 7-10x faster
+    for a layer's context. The bytes no writer makes (e4m3's NaN) read as ±480 / 256."""
+    half = values.view(torch.int8).to(torch.int16)  # the sign bit fills bits 8-15
+    half.bitwise_left_shift_(7).bitwise_and_(~0x4000)  # the sign at bit 15 alone
+    return half.view(torch.float16).float()
 
 
 def layer_view(

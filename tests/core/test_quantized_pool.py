@@ -309,3 +309,21 @@ def test_a_quantized_hybrid_pool_stays_within_its_byte_budget(block_size) -> Non
     assert pool.nbytes <= budget
     row = pool.rows.shape[1] + pool.window.rows.shape[1]  # a block and its window slot
     assert pool.nbytes + row > budget  # and no further block would have fit
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_an_fp8_pools_read_of_every_byte_is_torchs_float8_value_times_its_scale(dtype) -> None:
+    """A CPU fp8 pool dequantizes through float16's bits (vector code, not the scalar float8
+    cast): all 254 finite e4m3 bytes, at the smallest, a middle and nearly the largest scale
+    a writer makes, read as the cast's value times the scale, rounded once."""
+    from kvstore.device.quant_kv import dequantize
+
+    every = torch.arange(256, dtype=torch.uint8)
+    finite = every[(every & 0x7F) != 0x7F].view(torch.float8_e4m3fn).expand(3, -1)
+    scales = torch.tensor([2.0**-126, 0.0137, 3.0e35]).bfloat16()  # a token a row
+    want = finite.float() * scales.float().unsqueeze(-1)
+    magnitudes = want.abs()[want != 0]  # the ranges covered: float32 subnormals to near its max
+    assert magnitudes.min() < 2.0**-126 and magnitudes.max() > 2.0**126
+    if dtype == torch.float16:
+        want = want.clamp(-65504.0, 65504.0)
+    assert torch.equal(dequantize(finite, scales, dtype), want.to(dtype))
