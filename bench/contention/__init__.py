@@ -14,6 +14,7 @@ The ratios are what to compare: absolute times drift with the machine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -82,7 +83,8 @@ def step_times(args: argparse.Namespace, threads: str, env: dict[str, str]) -> d
                 time.sleep(SETTLE_S)  # what a process starting beside the load would see
                 busy = measure_once(worker)
         finally:
-            worker.stdin.close()  # type: ignore[union-attr]
+            with contextlib.suppress(BrokenPipeError):  # a worker that died: said above
+                worker.stdin.close()  # type: ignore[union-attr]
     if worker.returncode:
         raise RuntimeError(f"the contention worker exited with {worker.returncode}")
     return {"quiet": quiet, "busy": busy}
@@ -97,8 +99,11 @@ def expect_line(worker: subprocess.Popen, want: str | None = None) -> str:
 
 
 def measure_once(worker: subprocess.Popen) -> dict:
-    worker.stdin.write("measure\n")  # type: ignore[union-attr]
-    worker.stdin.flush()  # type: ignore[union-attr]
+    try:
+        worker.stdin.write("measure\n")  # type: ignore[union-attr]
+        worker.stdin.flush()  # type: ignore[union-attr]
+    except BrokenPipeError:
+        raise RuntimeError(f"the contention worker exited with {worker.wait()}") from None
     return json.loads(expect_line(worker))
 
 

@@ -69,13 +69,19 @@ def quantize_tokens(x: torch.Tensor, quant: torch.dtype) -> tuple[torch.Tensor, 
 def dequantize(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`values x scales` in float32, rounded once to `dtype`: [..., dim] from [..., dim] and
     [...] (the entry codec's arithmetic, kvstore/entry/quant.py)."""
-    if values.dtype == torch.float8_e4m3fn and values.device.type == "cpu":
+    if values.dtype == torch.float8_e4m3fn and _vector_e4m3(values):
         x = e4m3_over_256(values).mul_((scales.float() * 256).unsqueeze(-1))  # the same product
     else:
         x = values.float() * scales.float().unsqueeze(-1)
     if dtype == torch.float16:  # a scale rounded up may carry a value just past 65504
         x = x.clamp(-65504.0, 65504.0)
     return x.to(dtype)
+
+
+def _vector_e4m3(values: torch.Tensor) -> bool:
+    """Whether `e4m3_over_256` reads `values`: on a CPU, outside a TorchScript trace (a
+    trace cannot record a dtype view; a CPU decode graph keeps torch's cast)."""
+    return values.device.type == "cpu" and not torch.jit.is_tracing()
 
 
 def e4m3_over_256(values: torch.Tensor) -> torch.Tensor:

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import subprocess
+import sys
 
+import pytest
+
+import bench.contention as contention
 from bench.contention import main as contention_main
 from bench.nsample import main as nsample_main
 
@@ -28,3 +34,20 @@ def test_contention_measures_every_threading_choice_quiet_and_busy(capsys) -> No
         assert [len(runs["quiet"]), len(runs["busy"])] == [1, 1]
         assert all(r["prefill_s"] > 0 and r["decode_step_s"] > 0 for r in runs["busy"])
     assert steps["1 thread"]["busy"][0]["threads_at_end"] == 1  # a fixed team stays as set
+
+
+def test_a_contention_worker_that_dies_mid_run_is_reported_with_its_exit_status(
+    monkeypatch,
+) -> None:
+    """The worker answers the quiet measurement, then exits 7 before the busy one: the run
+    stops with that status, not with a broken pipe."""
+    fake = "import json, sys\nprint('ready', flush=True)\nsys.stdin.readline()\n"
+    fake += "print(json.dumps({'prefill_s': 1}), flush=True)\nsys.exit(7)"
+    real = subprocess.Popen
+    monkeypatch.setattr(contention.subprocess, "Popen", lambda cmd, **kw: real(
+        [sys.executable, "-c", fake], **kw))  # fmt: skip
+    monkeypatch.setattr(contention, "SETTLE_S", 0.2)
+    args = argparse.Namespace(model="tiny", prompt_tokens=1, decode_batch=1, decode_tokens=2,
+                              busy=0)  # fmt: skip
+    with pytest.raises(RuntimeError, match="exited with 7"):
+        contention.step_times(args, "1", {})
