@@ -26,16 +26,15 @@ from kvstore.entry.format import (
 )
 from kvstore.entry.quant import (
     QUANT_DTYPES,
-    VALUE_KINDS,
     dequantize_into,
     leading_scales_ok,
     payload_size,
     payloads_into,
-    scale_bytes,
     scale_shape,
     scales_ok,
     split_payload,
     split_payload_rows,
+    split_payloads,
 )
 from kvstore.layout import NP_DTYPES, frombuffer_le, tensor_bytes
 
@@ -86,8 +85,6 @@ class ExpectedEntry:
         # quantized payloads on a little-endian host (read in batches): their scales
         lean = codec in QUANT_DTYPES and little
         self._scale_rows = math.prod(scale_shape(self.shape)) if lean else None
-        self._values_at = scale_bytes(self.shape)  # where a quantized payload's values start
-        self._value_kind = VALUE_KINDS.get(stored)
 
     def header(self, key: bytes, digest: bytes, parent: bytes, tokens: bytes) -> bytes:
         """The header of the entry; `tokens`: its token ids as little-endian uint32 bytes."""
@@ -232,22 +229,11 @@ class ExpectedEntry:
             return _leading(
                 self._dequantize_payload(p, out) for p, out in zip(payloads, dst, strict=False)
             )
-        bits, values = self._split_each(payloads)
+        bits, values = split_payloads(payloads, self.shape, QUANT_DTYPES[self.codec])
         n = leading_scales_ok(bits, QUANT_DTYPES[self.codec])
         if n:
             payloads_into(bits[:n], values[:n], [self._rows_of(out) for out in dst[:n]])
         return n
-
-    def _split_each(self, payloads: list[memoryview]) -> tuple[np.ndarray, list[np.ndarray]]:
-        """Scale bits [entries, scales], copied together (a few KB), and each payload's
-        values [scales, head_dim], viewed where they lie (megabytes: never copied)."""
-        rows, at, kind = self._scale_rows, self._values_at, self._value_kind
-        bits = np.empty((len(payloads), rows), dtype="<u2")  # type: ignore[arg-type]
-        values = []
-        for i, p in enumerate(payloads):
-            bits[i] = np.frombuffer(p, dtype="<u2", count=rows)  # type: ignore[arg-type]
-            values.append(np.frombuffer(p, kind, count=self.numel, offset=at).reshape(rows, -1))
-        return bits, values
 
     def _leading_ok(
         self, payloads: bytes | memoryview, n: int

@@ -42,7 +42,7 @@ _LARGEST = {
 # reader's thread must not start a parallel region (engine/loop/threads.py)
 _SERIAL_VALUES = 32768
 # the numpy dtype a payload's values are viewed as (e4m3 as its bits)
-VALUE_KINDS = {torch.int8: np.int8, torch.float8_e4m3fn: np.uint8}
+_VALUE_KINDS = {torch.int8: np.int8, torch.float8_e4m3fn: np.uint8}
 
 
 class QuantError(ValueError):
@@ -170,37 +170,45 @@ def _int8_into(q: torch.Tensor, factor: torch.Tensor, out: torch.Tensor) -> None
 
 
 def _fp8_into(q: np.ndarray, factor: np.ndarray, out: torch.Tensor) -> None:
-    """out = value(q) x factor, q [rows, dim] e4m3 bits (uint8), factor [rows, 1] float32.
-    A byte with its sign moved to bit 15 and the rest shifted to bits 7-13 is float16's
-    bits of its e4m3 value / 256, exactly, subnormals included (e4m3's exponent field lands
-    on float16's low exponent bits; float16's subnormals reach below e4m3's). The 256 goes
-    into the factor, so the float32 product is the e4m3 value x factor's, rounded once. The
-    integer steps run in numpy, the widening and the product in torch in serial pieces (as
-    `_int8_into`). The two bytes no writer makes (0x7F, 0xFF: e4m3's NaN) read as ±480 x
-    factor, not as NaN."""
+    """out = value(q) x factor, q [rows, dim] e4m3 bits (uint8), factor [rows, 1] float32:
+    `e4m3_over_256`'s steps, the integer ones in numpy (on a block's 32768 values three
+    numpy passes cost half of torch's dispatches), the widening and the product (the 256
+    joins the factor: the float32 product is the e4m3 value x factor's, rounded once) in
+    torch, in serial pieces as `_int8_into`."""
     half = q.view(np.int8).astype(np.int16)  # the sign bit fills bits 8-15
-    np.left_shift(half, 7, out=half)  # exponent and mantissa to bits 7-14, sign at 14 and 15
-    np.bitwise_and(half, np.int16(~0x4000), out=half)  # the sign at 15 alone
+    np.left_shift(half, 7, out=half)
+    np.bitwise_and(half, np.int16(~0x4000), out=half)  # the sign at bit 15 alone
     values, scaled = torch.from_numpy(half.view(np.float16)), torch.from_numpy(factor * 256)
-    rows, dim = q.shape
-    step = max(1, _SERIAL_VALUES // dim)
-    temp = None if out.dtype == torch.float32 else torch.empty((min(step, rows), dim))
-    if rows <= step:  # one piece (a block of most models): no splitting
-        _fp8_piece(values, scaled, out, temp)
+    step = max(1, _SERIAL_VALUES // q.shape[1])
+    if len(q) <= step:  # one piece (a block of most models): no split, whose cost shows
+        _fp8_piece(values, scaled, out)
         return
     for part in zip(*(t.split(step) for t in (values, scaled, out)), strict=True):
-        _fp8_piece(*part, temp)
+        _fp8_piece(*part)
 
 
-def _fp8_piece(
-    values: torch.Tensor, scaled: torch.Tensor, out: torch.Tensor, temp: torch.Tensor | None
-) -> None:
-    x = out if temp is None else temp[: len(out)]
-    x.copy_(values).mul_(scaled)
+def _fp8_piece(values: torch.Tensor, scaled: torch.Tensor, out: torch.Tensor) -> None:
+    """out = values (float16) x scaled, in float32, rounded once to out's dtype."""
+    if out.dtype == torch.float32:
+        out.copy_(values).mul_(scaled)
+        return
+    x = values.float().mul_(scaled)
     if out.dtype == torch.float16:  # a scale rounded up may carry a value past 65504
         x.clamp_(-65504.0, 65504.0)
-    if temp is not None:
-        out.copy_(x)
+    out.copy_(x)
+
+
+def e4m3_over_256(values: torch.Tensor) -> torch.Tensor:
+    """float32 of e4m3 `values` (float8_e4m3fn, or their bits as uint8) / 256, exactly,
+    through float16: a byte with its sign at bit 15 and the rest at bits 7-13 is float16's
+    bits of that, subnormals included (e4m3's exponent field lands on float16's low exponent
+    bits; float16's subnormals reach below e4m3's). A CPU cast from float8 is scalar code;
+    these steps are vector code, 4-10x faster. The two bytes no writer makes (0x7F, 0xFF:
+    e4m3's NaN) read as ±480 / 256, not as NaN. A TorchScript trace cannot record the dtype
+    views."""
+    half = values.view(torch.int8).to(torch.int16)  # the sign bit fills bits 8-15
+    half.bitwise_left_shift_(7).bitwise_and_(~0x4000)  # the sign at bit 15 alone
+    return half.view(torch.float16).float()
 
 
 def pack_payload(bits: np.ndarray, values: np.ndarray) -> bytes:
@@ -217,8 +225,22 @@ def split_payload_rows(
     views of `rows`."""
     count, at = math.prod(scale_shape(shape)), scale_bytes(shape)
     bits = rows[:, : SCALE_BYTES * count].view("<u2")
-    kind = VALUE_KINDS[stored]
+    kind = _VALUE_KINDS[stored]
     values = rows[:, at : at + math.prod(shape)].view(kind).reshape(len(rows), count, -1)
+    return bits, values
+
+
+def split_payloads(
+    payloads: Sequence[memoryview], shape: tuple[int, ...], stored: torch.dtype
+) -> tuple[np.ndarray, list[np.ndarray]]:
+    """`split_payload_rows` of payloads that lie apart (a lookup's entries, each in its own
+    buffer): their scale bits copied together, [entries, scales] (a few KB), and each one's
+    values [scales, head_dim], viewed where it lies (megabytes: never copied)."""
+    count, at, numel = math.prod(scale_shape(shape)), scale_bytes(shape), math.prod(shape)
+    bits, values, kind = np.empty((len(payloads), count), "<u2"), [], _VALUE_KINDS[stored]
+    for i, payload in enumerate(payloads):
+        bits[i] = np.frombuffer(payload, "<u2", count=count)
+        values.append(np.frombuffer(payload, kind, count=numel, offset=at).reshape(count, -1))
     return bits, values
 
 
@@ -229,7 +251,7 @@ def split_payload(
     e4m3 values as their uint8 bits."""
     count = math.prod(scale_shape(shape))
     bits = np.frombuffer(payload, dtype="<u2", count=count).reshape(scale_shape(shape))
-    kind = VALUE_KINDS[stored]
+    kind = _VALUE_KINDS[stored]
     at = scale_bytes(shape)
     values = np.frombuffer(payload, dtype=kind, count=math.prod(shape), offset=at)
     return bits, values.reshape(shape)
