@@ -172,7 +172,7 @@ def _int8_into(q: torch.Tensor, factor: torch.Tensor, out: torch.Tensor) -> None
 def _fp8_into(q: np.ndarray, factor: np.ndarray, out: torch.Tensor) -> None:
     """out = value(q) x factor, q [rows, dim] e4m3 bits (uint8), factor [rows, 1] float32:
     `e4m3_over_256`'s steps, the integer ones in numpy (on a block's 32768 values three
-    numpy passes cost half of torch's dispatches), the widening and the product (the 256
+    numpy passes cost less than torch's dispatches), the widening and the product (the 256
     joins the factor: the float32 product is the e4m3 value x factor's, rounded once) in
     torch, in serial pieces as `_int8_into`."""
     half = q.view(np.int8).astype(np.int16)  # the sign bit fills bits 8-15
